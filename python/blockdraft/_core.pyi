@@ -1,0 +1,340 @@
+"""Typed surface of the Rust core (``blockdraft._core``).
+
+The core owns all bookkeeping of the proposer and never touches device memory: which pool
+blocks a sequence holds, which context rows it keeps, at which positions, how many of them have
+K/V in the paged cache, and whether a batch is accepted. Python owns the tensors and moves them
+according to the plans returned here.
+
+Users import these names from :mod:`blockdraft`, never from ``blockdraft._core``.
+"""
+
+from typing import Final, final
+
+__version__: Final[str]
+
+ENV_CTX_CAP: Final[str]
+"""Name of the environment variable holding the context-window cap (``BLOCKDRAFT_DFLASH_CTX_CAP``)."""
+
+DEFAULT_CTX_CAP: Final[int]
+"""Cap used when the environment variable is unset (16384 tokens)."""
+
+PAD_SLOT: Final[int]
+"""Slot value that marks a row the K/V store must skip (-1)."""
+
+class BlockdraftError(Exception):
+    """Base class of every error blockdraft raises on purpose."""
+
+class PoolExhaustedError(BlockdraftError):
+    """The shared block pool cannot satisfy an allocation; nothing was changed."""
+
+class InvalidStateError(BlockdraftError):
+    """A state or plan was used out of its lifecycle (freed, foreign, stale, or bad blocks)."""
+
+class CheckpointError(BlockdraftError):
+    """A drafter checkpoint is missing, unreadable or inconsistent."""
+
+class ConfigError(BlockdraftError, ValueError):
+    """A configuration value (for example an environment variable) cannot be used."""
+
+def ctx_window(
+    max_seq_len: int,
+    gamma: int,
+    budget_tokens: int | None = None,
+    cap: int | None = None,
+) -> int:
+    """Rows of the per-sequence context accumulator.
+
+    ``ceiling = max_seq_len`` if the cap is 0, else ``min(max_seq_len, cap)``;
+    ``window = min(ceiling, budget_tokens + gamma + 1)`` (saturating). An unknown budget
+    (``None``) means the ceiling.
+
+    Args:
+        max_seq_len: longest sequence the target serves (>= 1).
+        gamma: drafter block size B (>= 1).
+        budget_tokens: prompt plus max new tokens when known (>= 0), else ``None``.
+        cap: explicit cap (0 = uncapped); ``None`` reads ``BLOCKDRAFT_DFLASH_CTX_CAP``
+            (default 16384).
+
+    Returns:
+        The window in rows (>= 1).
+
+    Raises:
+        ValueError: a negative or zero size.
+        ConfigError: the environment variable is not a non-negative integer.
+    """
+
+def ctx_ceiling(max_seq_len: int, cap: int | None = None) -> int:
+    """``max_seq_len`` if the cap is 0, else ``min(max_seq_len, cap)``; ``cap=None`` reads the env.
+
+    Raises:
+        ValueError: ``max_seq_len < 1`` or a negative cap.
+        ConfigError: the environment variable is not a non-negative integer.
+    """
+
+def read_ctx_cap() -> int:
+    """The cap from ``BLOCKDRAFT_DFLASH_CTX_CAP`` (default 16384, 0 = uncapped).
+
+    Raises:
+        ConfigError: the value is not a non-negative integer.
+    """
+
+@final
+class BlockPool:
+    """A fixed set of ``num_blocks`` K/V blocks of ``block_size`` tokens, shared by sequences.
+
+    Thread-safe: every method takes an internal lock and releases the GIL while it works.
+    Allocation is all-or-nothing; freeing validates every id before changing anything.
+    """
+
+    def __new__(cls, num_blocks: int, block_size: int) -> BlockPool:
+        """Raises ``ValueError`` when ``num_blocks < 1`` or ``block_size < 1``."""
+
+    @property
+    def num_blocks(self) -> int: ...
+    @property
+    def block_size(self) -> int: ...
+    @property
+    def num_free(self) -> int: ...
+    @property
+    def num_used(self) -> int: ...
+    def alloc(self, n: int) -> list[int]:
+        """Take ``n`` blocks (``n >= 0``).
+
+        Raises:
+            PoolExhaustedError: fewer than ``n`` blocks are free; nothing changed.
+            ValueError: ``n`` is negative.
+        """
+
+    def free(self, blocks: list[int]) -> None:
+        """Return ``blocks`` to the pool.
+
+        Raises:
+            InvalidStateError: an id is out of range, not allocated, or listed twice;
+                nothing changed.
+        """
+
+    def is_allocated(self, block: int) -> bool:
+        """Whether ``block`` is currently allocated (``False`` for out-of-range ids)."""
+
+    def check_invariants(self) -> None:
+        """Verify the pool's internal consistency (free list vs allocation bitmap).
+
+        Raises:
+            InvalidStateError: describing the first violation found.
+        """
+
+@final
+class SlidePlan:
+    """What an append must do to the accumulator before writing new rows.
+
+    Move source rows ``[src_start, src_start + keep)`` to ``[0, keep)``, in order. Their
+    positions are kept; ``ctx_committed`` becomes 0, and the state's blocks go back to the pool
+    (their K/V is recomputed by the next precompute).
+    """
+
+    @property
+    def src_start(self) -> int: ...
+    @property
+    def keep(self) -> int: ...
+
+@final
+class AppendPlan:
+    """The accumulator work of one ``ContextState.plan_append`` call.
+
+    Apply the optional slide, then write the new rows at rows ``[dst_start, dst_start + n_rows)``;
+    then call ``ContextState.apply_append(plan)``. A plan is valid only for the state and the
+    state version it was made for.
+    """
+
+    @property
+    def slide(self) -> SlidePlan | None: ...
+    @property
+    def dst_start(self) -> int: ...
+    @property
+    def n_rows(self) -> int: ...
+    @property
+    def positions(self) -> list[int]: ...
+
+@final
+class PrecomputePlan:
+    """K/V work for context rows ``[row_start, row_end)`` of one state.
+
+    ``new_blocks`` were already taken from the pool; ``slots[i]`` is the paged-cache slot
+    (``block_id * block_size + offset``) of row ``row_start + i`` and ``positions[i]`` its
+    position. Confirm with ``ContextState.confirm_precompute`` after the K/V is written, or
+    abort with ``ContextState.abort_precompute`` (dropping an unresolved plan aborts it too),
+    which returns ``new_blocks`` and leaves the state as it was.
+    """
+
+    @property
+    def row_start(self) -> int: ...
+    @property
+    def row_end(self) -> int: ...
+    @property
+    def new_blocks(self) -> list[int]: ...
+    @property
+    def slots(self) -> list[int]: ...
+    @property
+    def positions(self) -> list[int]: ...
+    @property
+    def resolved(self) -> bool:
+        """Whether the plan was confirmed or aborted."""
+
+@final
+class ContextState:
+    """Bookkeeping of one sequence's drafter context (the seed's ``DflashProposerState``).
+
+    Holds the window, the context rows' positions, how many have K/V in the paged cache, the
+    block table (blocks from ``pool``), and the seed's counters. Thread-safe (internal lock).
+    """
+
+    def __new__(cls, pool: BlockPool, window: int, owner: int = 0) -> ContextState:
+        """A fresh state with an empty context of ``window`` rows (``window >= 1``).
+
+        ``owner`` tags the state with the id of the proposer that made it, so a proposer can
+        reject states of another one.
+        """
+
+    @property
+    def owner(self) -> int: ...
+    @property
+    def window(self) -> int: ...
+    @property
+    def ctx_len(self) -> int: ...
+    @property
+    def ctx_committed(self) -> int: ...
+    @property
+    def ctx_positions(self) -> list[int]: ...
+    @property
+    def block_table(self) -> list[int]: ...
+    @property
+    def num_blocks(self) -> int: ...
+    @property
+    def seq_len(self) -> int: ...
+    @property
+    def prefill_done(self) -> bool: ...
+    @property
+    def last_num_drafted(self) -> int: ...
+    @property
+    def last_num_accepted(self) -> int: ...
+    @property
+    def skip_next_decode_append(self) -> bool: ...
+    @property
+    def ctx_count_drafter(self) -> int: ...
+    @property
+    def max_ctx_count_drafter(self) -> int: ...
+    @property
+    def freed(self) -> bool: ...
+    @property
+    def version(self) -> int:
+        """Increases on every change; plans carry the version they were made for."""
+
+    def plan_append(self, positions: list[int]) -> AppendPlan:
+        """Plan appending ``len(positions)`` rows (changes nothing).
+
+        Positions must be non-negative, strictly increasing, and greater than the last context
+        position. When the rows would overflow the window, the plan slides first, keeping the
+        newest ``window - n`` rows.
+
+        Raises:
+            ValueError: empty, negative, unordered positions, or more rows than the window.
+            InvalidStateError: the state was freed.
+        """
+
+    def apply_append(self, plan: AppendPlan) -> None:
+        """Commit a plan from ``plan_append`` after the accumulator was written.
+
+        A slide resets ``ctx_committed`` to 0 and returns the state's blocks to the pool.
+
+        Raises:
+            InvalidStateError: the plan is for another state or an older version, or the state
+                was freed.
+        """
+
+    def plan_precompute(self) -> PrecomputePlan:
+        """Plan K/V for rows ``[ctx_committed, ctx_len)``, taking the blocks they need.
+
+        Clamps ``ctx_committed`` to ``ctx_len`` first. A plan with no rows takes no blocks.
+
+        Raises:
+            PoolExhaustedError: the pool cannot supply the blocks; nothing changed.
+            InvalidStateError: the state was freed, or another plan is outstanding.
+        """
+
+    def confirm_precompute(self, plan: PrecomputePlan) -> None:
+        """The K/V of the plan's rows is written: adopt its blocks, ``ctx_committed = row_end``.
+
+        Raises:
+            InvalidStateError: the plan is foreign, stale, or already resolved.
+        """
+
+    def abort_precompute(self, plan: PrecomputePlan) -> None:
+        """Give the plan's blocks back; the state is as before ``plan_precompute``.
+
+        Aborting an already-resolved plan does nothing.
+        """
+
+    def slot_mapping(self) -> list[int]:
+        """Paged-cache slot of each committed row ``[0, ctx_committed)``."""
+
+    def note_propose(self, position: int, num_drafted: int) -> None:
+        """Record a proposal: ``seq_len = position + 1``, ``last_num_drafted``, prefill done.
+
+        Raises:
+            InvalidStateError: the state was freed.
+            ValueError: negative values.
+        """
+
+    def after_verify(self, num_accepted: int) -> None:
+        """Record a verification: ``last_num_accepted = num_accepted``, ``last_num_drafted = 0``.
+
+        Raises:
+            InvalidStateError: the state was freed.
+            ValueError: ``num_accepted`` exceeds the drafts of the last proposal.
+        """
+
+    def free(self) -> bool:
+        """Return every block and reset every counter to its fresh value.
+
+        Idempotent: returns ``True`` the first time, ``False`` afterwards (nothing done).
+        """
+
+    def check_invariants(self) -> None:
+        """Verify TESTING.md invariant 3 and that every held block is allocated in the pool.
+
+        Raises:
+            InvalidStateError: describing the first violation found.
+        """
+
+def propose_batch_max(batched_path: bool, width: int, max_batch: int) -> int:
+    """1 without a batched path or when ``width < 2``; else ``min(width, max(max_batch, 1))``."""
+
+def batch_decline_reason(
+    n: int,
+    max_batch: int,
+    batched_path: bool,
+    num_positions: int,
+    num_states: int,
+) -> str | None:
+    """Why ``propose_batch`` must decline before doing any work, or ``None`` to proceed.
+
+    Declines: ``n < 2``, ``n > max_batch``, ``num_positions != n``, ``num_states != n``, or no
+    batched path.
+    """
+
+def split_bands(
+    tokens: list[int],
+    n: int,
+    block: int,
+    has_mask_token: bool,
+    draft_cap: int | None = None,
+) -> list[list[int]] | None:
+    """Split ``n * block`` output tokens into ``n`` bands of drafts.
+
+    Each band is ``tokens[i*block:(i+1)*block]``; with a mask token its row 0 (the anchor) is
+    dropped; at most ``draft_cap`` drafts are kept (``None`` = all). Returns ``None`` when fewer
+    than ``n * block`` tokens were given (the caller declines).
+
+    Raises:
+        ValueError: ``n < 1``, ``block < 1`` or ``draft_cap < 1``.
+    """
