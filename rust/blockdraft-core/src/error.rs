@@ -1,0 +1,77 @@
+//! The one error type of the core. Every variant carries its own message; the binding maps each
+//! variant onto exactly one Python exception class.
+
+use thiserror::Error;
+
+/// Everything the core can refuse. Operations that fail change nothing.
+#[derive(Debug, Clone, PartialEq, Eq, Error)]
+pub enum Error {
+    /// The pool has fewer free blocks than an allocation asked for.
+    #[error("block pool exhausted: {requested} blocks requested, {free} free")]
+    PoolExhausted { requested: usize, free: usize },
+
+    /// A block id outside `0..num_blocks`.
+    #[error("block {block} is out of range (the pool has {num_blocks} blocks)")]
+    BlockOutOfRange { block: i64, num_blocks: usize },
+
+    /// A block id that is not currently allocated.
+    #[error("block {block} is not allocated")]
+    BlockNotAllocated { block: usize },
+
+    /// A block id listed more than once in one call.
+    #[error("block {block} is listed more than once")]
+    DuplicateBlock { block: usize },
+
+    /// The state was freed; only `free` (a no-op) and reads are allowed.
+    #[error("the context state was freed")]
+    Freed,
+
+    /// A plan was handed to a state other than the one that made it.
+    #[error("the plan belongs to another context state")]
+    ForeignPlan,
+
+    /// A plan was made for an older version of the state.
+    #[error("stale plan: made for state version {plan}, the state is at version {state}")]
+    StalePlan { plan: u64, state: u64 },
+
+    /// A second precompute plan while one is still unresolved.
+    #[error("a precompute plan is still outstanding; confirm or abort it first")]
+    PlanOutstanding,
+
+    /// Confirming a plan that was already confirmed or aborted.
+    #[error("the precompute plan was already resolved")]
+    PlanResolved,
+
+    /// A state used with a pool of another geometry than the one it was made from.
+    #[error("pool mismatch: the state uses blocks of {expected} tokens, this pool {actual}")]
+    PoolMismatch { expected: usize, actual: usize },
+
+    /// An internal consistency check failed (see `check_invariants`).
+    #[error("invariant violated: {0}")]
+    Invariant(String),
+
+    /// A plain bad argument (negative size, unordered positions, ...).
+    #[error("invalid argument `{name}`: {reason}")]
+    InvalidArgument { name: &'static str, reason: String },
+
+    /// A configuration value (an environment variable) that cannot be used.
+    #[error("configuration error: {0}")]
+    Config(String),
+
+    /// A drafter checkpoint is missing, unreadable or inconsistent.
+    #[error("checkpoint error: {0}")]
+    Checkpoint(String),
+}
+
+impl Error {
+    /// Shorthand for [`Error::InvalidArgument`].
+    pub fn invalid_argument(name: &'static str, reason: impl Into<String>) -> Self {
+        Self::InvalidArgument {
+            name,
+            reason: reason.into(),
+        }
+    }
+}
+
+/// `Result` with the core's [`Error`] as the default error type.
+pub type Result<T, E = Error> = std::result::Result<T, E>;

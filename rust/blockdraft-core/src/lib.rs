@@ -1,0 +1,28 @@
+//! Bookkeeping core of blockdraft (no Python, no device memory).
+//!
+//! - [`pool`]: the shared pool of fixed-size K/V blocks.
+//! - [`window`]: the per-sequence context window and its environment cap.
+//! - [`state`]: one sequence's context rows, committed K/V and block table, changed only
+//!   through two-phase plans.
+//! - [`batch`]: the batch policy of `propose_batch` and band splitting.
+//!
+//! Functions that touch blocks take the pool explicitly (`&mut BlockPool`); the caller decides
+//! how it is shared. The only global input is the environment variable read by
+//! [`window::read_ctx_cap`].
+
+pub mod batch;
+pub mod error;
+pub mod pool;
+pub mod state;
+pub mod window;
+
+pub use batch::{batch_decline_reason, propose_batch_max, split_bands};
+pub use error::{Error, Result};
+pub use pool::BlockPool;
+pub use state::{AppendPlan, ContextState, PrecomputePlan, SlidePlan};
+pub use window::{
+    ctx_ceiling, ctx_window, parse_ctx_cap, read_ctx_cap, DEFAULT_CTX_CAP, ENV_CTX_CAP,
+};
+
+/// Slot value that marks a row the K/V store must skip.
+pub const PAD_SLOT: i64 = -1;

@@ -1,0 +1,280 @@
+//! A fixed pool of equally sized K/V blocks shared by every sequence.
+//!
+//! Free blocks sit on a stack (O(1) pop/push per block); an allocation bitmap answers "is this
+//! block allocated" in O(1) so that `free` can validate a whole request before touching
+//! anything. A failed call leaves the pool exactly as it was.
+
+use crate::error::{Error, Result};
+
+const WORD_BITS: usize = u64::BITS as usize;
+
+/// `num_blocks` blocks of `block_size` tokens; ids are `0..num_blocks`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BlockPool {
+    block_size: usize,
+    num_blocks: usize,
+    /// Free ids; the top of the stack is handed out first.
+    free: Vec<usize>,
+    /// Bit `i` set iff block `i` is allocated.
+    allocated: Vec<u64>,
+    /// Source of per-pool ids for the context states drawing from this pool.
+    next_state_id: u64,
+}
+
+impl BlockPool {
+    /// A pool with every block free. Fresh allocations come out in increasing id order.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] when `num_blocks` or `block_size` is 0.
+    pub fn new(num_blocks: usize, block_size: usize) -> Result<Self> {
+        if num_blocks == 0 {
+            return Err(Error::invalid_argument("num_blocks", "must be >= 1, got 0"));
+        }
+        if block_size == 0 {
+            return Err(Error::invalid_argument("block_size", "must be >= 1, got 0"));
+        }
+        Ok(Self {
+            block_size,
+            num_blocks,
+            free: (0..num_blocks).rev().collect(),
+            allocated: vec![0; num_blocks.div_ceil(WORD_BITS)],
+            next_state_id: 1,
+        })
+    }
+
+    #[must_use]
+    pub fn num_blocks(&self) -> usize {
+        self.num_blocks
+    }
+
+    #[must_use]
+    pub fn block_size(&self) -> usize {
+        self.block_size
+    }
+
+    #[must_use]
+    pub fn num_free(&self) -> usize {
+        self.free.len()
+    }
+
+    #[must_use]
+    pub fn num_used(&self) -> usize {
+        self.num_blocks - self.free.len()
+    }
+
+    /// Whether `block` is allocated; `false` for ids outside the pool.
+    #[must_use]
+    pub fn is_allocated(&self, block: usize) -> bool {
+        block < self.num_blocks && self.bit(block)
+    }
+
+    /// Take `n` blocks, all or nothing.
+    ///
+    /// # Errors
+    /// [`Error::PoolExhausted`] when fewer than `n` blocks are free; nothing changes.
+    pub fn alloc(&mut self, n: usize) -> Result<Vec<usize>> {
+        if n > self.free.len() {
+            return Err(Error::PoolExhausted {
+                requested: n,
+                free: self.free.len(),
+            });
+        }
+        let start = self.free.len() - n;
+        // The stack top is the end of the Vec; reversing keeps fresh pools handing out 0, 1, 2...
+        let out: Vec<usize> = self.free.drain(start..).rev().collect();
+        for &b in &out {
+            self.set_bit(b, true);
+        }
+        Ok(out)
+    }
+
+    /// Return `blocks` to the pool after validating every id.
+    ///
+    /// # Errors
+    /// [`Error::BlockOutOfRange`], [`Error::BlockNotAllocated`] or [`Error::DuplicateBlock`]
+    /// for the first bad id; nothing changes.
+    pub fn free(&mut self, blocks: &[usize]) -> Result<()> {
+        // Clear bits as we go so a repeated id shows up as "not allocated" on its second
+        // occurrence; on any error the bits cleared so far are restored.
+        for (i, &b) in blocks.iter().enumerate() {
+            let err = if b >= self.num_blocks {
+                Some(Error::BlockOutOfRange {
+                    block: i64::try_from(b).unwrap_or(i64::MAX),
+                    num_blocks: self.num_blocks,
+                })
+            } else if self.bit(b) {
+                None
+            } else if blocks[..i].contains(&b) {
+                Some(Error::DuplicateBlock { block: b })
+            } else {
+                Some(Error::BlockNotAllocated { block: b })
+            };
+            if let Some(err) = err {
+                for &done in &blocks[..i] {
+                    self.set_bit(done, true);
+                }
+                return Err(err);
+            }
+            self.set_bit(b, false);
+        }
+        // Reverse order so that an alloc right after this free hands the same ids back in the
+        // same order (cheap determinism for tests and debugging).
+        self.free.extend(blocks.iter().rev());
+        Ok(())
+    }
+
+    /// Verify that the free stack and the bitmap describe the same partition of the ids.
+    ///
+    /// # Errors
+    /// [`Error::Invariant`] describing the first violation found.
+    pub fn check_invariants(&self) -> Result<()> {
+        let mut seen = vec![false; self.num_blocks];
+        for &b in &self.free {
+            if b >= self.num_blocks {
+                return Err(Error::Invariant(format!("free list holds out-of-range block {b}")));
+            }
+            if seen[b] {
+                return Err(Error::Invariant(format!("block {b} is on the free list twice")));
+            }
+            seen[b] = true;
+            if self.bit(b) {
+                return Err(Error::Invariant(format!(
+                    "block {b} is on the free list but marked allocated"
+                )));
+            }
+        }
+        let marked: usize = self.allocated.iter().map(|w| w.count_ones() as usize).sum();
+        if marked + self.free.len() != self.num_blocks {
+            return Err(Error::Invariant(format!(
+                "{marked} allocated + {} free != {} blocks",
+                self.free.len(),
+                self.num_blocks
+            )));
+        }
+        Ok(())
+    }
+
+    /// A fresh id for a context state drawing from this pool (plans carry it).
+    pub fn issue_state_id(&mut self) -> u64 {
+        let id = self.next_state_id;
+        self.next_state_id += 1;
+        id
+    }
+
+    fn bit(&self, b: usize) -> bool {
+        self.allocated[b / WORD_BITS] & (1 << (b % WORD_BITS)) != 0
+    }
+
+    fn set_bit(&mut self, b: usize, on: bool) {
+        let mask = 1u64 << (b % WORD_BITS);
+        if on {
+            self.allocated[b / WORD_BITS] |= mask;
+        } else {
+            self.allocated[b / WORD_BITS] &= !mask;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rejects_empty_geometry() {
+        assert!(matches!(
+            BlockPool::new(0, 16),
+            Err(Error::InvalidArgument { name: "num_blocks", .. })
+        ));
+        assert!(matches!(
+            BlockPool::new(4, 0),
+            Err(Error::InvalidArgument { name: "block_size", .. })
+        ));
+    }
+
+    #[test]
+    fn alloc_hands_out_increasing_ids_then_exhausts() {
+        let mut pool = BlockPool::new(5, 16).unwrap();
+        assert_eq!(pool.alloc(3).unwrap(), vec![0, 1, 2]);
+        assert_eq!(pool.num_free(), 2);
+        assert_eq!(pool.num_used(), 3);
+        let before = pool.clone();
+        assert_eq!(
+            pool.alloc(3),
+            Err(Error::PoolExhausted {
+                requested: 3,
+                free: 2
+            })
+        );
+        assert_eq!(pool, before, "a failed alloc must not change the pool");
+        assert_eq!(pool.alloc(2).unwrap(), vec![3, 4]);
+        assert_eq!(pool.alloc(0).unwrap(), Vec::<usize>::new());
+        pool.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn free_returns_blocks_for_reuse() {
+        let mut pool = BlockPool::new(4, 8).unwrap();
+        let a = pool.alloc(4).unwrap();
+        pool.free(&a[1..3]).unwrap();
+        assert!(!pool.is_allocated(1) && !pool.is_allocated(2));
+        assert!(pool.is_allocated(0) && pool.is_allocated(3));
+        assert_eq!(pool.alloc(2).unwrap(), vec![1, 2]);
+        pool.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn bad_frees_change_nothing() {
+        let mut pool = BlockPool::new(130, 4).unwrap();
+        pool.alloc(100).unwrap();
+        let before = pool.clone();
+        assert_eq!(
+            pool.free(&[1, 2, 130]),
+            Err(Error::BlockOutOfRange {
+                block: 130,
+                num_blocks: 130
+            })
+        );
+        assert_eq!(
+            pool.free(&[1, 99, 100]),
+            Err(Error::BlockNotAllocated { block: 100 })
+        );
+        assert_eq!(
+            pool.free(&[70, 5, 70]),
+            Err(Error::DuplicateBlock { block: 70 })
+        );
+        assert_eq!(pool, before);
+        pool.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn is_allocated_is_false_out_of_range() {
+        let mut pool = BlockPool::new(2, 1).unwrap();
+        pool.alloc(2).unwrap();
+        assert!(pool.is_allocated(1));
+        assert!(!pool.is_allocated(2));
+        assert!(!pool.is_allocated(usize::MAX));
+    }
+
+    #[test]
+    fn check_invariants_detects_corruption() {
+        let mut pool = BlockPool::new(3, 1).unwrap();
+        pool.alloc(1).unwrap();
+        let mut twice = pool.clone();
+        twice.free.push(1);
+        assert!(matches!(twice.check_invariants(), Err(Error::Invariant(_))));
+        let mut lost = pool.clone();
+        lost.free.pop();
+        assert!(matches!(lost.check_invariants(), Err(Error::Invariant(_))));
+        let mut marked = pool;
+        marked.set_bit(2, true);
+        assert!(matches!(marked.check_invariants(), Err(Error::Invariant(_))));
+    }
+
+    #[test]
+    fn state_ids_are_distinct() {
+        let mut pool = BlockPool::new(1, 1).unwrap();
+        let a = pool.issue_state_id();
+        let b = pool.issue_state_id();
+        assert_ne!(a, b);
+    }
+}

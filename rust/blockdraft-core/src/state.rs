@@ -1,0 +1,578 @@
+//! Bookkeeping of one sequence's drafter context: which rows it keeps and at which positions,
+//! how many of them have K/V in the paged cache, and which pool blocks hold that K/V.
+//!
+//! Every change goes through a two-phase plan: `plan_*` computes what the caller (who owns the
+//! tensors) must do without changing the state, and the state changes only once the caller
+//! reports success. Each change bumps `version`; a plan made for an older version is refused.
+//!
+//! Invariant (TESTING.md 3): `0 <= ctx_committed <= ctx_len <= window`, positions strictly
+//! increasing, and `block_table.len() == ceil(ctx_committed / block_size)`.
+
+use crate::error::{Error, Result};
+use crate::pool::BlockPool;
+
+/// Move source rows `[src_start, src_start + keep)` to `[0, keep)` before appending.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SlidePlan {
+    pub src_start: usize,
+    pub keep: usize,
+}
+
+/// The accumulator work of one append: the optional slide, then the new rows at
+/// `[dst_start, dst_start + positions.len())`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AppendPlan {
+    state_id: u64,
+    version: u64,
+    pub slide: Option<SlidePlan>,
+    pub dst_start: usize,
+    pub positions: Vec<i64>,
+}
+
+impl AppendPlan {
+    #[must_use]
+    pub fn n_rows(&self) -> usize {
+        self.positions.len()
+    }
+
+    /// The state version this plan was made for.
+    #[must_use]
+    pub fn version(&self) -> u64 {
+        self.version
+    }
+}
+
+/// K/V work for rows `[row_start, row_end)`; `slots[i]` belongs to row `row_start + i`.
+///
+/// The plan is a description only: its `new_blocks` are held by the state as "pending" until
+/// the plan is confirmed (they join the block table) or aborted (they go back to the pool).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PrecomputePlan {
+    state_id: u64,
+    plan_id: u64,
+    version: u64,
+    pub row_start: usize,
+    pub row_end: usize,
+    pub new_blocks: Vec<usize>,
+    pub slots: Vec<usize>,
+    pub positions: Vec<i64>,
+}
+
+impl PrecomputePlan {
+    /// The state version this plan was made for.
+    #[must_use]
+    pub fn version(&self) -> u64 {
+        self.version
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Pending {
+    plan_id: u64,
+    blocks: Vec<usize>,
+}
+
+/// One sequence's context bookkeeping (the seed's `DflashProposerState`, minus device memory).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ContextState {
+    id: u64,
+    owner: u64,
+    window: usize,
+    block_size: usize,
+    ctx_positions: Vec<i64>,
+    ctx_committed: usize,
+    block_table: Vec<usize>,
+    seq_len: usize,
+    prefill_done: bool,
+    last_num_drafted: usize,
+    last_num_accepted: usize,
+    skip_next_decode_append: bool,
+    ctx_count_drafter: usize,
+    max_ctx_count_drafter: usize,
+    freed: bool,
+    version: u64,
+    next_plan_id: u64,
+    pending: Option<Pending>,
+}
+
+impl ContextState {
+    /// A fresh, empty state of `window` rows drawing blocks from `pool`.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] when `window` is 0.
+    pub fn new(pool: &mut BlockPool, window: usize, owner: u64) -> Result<Self> {
+        if window == 0 {
+            return Err(Error::invalid_argument("window", "must be >= 1, got 0"));
+        }
+        Ok(Self {
+            id: pool.issue_state_id(),
+            owner,
+            window,
+            block_size: pool.block_size(),
+            ctx_positions: Vec::new(),
+            ctx_committed: 0,
+            block_table: Vec::new(),
+            seq_len: 0,
+            prefill_done: false,
+            last_num_drafted: 0,
+            last_num_accepted: 0,
+            skip_next_decode_append: false,
+            ctx_count_drafter: 0,
+            max_ctx_count_drafter: 0,
+            freed: false,
+            version: 0,
+            next_plan_id: 1,
+            pending: None,
+        })
+    }
+
+    #[must_use]
+    pub fn id(&self) -> u64 {
+        self.id
+    }
+    #[must_use]
+    pub fn owner(&self) -> u64 {
+        self.owner
+    }
+    #[must_use]
+    pub fn window(&self) -> usize {
+        self.window
+    }
+    #[must_use]
+    pub fn block_size(&self) -> usize {
+        self.block_size
+    }
+    #[must_use]
+    pub fn ctx_len(&self) -> usize {
+        self.ctx_positions.len()
+    }
+    #[must_use]
+    pub fn ctx_committed(&self) -> usize {
+        self.ctx_committed
+    }
+    #[must_use]
+    pub fn ctx_positions(&self) -> &[i64] {
+        &self.ctx_positions
+    }
+    #[must_use]
+    pub fn block_table(&self) -> &[usize] {
+        &self.block_table
+    }
+    #[must_use]
+    pub fn seq_len(&self) -> usize {
+        self.seq_len
+    }
+    #[must_use]
+    pub fn prefill_done(&self) -> bool {
+        self.prefill_done
+    }
+    #[must_use]
+    pub fn last_num_drafted(&self) -> usize {
+        self.last_num_drafted
+    }
+    #[must_use]
+    pub fn last_num_accepted(&self) -> usize {
+        self.last_num_accepted
+    }
+    #[must_use]
+    pub fn skip_next_decode_append(&self) -> bool {
+        self.skip_next_decode_append
+    }
+    /// Context rows the drafter attended to in its last confirmed precompute.
+    #[must_use]
+    pub fn ctx_count_drafter(&self) -> usize {
+        self.ctx_count_drafter
+    }
+    /// High-water mark of [`Self::ctx_count_drafter`] since the state was made or freed.
+    #[must_use]
+    pub fn max_ctx_count_drafter(&self) -> usize {
+        self.max_ctx_count_drafter
+    }
+    #[must_use]
+    pub fn freed(&self) -> bool {
+        self.freed
+    }
+    #[must_use]
+    pub fn version(&self) -> u64 {
+        self.version
+    }
+    /// Blocks held by an unresolved precompute plan (empty when none).
+    #[must_use]
+    pub fn pending_blocks(&self) -> &[usize] {
+        self.pending.as_ref().map_or(&[], |p| &p.blocks)
+    }
+
+    /// Whether `plan` (made by this state) is still unresolved.
+    #[must_use]
+    pub fn is_pending(&self, plan: &PrecomputePlan) -> bool {
+        plan.state_id == self.id
+            && self
+                .pending
+                .as_ref()
+                .is_some_and(|p| p.plan_id == plan.plan_id)
+    }
+
+    /// Plan appending rows at `positions`; changes nothing.
+    ///
+    /// # Errors
+    /// [`Error::Freed`]; [`Error::InvalidArgument`] for empty, negative or unordered positions,
+    /// positions not after the last context position, or more rows than the window.
+    pub fn plan_append(&self, positions: &[i64]) -> Result<AppendPlan> {
+        self.ensure_live()?;
+        let n = positions.len();
+        if n == 0 {
+            return Err(Error::invalid_argument("positions", "must not be empty"));
+        }
+        if n > self.window {
+            return Err(Error::invalid_argument(
+                "positions",
+                format!("{n} rows exceed the window of {} rows", self.window),
+            ));
+        }
+        if let Some(&p) = positions.iter().find(|&&p| p < 0) {
+            return Err(Error::invalid_argument(
+                "positions",
+                format!("must be non-negative, got {p}"),
+            ));
+        }
+        if let Some(w) = positions.windows(2).find(|w| w[0] >= w[1]) {
+            return Err(Error::invalid_argument(
+                "positions",
+                format!("must be strictly increasing, got {} then {}", w[0], w[1]),
+            ));
+        }
+        if let Some(&last) = self.ctx_positions.last() {
+            if positions[0] <= last {
+                return Err(Error::invalid_argument(
+                    "positions",
+                    format!(
+                        "must come after the last context position {last}, got {}",
+                        positions[0]
+                    ),
+                ));
+            }
+        }
+        let len = self.ctx_len();
+        let (slide, dst_start) = if len + n > self.window {
+            // Keep the newest rows that leave room for all n new ones.
+            let keep = self.window - n;
+            (
+                Some(SlidePlan {
+                    src_start: len - keep,
+                    keep,
+                }),
+                keep,
+            )
+        } else {
+            (None, len)
+        };
+        Ok(AppendPlan {
+            state_id: self.id,
+            version: self.version,
+            slide,
+            dst_start,
+            positions: positions.to_vec(),
+        })
+    }
+
+    /// Commit an append plan after the accumulator rows were written.
+    ///
+    /// A slide sets `ctx_committed = 0` and returns every block of the table to the pool: the
+    /// kept rows move to new row indices, so their cached K/V no longer sits in the slots
+    /// `row -> block_table[row / block_size]` says, and is recomputed by the next precompute.
+    ///
+    /// # Errors
+    /// [`Error::Freed`], [`Error::ForeignPlan`], [`Error::StalePlan`], [`Error::PoolMismatch`];
+    /// nothing changes.
+    pub fn apply_append(&mut self, pool: &mut BlockPool, plan: &AppendPlan) -> Result<()> {
+        self.ensure_live()?;
+        self.ensure_pool(pool)?;
+        if plan.state_id != self.id {
+            return Err(Error::ForeignPlan);
+        }
+        if plan.version != self.version {
+            return Err(Error::StalePlan {
+                plan: plan.version,
+                state: self.version,
+            });
+        }
+        if let Some(slide) = plan.slide {
+            pool.free(&self.block_table)?;
+            self.block_table.clear();
+            self.ctx_positions.drain(..slide.src_start);
+            self.ctx_committed = 0;
+            self.ctx_count_drafter = 0;
+        }
+        debug_assert_eq!(self.ctx_positions.len(), plan.dst_start);
+        self.ctx_positions.extend_from_slice(&plan.positions);
+        self.bump();
+        Ok(())
+    }
+
+    /// Plan K/V for rows `[ctx_committed, ctx_len)` and take the blocks they need from `pool`.
+    ///
+    /// A plan with no rows takes no blocks; it still has to be confirmed or aborted.
+    ///
+    /// # Errors
+    /// [`Error::Freed`], [`Error::PlanOutstanding`], [`Error::PoolMismatch`],
+    /// [`Error::PoolExhausted`]; nothing changes.
+    pub fn plan_precompute(&mut self, pool: &mut BlockPool) -> Result<PrecomputePlan> {
+        self.ensure_live()?;
+        self.ensure_pool(pool)?;
+        if self.pending.is_some() {
+            return Err(Error::PlanOutstanding);
+        }
+        let row_end = self.ctx_len();
+        // The seed clamps here; under the invariant this is a no-op, kept as a guard.
+        let row_start = self.ctx_committed.min(row_end);
+        let bs = self.block_size;
+        let need = row_end.div_ceil(bs).saturating_sub(self.block_table.len());
+        let new_blocks = pool.alloc(need)?;
+        let held = self.block_table.len();
+        let slots = (row_start..row_end)
+            .map(|r| {
+                let idx = r / bs;
+                let block = if idx < held {
+                    self.block_table[idx]
+                } else {
+                    new_blocks[idx - held]
+                };
+                block * bs + r % bs
+            })
+            .collect();
+        let plan_id = self.next_plan_id;
+        self.next_plan_id += 1;
+        self.pending = Some(Pending {
+            plan_id,
+            blocks: new_blocks.clone(),
+        });
+        Ok(PrecomputePlan {
+            state_id: self.id,
+            plan_id,
+            version: self.version,
+            row_start,
+            row_end,
+            new_blocks,
+            slots,
+            positions: self.ctx_positions[row_start..row_end].to_vec(),
+        })
+    }
+
+    /// The plan's K/V is written: adopt its blocks and set `ctx_committed = row_end`.
+    ///
+    /// # Errors
+    /// [`Error::ForeignPlan`], [`Error::Freed`], [`Error::PlanResolved`],
+    /// [`Error::StalePlan`]; nothing changes.
+    pub fn confirm_precompute(&mut self, plan: &PrecomputePlan) -> Result<()> {
+        if plan.state_id != self.id {
+            return Err(Error::ForeignPlan);
+        }
+        self.ensure_live()?;
+        if !self.is_pending(plan) {
+            return Err(Error::PlanResolved);
+        }
+        if plan.version != self.version {
+            return Err(Error::StalePlan {
+                plan: plan.version,
+                state: self.version,
+            });
+        }
+        let pending = self.pending.take().expect("checked by is_pending");
+        self.block_table.extend_from_slice(&pending.blocks);
+        self.ctx_committed = plan.row_end;
+        self.ctx_count_drafter = plan.row_end;
+        self.max_ctx_count_drafter = self.max_ctx_count_drafter.max(plan.row_end);
+        self.bump();
+        Ok(())
+    }
+
+    /// Give the plan's blocks back; the state is as before `plan_precompute`. A plan that is
+    /// already resolved (or whose state was freed) is ignored.
+    ///
+    /// # Errors
+    /// [`Error::ForeignPlan`], [`Error::PoolMismatch`]; nothing changes.
+    pub fn abort_precompute(&mut self, pool: &mut BlockPool, plan: &PrecomputePlan) -> Result<()> {
+        if plan.state_id != self.id {
+            return Err(Error::ForeignPlan);
+        }
+        self.ensure_pool(pool)?;
+        if !self.is_pending(plan) {
+            return Ok(());
+        }
+        let blocks = &self.pending.as_ref().expect("checked by is_pending").blocks;
+        pool.free(blocks)?;
+        self.pending = None;
+        Ok(())
+    }
+
+    /// Paged-cache slot of each committed row `[0, ctx_committed)`.
+    #[must_use]
+    pub fn slot_mapping(&self) -> Vec<usize> {
+        let bs = self.block_size;
+        (0..self.ctx_committed)
+            .map(|r| self.block_table[r / bs] * bs + r % bs)
+            .collect()
+    }
+
+    /// Record a proposal at `position` that drafted `num_drafted` tokens.
+    ///
+    /// # Errors
+    /// [`Error::Freed`]; [`Error::InvalidArgument`] when `position + 1` overflows.
+    pub fn note_propose(&mut self, position: usize, num_drafted: usize) -> Result<()> {
+        self.ensure_live()?;
+        let seq_len = position
+            .checked_add(1)
+            .ok_or_else(|| Error::invalid_argument("position", "too large"))?;
+        self.seq_len = seq_len;
+        self.last_num_drafted = num_drafted;
+        self.prefill_done = true;
+        self.bump();
+        Ok(())
+    }
+
+    /// Record a verification that accepted `num_accepted` of the last proposal's drafts.
+    ///
+    /// # Errors
+    /// [`Error::Freed`]; [`Error::InvalidArgument`] when `num_accepted > last_num_drafted`.
+    pub fn after_verify(&mut self, num_accepted: usize) -> Result<()> {
+        self.ensure_live()?;
+        if num_accepted > self.last_num_drafted {
+            return Err(Error::invalid_argument(
+                "num_accepted",
+                format!(
+                    "{num_accepted} exceeds the {} drafts of the last proposal",
+                    self.last_num_drafted
+                ),
+            ));
+        }
+        self.last_num_accepted = num_accepted;
+        self.last_num_drafted = 0;
+        self.bump();
+        Ok(())
+    }
+
+    /// Return every block (table and pending plan) and reset every counter to its fresh value.
+    /// Returns `Ok(false)` and does nothing when already freed.
+    ///
+    /// # Errors
+    /// [`Error::PoolMismatch`], or a pool error if the state holds a block the pool does not
+    /// consider allocated (a broken invariant); nothing changes.
+    pub fn free(&mut self, pool: &mut BlockPool) -> Result<bool> {
+        if self.freed {
+            return Ok(false);
+        }
+        self.ensure_pool(pool)?;
+        let mut all = self.block_table.clone();
+        all.extend_from_slice(self.pending_blocks());
+        pool.free(&all)?;
+        self.block_table = Vec::new();
+        self.pending = None;
+        self.ctx_positions = Vec::new();
+        self.ctx_committed = 0;
+        self.seq_len = 0;
+        self.prefill_done = false;
+        self.last_num_drafted = 0;
+        self.last_num_accepted = 0;
+        self.skip_next_decode_append = false;
+        self.ctx_count_drafter = 0;
+        self.max_ctx_count_drafter = 0;
+        self.freed = true;
+        self.bump();
+        Ok(true)
+    }
+
+    /// Verify TESTING.md invariant 3 and that every held block is allocated in `pool`.
+    ///
+    /// # Errors
+    /// [`Error::Invariant`] describing the first violation found.
+    pub fn check_invariants(&self, pool: &BlockPool) -> Result<()> {
+        let bad = |m: String| Err(Error::Invariant(m));
+        let len = self.ctx_len();
+        if self.ctx_committed > len || len > self.window {
+            return bad(format!(
+                "need ctx_committed {} <= ctx_len {len} <= window {}",
+                self.ctx_committed, self.window
+            ));
+        }
+        if let Some(w) = self.ctx_positions.windows(2).find(|w| w[0] >= w[1]) {
+            return bad(format!("positions not increasing: {} then {}", w[0], w[1]));
+        }
+        if self.ctx_positions.first().is_some_and(|&p| p < 0) {
+            return bad("negative context position".into());
+        }
+        let want = self.ctx_committed.div_ceil(self.block_size);
+        if self.block_table.len() != want {
+            return bad(format!(
+                "{} blocks held for {} committed rows of block size {} (want {want})",
+                self.block_table.len(),
+                self.ctx_committed,
+                self.block_size
+            ));
+        }
+        let held: Vec<usize> = self
+            .block_table
+            .iter()
+            .chain(self.pending_blocks())
+            .copied()
+            .collect();
+        for (i, &b) in held.iter().enumerate() {
+            if !pool.is_allocated(b) {
+                return bad(format!("held block {b} is not allocated in the pool"));
+            }
+            if held[..i].contains(&b) {
+                return bad(format!("block {b} is held twice by one state"));
+            }
+        }
+        if self.freed && (len != 0 || !held.is_empty() || *self != self.fresh_like()) {
+            return bad("a freed state has non-fresh counters".into());
+        }
+        Ok(())
+    }
+
+    /// What a fresh state with this identity looks like after `free` (for the freed check).
+    fn fresh_like(&self) -> Self {
+        Self {
+            id: self.id,
+            owner: self.owner,
+            window: self.window,
+            block_size: self.block_size,
+            ctx_positions: Vec::new(),
+            ctx_committed: 0,
+            block_table: Vec::new(),
+            seq_len: 0,
+            prefill_done: false,
+            last_num_drafted: 0,
+            last_num_accepted: 0,
+            skip_next_decode_append: false,
+            ctx_count_drafter: 0,
+            max_ctx_count_drafter: 0,
+            freed: true,
+            version: self.version,
+            next_plan_id: self.next_plan_id,
+            pending: None,
+        }
+    }
+
+    fn ensure_live(&self) -> Result<()> {
+        if self.freed {
+            Err(Error::Freed)
+        } else {
+            Ok(())
+        }
+    }
+
+    fn ensure_pool(&self, pool: &BlockPool) -> Result<()> {
+        if pool.block_size() == self.block_size {
+            Ok(())
+        } else {
+            Err(Error::PoolMismatch {
+                expected: self.block_size,
+                actual: pool.block_size(),
+            })
+        }
+    }
+
+    fn bump(&mut self) {
+        self.version += 1;
+    }
+}
