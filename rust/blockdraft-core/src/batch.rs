@@ -97,11 +97,21 @@ mod tests {
 
     #[test]
     fn decline_reasons_in_order() {
-        assert!(batch_decline_reason(1, 8, true, 1, 1).unwrap().contains("fewer"));
-        assert!(batch_decline_reason(9, 8, true, 9, 9).unwrap().contains("max_batch"));
-        assert!(batch_decline_reason(4, 8, true, 3, 4).unwrap().contains("positions"));
-        assert!(batch_decline_reason(4, 8, true, 4, 5).unwrap().contains("states"));
-        assert!(batch_decline_reason(4, 8, false, 4, 4).unwrap().contains("batched"));
+        assert!(batch_decline_reason(1, 8, true, 1, 1)
+            .unwrap()
+            .contains("fewer"));
+        assert!(batch_decline_reason(9, 8, true, 9, 9)
+            .unwrap()
+            .contains("max_batch"));
+        assert!(batch_decline_reason(4, 8, true, 3, 4)
+            .unwrap()
+            .contains("positions"));
+        assert!(batch_decline_reason(4, 8, true, 4, 5)
+            .unwrap()
+            .contains("states"));
+        assert!(batch_decline_reason(4, 8, false, 4, 4)
+            .unwrap()
+            .contains("batched"));
         assert_eq!(batch_decline_reason(4, 8, true, 4, 4), None);
         assert_eq!(batch_decline_reason(2, 2, true, 2, 2), None);
     }

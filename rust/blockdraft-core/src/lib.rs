@@ -10,6 +10,8 @@
 //! how it is shared. The only global input is the environment variable read by
 //! [`window::read_ctx_cap`].
 
+#![warn(clippy::pedantic)]
+
 pub mod batch;
 pub mod error;
 pub mod pool;

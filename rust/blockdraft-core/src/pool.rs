@@ -131,10 +131,14 @@ impl BlockPool {
         let mut seen = vec![false; self.num_blocks];
         for &b in &self.free {
             if b >= self.num_blocks {
-                return Err(Error::Invariant(format!("free list holds out-of-range block {b}")));
+                return Err(Error::Invariant(format!(
+                    "free list holds out-of-range block {b}"
+                )));
             }
             if seen[b] {
-                return Err(Error::Invariant(format!("block {b} is on the free list twice")));
+                return Err(Error::Invariant(format!(
+                    "block {b} is on the free list twice"
+                )));
             }
             seen[b] = true;
             if self.bit(b) {
@@ -183,11 +187,17 @@ mod tests {
     fn rejects_empty_geometry() {
         assert!(matches!(
             BlockPool::new(0, 16),
-            Err(Error::InvalidArgument { name: "num_blocks", .. })
+            Err(Error::InvalidArgument {
+                name: "num_blocks",
+                ..
+            })
         ));
         assert!(matches!(
             BlockPool::new(4, 0),
-            Err(Error::InvalidArgument { name: "block_size", .. })
+            Err(Error::InvalidArgument {
+                name: "block_size",
+                ..
+            })
         ));
     }
 
@@ -267,7 +277,10 @@ mod tests {
         assert!(matches!(lost.check_invariants(), Err(Error::Invariant(_))));
         let mut marked = pool;
         marked.set_bit(2, true);
-        assert!(matches!(marked.check_invariants(), Err(Error::Invariant(_))));
+        assert!(matches!(
+            marked.check_invariants(),
+            Err(Error::Invariant(_))
+        ));
     }
 
     #[test]

@@ -50,7 +50,10 @@ pub fn read_ctx_cap() -> Result<usize> {
 /// [`Error::InvalidArgument`] when `max_seq_len` is 0.
 pub fn ctx_ceiling(max_seq_len: usize, cap: usize) -> Result<usize> {
     if max_seq_len == 0 {
-        return Err(Error::invalid_argument("max_seq_len", "must be >= 1, got 0"));
+        return Err(Error::invalid_argument(
+            "max_seq_len",
+            "must be >= 1, got 0",
+        ));
     }
     Ok(if cap == 0 {
         max_seq_len
@@ -112,14 +115,20 @@ mod tests {
         assert_eq!(ctx_window(4096, 8, Some(0), 0), Ok(9));
         assert_eq!(ctx_window(4096, 8, Some(5000), 1024), Ok(1024));
         assert_eq!(ctx_window(4096, 8, Some(usize::MAX), 0), Ok(4096));
-        assert_eq!(ctx_window(usize::MAX, usize::MAX, Some(usize::MAX), 0), Ok(usize::MAX));
+        assert_eq!(
+            ctx_window(usize::MAX, usize::MAX, Some(usize::MAX), 0),
+            Ok(usize::MAX)
+        );
         assert!(matches!(
             ctx_window(10, 0, None, 0),
             Err(Error::InvalidArgument { name: "gamma", .. })
         ));
         assert!(matches!(
             ctx_window(0, 1, None, 0),
-            Err(Error::InvalidArgument { name: "max_seq_len", .. })
+            Err(Error::InvalidArgument {
+                name: "max_seq_len",
+                ..
+            })
         ));
     }
 }

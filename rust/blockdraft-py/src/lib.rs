@@ -169,7 +169,9 @@ fn i64_list_arg(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<Vec<i64>> {
     for item in obj.try_iter().map_err(|_| {
         PyTypeError::new_err(format!(
             "{name} must be a list of ints, got {}",
-            obj.get_type().name().map_or_else(|_| "?".into(), |n| n.to_string())
+            obj.get_type()
+                .name()
+                .map_or_else(|_| "?".into(), |n| n.to_string())
         ))
     })? {
         out.push(i64_arg(&item?, name)?);
@@ -361,13 +363,16 @@ impl PyBlockPool {
                 i64_arg(block, "block").map(|_| false)
             };
         };
-        Ok(usize::try_from(b).is_ok_and(|b| {
-            lock(&self.pool, "pool").is_ok_and(|p| p.is_allocated(b))
-        }))
+        Ok(usize::try_from(b)
+            .is_ok_and(|b| lock(&self.pool, "pool").is_ok_and(|p| p.is_allocated(b))))
     }
 
     fn check_invariants(&self, py: Python<'_>) -> PyResult<()> {
-        Ok(py.detach(|| lock(&self.pool, "pool")?.check_invariants().map_err(CoreError))?)
+        Ok(py.detach(|| {
+            lock(&self.pool, "pool")?
+                .check_invariants()
+                .map_err(CoreError)
+        })?)
     }
 
     fn __repr__(&self) -> PyResult<String> {
@@ -644,11 +649,7 @@ impl PyContextState {
     }
 
     #[pyo3(signature = (positions))]
-    fn plan_append(
-        &self,
-        py: Python<'_>,
-        positions: &Bound<'_, PyAny>,
-    ) -> PyResult<PyAppendPlan> {
+    fn plan_append(&self, py: Python<'_>, positions: &Bound<'_, PyAny>) -> PyResult<PyAppendPlan> {
         let positions = i64_list_arg(positions, "positions")?;
         let inner = py.detach(|| {
             lock(&self.shared.state, "state")?
