@@ -1,0 +1,188 @@
+"""One BlockPool shared by many threads (the core releases the GIL in alloc/free).
+
+Threads start together on a ``threading.Barrier`` and hammer the pool with raw allocations and
+ContextState lifecycles. A shared ownership set (updated before a free and after an alloc, so it
+never reports a false double grant) catches a block handed to two owners at once; at the end the
+pool is exactly full and consistent.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from blockdraft import BlockPool, ContextState, PoolExhaustedError
+from core_checks import check_world
+from scorecard import score
+
+N_THREADS = 8
+
+
+class Ownership:
+    """Blocks currently granted to some owner, across threads."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._held: set[int] = set()
+
+    def grant(self, blocks: list[int]) -> None:
+        with self._lock:
+            again = self._held.intersection(blocks)
+            assert not again, f"blocks {sorted(again)} granted to two owners"
+            assert len(set(blocks)) == len(blocks), f"one grant lists a block twice: {blocks}"
+            self._held.update(blocks)
+
+    def release(self, blocks: list[int]) -> None:
+        with self._lock:
+            assert self._held.issuperset(blocks)
+            self._held.difference_update(blocks)
+
+    def empty(self) -> bool:
+        with self._lock:
+            return not self._held
+
+
+@dataclass
+class Tally:
+    operations: int = 0
+    sequences: int = 0
+    exhausted: int = 0
+
+
+def run_threads(worker: Callable[[int, threading.Barrier, Tally], None]) -> list[Tally]:
+    barrier = threading.Barrier(N_THREADS)
+    tallies = [Tally() for _ in range(N_THREADS)]
+    errors: list[BaseException] = []
+
+    def body(i: int) -> None:
+        try:
+            worker(i, barrier, tallies[i])
+        except BaseException as exc:  # re-raised in the main thread
+            errors.append(exc)
+            barrier.abort()
+
+    threads = [threading.Thread(target=body, args=(i,), name=f"pool-worker-{i}") for i in range(N_THREADS)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+        assert not t.is_alive(), f"{t.name} hung"
+    if errors:
+        raise errors[0]
+    for tally in tallies:
+        score.operations += tally.operations
+        score.sequences += tally.sequences
+    return tallies
+
+
+def test_shared_pool_raw_alloc_and_state_lifecycles() -> None:
+    pool = BlockPool(48, 4)
+    owned = Ownership()
+
+    def worker(i: int, barrier: threading.Barrier, tally: Tally) -> None:
+        rng = random.Random(1000 + i)
+        mine: list[list[int]] = []
+        barrier.wait()
+        for _ in range(300):
+            tally.operations += 1
+            action = rng.random()
+            if action < 0.45:
+                try:
+                    got = pool.alloc(rng.randint(0, 5))
+                except PoolExhaustedError:
+                    tally.exhausted += 1
+                    continue
+                owned.grant(got)
+                mine.append(got)
+            elif action < 0.8:
+                if mine:
+                    group = mine.pop(rng.randrange(len(mine)))
+                    owned.release(group)
+                    pool.free(group)
+            else:
+                tally.sequences += 1
+                state_lifecycle(pool, owned, rng, tally)
+        for group in mine:
+            owned.release(group)
+            pool.free(group)
+            tally.operations += 1
+
+    tallies = run_threads(worker)
+    assert owned.empty()
+    assert pool.num_free == pool.num_blocks
+    check_world(pool, [])
+    # The pool is small enough that contention really ran it dry at times.
+    assert sum(t.exhausted for t in tallies) > 0
+
+
+def state_lifecycle(pool: BlockPool, owned: Ownership, rng: random.Random, tally: Tally) -> None:
+    window = rng.randint(1, 24)
+    state = ContextState(pool, window)
+    pos = 0
+    for _ in range(rng.randint(1, 6)):
+        n = rng.randint(1, window)
+        plan = state.plan_append(list(range(pos, pos + n)))
+        pos += n + rng.randint(0, 2)
+        if plan.slide is not None:
+            owned.release(state.block_table)  # the slide hands them back inside apply_append
+        state.apply_append(plan)
+        tally.operations += 2
+        try:
+            pre = state.plan_precompute()
+        except PoolExhaustedError:
+            tally.exhausted += 1
+            continue
+        owned.grant(pre.new_blocks)
+        if rng.random() < 0.2:
+            owned.release(pre.new_blocks)
+            state.abort_precompute(pre)
+        else:
+            state.confirm_precompute(pre)
+        tally.operations += 2
+    owned.release(state.block_table)
+    assert state.free() is True
+    tally.operations += 1
+
+
+def test_threads_each_own_a_state_on_a_shared_pool() -> None:
+    block_size = 2
+    pool = BlockPool(40, block_size)
+    states = [ContextState(pool, 10 + 2 * i, owner=i) for i in range(N_THREADS)]
+
+    def worker(i: int, barrier: threading.Barrier, tally: Tally) -> None:
+        rng = random.Random(2000 + i)
+        state = states[i]
+        expected: list[int] = []
+        committed = 0
+        barrier.wait()
+        tally.sequences += 1
+        for step in range(150):
+            n = rng.randint(1, 4)
+            new = list(range(3 * step, 3 * step + min(n, 3)))
+            plan = state.plan_append(new)
+            state.apply_append(plan)
+            if plan.slide is not None:
+                expected = expected[len(expected) - plan.slide.keep :]
+                committed = 0
+            expected += new
+            tally.operations += 2
+            try:
+                pre = state.plan_precompute()
+                state.confirm_precompute(pre)
+                committed = len(expected)
+                tally.operations += 2
+            except PoolExhaustedError:
+                tally.exhausted += 1
+            # Only this thread touches this state: it must match exactly, whatever the others do.
+            assert state.ctx_positions == expected
+            assert state.ctx_committed == committed
+            assert len(state.block_table) == -(-committed // block_size)
+            state.check_invariants()
+        assert state.free() is True
+
+    run_threads(worker)
+    assert pool.num_free == pool.num_blocks
+    check_world(pool, [])
+    assert all(s.freed for s in states)
