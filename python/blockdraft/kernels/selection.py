@@ -1,0 +1,230 @@
+"""Masked selection over logits: argmax (a kernel) and temperature / top-k / top-p sampling.
+
+The argmax splits the vocabulary across programs when there are few rows (decode: a handful of
+rows must still fill the GPU) and reduces the per-split winners in a second tiny kernel; the
+split count is a function of shapes only. Sampling masks and scales with a kernel, then uses
+torch for the sort the top-k/top-p cut needs.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from ._validate import FLOAT_DTYPES, check
+from .reference import sample_uniforms
+
+_BLOCK_V = 1024
+_NO_ID = 1 << 62  # "no allowed id seen yet"; larger than any vocabulary id
+
+
+@triton.jit
+def _bits_allowed(bitmask_ptr, row, ids, mask, num_words, HAS_MASK: tl.constexpr):
+    # bit (id % 32) of word (id // 32) set = id allowed
+    if HAS_MASK:
+        words = tl.load(bitmask_ptr + row * num_words + ids // 32, mask=mask, other=0)
+        return mask & (((words >> (ids % 32).to(tl.int32)) & 1) != 0)
+    else:
+        return mask
+
+
+@triton.jit(do_not_specialize=["num_rows"])
+def masked_argmax_partial_kernel(
+    logits_ptr,  # [R, V] (row stride s_row, last dim contiguous)
+    bitmask_ptr,  # [R, ceil(V/32)] int32 contiguous (unused without HAS_MASK)
+    part_val_ptr,  # [R, NUM_SPLITS] fp32
+    part_idx_ptr,  # [R, NUM_SPLITS] int64
+    num_rows,
+    vocab,
+    num_words,
+    s_row,
+    NUM_SPLITS: tl.constexpr,
+    CHUNK: tl.constexpr,  # ids per split, a multiple of BLOCK_V (shape-derived)
+    HAS_MASK: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    split = tl.program_id(1).to(tl.int64)
+    lanes = tl.arange(0, BLOCK_V).to(tl.int64)
+    best = tl.full([BLOCK_V], float("-inf"), tl.float32)
+    best_idx = tl.full([BLOCK_V], _NO_ID, tl.int64)
+    first = split * CHUNK
+    for v0 in range(0, CHUNK, BLOCK_V):
+        ids = first + v0 + lanes
+        in_range = ids < vocab
+        x = tl.load(logits_ptr + row * s_row + ids, mask=in_range, other=float("-inf"))
+        x = x.to(tl.float32)
+        ok = _bits_allowed(bitmask_ptr, row, ids, in_range, num_words, HAS_MASK)
+        # per lane ids only grow, so a strict > keeps the lowest id among equal values
+        take = ok & ((x > best) | (best_idx == _NO_ID))
+        best = tl.where(take, x, best)
+        best_idx = tl.where(take, ids, best_idx)
+    seen = best_idx != _NO_ID
+    top = tl.max(tl.where(seen, best, float("-inf")), axis=0)
+    idx = tl.min(tl.where(seen & (best == top), best_idx, _NO_ID), axis=0)
+    tl.store(part_val_ptr + row * NUM_SPLITS + split, top)
+    tl.store(part_idx_ptr + row * NUM_SPLITS + split, idx)
+
+
+@triton.jit
+def masked_argmax_combine_kernel(
+    part_val_ptr,  # [R, NUM_SPLITS] fp32
+    part_idx_ptr,  # [R, NUM_SPLITS] int64
+    out_ptr,  # [R] int64
+    NUM_SPLITS: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    sp = tl.arange(0, BLOCK_S).to(tl.int64)
+    s_mask = sp < NUM_SPLITS
+    val = tl.load(part_val_ptr + row * NUM_SPLITS + sp, mask=s_mask, other=float("-inf"))
+    idx = tl.load(part_idx_ptr + row * NUM_SPLITS + sp, mask=s_mask, other=_NO_ID)
+    seen = idx != _NO_ID
+    top = tl.max(tl.where(seen, val, float("-inf")), axis=0)
+    best = tl.min(tl.where(seen & (val == top), idx, _NO_ID), axis=0)
+    tl.store(out_ptr + row, tl.where(best == _NO_ID, -1, best))
+
+
+@triton.jit(do_not_specialize=["num_rows"])
+def masked_scale_kernel(
+    logits_ptr,  # [R, V] (row stride s_row, last dim contiguous)
+    bitmask_ptr,  # [R, ceil(V/32)] int32 contiguous (unused without HAS_MASK)
+    out_ptr,  # [R, V] fp32 contiguous: logits / temperature, -inf where not allowed
+    num_rows,
+    vocab,
+    num_words,
+    s_row,
+    inv_temperature,
+    HAS_MASK: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    ids = tl.program_id(1).to(tl.int64) * BLOCK_V + tl.arange(0, BLOCK_V).to(tl.int64)
+    in_range = ids < vocab
+    x = tl.load(logits_ptr + row * s_row + ids, mask=in_range, other=0.0).to(tl.float32)
+    ok = _bits_allowed(bitmask_ptr, row, ids, in_range, num_words, HAS_MASK)
+    y = tl.where(ok, x * inv_temperature, float("-inf"))
+    tl.store(out_ptr + row * vocab + ids, y, mask=in_range)
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type == "cuda":
+        return int(torch.cuda.get_device_properties(device).multi_processor_count)
+    return 4
+
+
+def _check_inputs(logits: torch.Tensor, bitmask: torch.Tensor | None) -> tuple[int, int, int]:
+    check("logits", logits, shape=[None, None], dtypes=FLOAT_DTYPES, last_dim_contiguous=True)
+    num_rows, vocab = logits.shape
+    num_words = math.ceil(vocab / 32)
+    if bitmask is not None:
+        check("bitmask", bitmask, shape=[num_rows, num_words], dtypes=[torch.int32],
+              device=logits.device, contiguous=True)
+    return num_rows, vocab, num_words
+
+
+def masked_argmax(
+    logits: torch.Tensor, bitmask: torch.Tensor | None, *, num_splits: int | None = None
+) -> torch.Tensor:
+    """Triton masked argmax; same contract as ``reference.masked_argmax``.
+
+    logits [R, V] (last dim contiguous); bitmask [R, ceil(V/32)] int32 or None -> [R] int64.
+    ``num_splits`` overrides the shape-derived vocabulary split count.
+    """
+    num_rows, vocab, num_words = _check_inputs(logits, bitmask)
+    out = torch.empty(num_rows, dtype=torch.int64, device=logits.device)
+    if num_rows == 0:
+        return out
+    tiles = max(1, triton.cdiv(vocab, _BLOCK_V))
+    if num_splits is None:
+        num_splits = min(tiles, max(1, triton.cdiv(4 * _sm_count(logits.device), num_rows)))
+    if num_splits < 1:
+        raise ValueError(f"num_splits: must be >= 1, got {num_splits}")
+    chunk = triton.cdiv(tiles, num_splits) * _BLOCK_V
+    num_splits = max(1, triton.cdiv(vocab, chunk))
+    part_val = torch.empty((num_rows, num_splits), dtype=torch.float32, device=logits.device)
+    part_idx = torch.empty((num_rows, num_splits), dtype=torch.int64, device=logits.device)
+    mask_arg = bitmask if bitmask is not None else part_idx
+    masked_argmax_partial_kernel[(num_rows, num_splits)](
+        logits, mask_arg, part_val, part_idx, num_rows, vocab, num_words, logits.stride(0),
+        NUM_SPLITS=num_splits, CHUNK=chunk, HAS_MASK=bitmask is not None, BLOCK_V=_BLOCK_V,
+        num_warps=4,
+    )
+    masked_argmax_combine_kernel[(num_rows,)](
+        part_val, part_idx, out, NUM_SPLITS=num_splits,
+        BLOCK_S=max(2, triton.next_power_of_2(num_splits)), num_warps=1,
+    )
+    return out
+
+
+def masked_scale(logits: torch.Tensor, bitmask: torch.Tensor | None,
+                 temperature: float) -> torch.Tensor:
+    """[R, V] -> [R, V] fp32: ``logits / temperature``, ``-inf`` where the bitmask forbids."""
+    num_rows, vocab, num_words = _check_inputs(logits, bitmask)
+    out = torch.empty((num_rows, vocab), dtype=torch.float32, device=logits.device)
+    if num_rows == 0 or vocab == 0:
+        return out
+    mask_arg = bitmask if bitmask is not None else out
+    masked_scale_kernel[(num_rows, triton.cdiv(vocab, _BLOCK_V))](
+        logits, mask_arg, out, num_rows, vocab, num_words, logits.stride(0),
+        1.0 / temperature, HAS_MASK=bitmask is not None, BLOCK_V=_BLOCK_V, num_warps=4,
+    )
+    return out
+
+
+def sample_from_scores(
+    scores: torch.Tensor, top_k: int, top_p: float, u: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Vectorised sampler behind ``masked_sample`` (torch ops, any device).
+
+    scores [R, V] fp32 (already scaled, -inf = forbidden), u [R] uniforms ->
+    (tokens [R] int64, q_prob [R] fp32) with the order and cut rules of
+    ``reference.masked_sample``.
+    """
+    num_rows, vocab = scores.shape
+    any_allowed = (~torch.isneginf(scores)).any(dim=1)
+    safe = torch.where(any_allowed[:, None], scores, torch.zeros_like(scores))
+    probs = torch.softmax(safe, dim=1)
+    probs = torch.where(torch.isneginf(scores), torch.zeros_like(probs), probs)
+    probs, order = torch.sort(probs, dim=1, descending=True, stable=True)
+    if 0 < top_k < vocab:
+        probs[:, top_k:] = 0.0
+        probs = probs / probs.sum(dim=1, keepdim=True)
+    if top_p < 1.0:
+        keep = (probs.cumsum(dim=1) - probs) < top_p
+        probs = torch.where(keep, probs, torch.zeros_like(probs))
+        probs = probs / probs.sum(dim=1, keepdim=True)
+    cdf = probs.cumsum(dim=1)
+    threshold = u[:, None] * cdf[:, -1:]
+    pick = (cdf <= threshold).sum(dim=1)
+    last_nonzero = ((probs > 0).sum(dim=1) - 1).clamp_min(0)
+    pick = torch.minimum(pick, last_nonzero)
+    tokens = order.gather(1, pick[:, None])[:, 0]
+    q_prob = probs.gather(1, pick[:, None])[:, 0]
+    tokens = torch.where(any_allowed, tokens, torch.full_like(tokens, -1))
+    q_prob = torch.where(any_allowed, q_prob, torch.zeros_like(q_prob))
+    return tokens, q_prob
+
+
+def masked_sample(
+    logits: torch.Tensor,
+    bitmask: torch.Tensor | None,
+    temperature: float,
+    top_k: int,
+    top_p: float,
+    generator: torch.Generator | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton-backed sampling; same contract as ``reference.masked_sample``."""
+    if top_k < 0:
+        raise ValueError(f"top_k: must be >= 0, got {top_k}")
+    if not 0.0 < top_p <= 1.0:
+        raise ValueError(f"top_p: must be in (0, 1], got {top_p}")
+    if temperature <= 0:
+        tokens = masked_argmax(logits, bitmask)
+        return tokens, (tokens >= 0).to(torch.float32)
+    scores = masked_scale(logits, bitmask, temperature)
+    u = sample_uniforms(scores.shape[0], logits.device, generator)
+    return sample_from_scores(scores, top_k, top_p, u)
