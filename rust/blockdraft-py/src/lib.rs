@@ -1,10 +1,12 @@
-//! `blockdraft._core`: thin PyO3 bindings of `blockdraft-core`.
+//! `blockdraft._core`: thin `PyO3` bindings of `blockdraft-core`.
 //!
 //! Argument conversion, error mapping and locking live here; every decision is made by the
 //! core. The pool is shared as `Arc<Mutex<BlockPool>>` between the Python `BlockPool` and every
 //! `ContextState` made from it. Lock order is always state, then pool; no lock is ever held
 //! while waiting for the GIL (work under a lock runs with the GIL released or touches no
 //! Python object), so the GIL and these locks cannot deadlock.
+
+#![warn(clippy::pedantic)]
 
 use std::sync::{Arc, Mutex, MutexGuard};
 
@@ -165,16 +167,14 @@ fn i64_list_arg(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<Vec<i64>> {
             "{name} must be a list of ints, got str"
         )));
     }
+    let items = obj.try_iter().map_err(|_| {
+        let ty = obj.get_type();
+        let ty = ty.name().map_or_else(|_| "?".to_owned(), |n| n.to_string());
+        PyTypeError::new_err(format!("{name} must be a list of ints, got {ty}"))
+    })?;
     let mut out = Vec::with_capacity(obj.len().unwrap_or(0));
-    for item in obj.try_iter().map_err(|_| {
-        PyTypeError::new_err(format!(
-            "{name} must be a list of ints, got {}",
-            obj.get_type()
-                .name()
-                .map_or_else(|_| "?".into(), |n| n.to_string())
-        ))
-    })? {
-        out.push(i64_arg(&item?, name)?);
+    for (i, item) in items.enumerate() {
+        out.push(i64_arg(&item?, &format!("{name}[{i}]"))?);
     }
     Ok(out)
 }
@@ -406,7 +406,7 @@ impl Drop for StateShared {
     /// A state dropped without `free` still returns its blocks, so forgetting to free cannot
     /// leak pool capacity. Errors cannot be reported from a destructor and are ignored.
     fn drop(&mut self) {
-        let _ = self.with(|s, p| s.free(p));
+        let _ = self.with(core::ContextState::free);
     }
 }
 
@@ -670,7 +670,7 @@ impl PyContextState {
     }
 
     fn plan_precompute(&self, py: Python<'_>) -> PyResult<PyPrecomputePlan> {
-        let inner = py.detach(|| self.shared.with(|s, p| s.plan_precompute(p)))?;
+        let inner = py.detach(|| self.shared.with(core::ContextState::plan_precompute))?;
         Ok(PyPrecomputePlan {
             inner,
             owner: Arc::clone(&self.shared),
@@ -724,7 +724,7 @@ impl PyContextState {
     }
 
     fn free(&self, py: Python<'_>) -> PyResult<bool> {
-        Ok(py.detach(|| self.shared.with(|s, p| s.free(p)))?)
+        Ok(py.detach(|| self.shared.with(core::ContextState::free))?)
     }
 
     fn check_invariants(&self, py: Python<'_>) -> PyResult<()> {
