@@ -55,6 +55,7 @@ def test_is_allocated_out_of_range_is_false() -> None:
     pool.alloc(2)
     assert not pool.is_allocated(2)
     assert not pool.is_allocated(10**6)
+    assert not pool.is_allocated(-1)
 
 
 def test_free_then_realloc_round_trip() -> None:
