@@ -1,0 +1,457 @@
+"""Speculative generation with a DFlash drafter: draft a block, verify it with the target.
+
+Per step and per sequence: the proposer drafts up to ``B - 1`` tokens after the anchor (the
+last verified token); the target runs ``[anchor, d1 .. dm]`` through its KV cache; the longest
+prefix of drafts the target agrees with is accepted, plus one token chosen by the target (the
+bonus); the target's KV cache is cropped to the accepted positions, and the hidden states of
+the ``accepted + 1`` verified rows become new drafter context.
+
+Greedy decoding reproduces the target's own greedy output. Sampling uses rejection sampling
+with the drafter's (greedy, hence one-hot) proposal: a draft ``d`` is accepted with probability
+``p(d)``, and on rejection a token is drawn from ``p`` without ``d``, renormalised; this is the
+standard lossless scheme with ``q = onehot(d)``, so the output follows the target's own
+sampling distribution exactly.
+
+Drafting is batched over sequences through ``propose_batch`` when at least two sequences are
+active (falling back to ``propose`` per sequence when it declines); the target verifies one
+sequence at a time, each with its own KV cache, which keeps the output exact for prompts of
+different lengths without padding.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from blockdraft.proposer import DFlashProposer, DFlashState
+
+log = logging.getLogger(__name__)
+
+GrammarBitmaskFn = Callable[[int, Sequence[int]], "Tensor | None"]
+"""``fn(prompt_index, generated_tokens) -> packed int32 bitmask [ceil(V/32)] of the tokens allowed
+next`` (``None`` = no constraint)."""
+
+
+@dataclass
+class GenerationStats:
+    """What one ``generate`` call measured.
+
+    Attributes:
+        acceptance_lengths: per prompt, the tokens each speculative step produced (accepted
+            drafts + 1).
+        mean_tau: mean tokens per speculative step over all prompts (tau).
+        num_new_tokens: generated tokens over all prompts.
+        elapsed_s: wall time of the whole call.
+        tokens_per_s: ``num_new_tokens / elapsed_s``.
+        ttft_s: per prompt, seconds from the call's start to its first token.
+        batched_proposals / single_proposals: how drafts were obtained.
+    """
+
+    acceptance_lengths: list[list[int]]
+    mean_tau: float
+    num_new_tokens: int
+    elapsed_s: float
+    tokens_per_s: float
+    ttft_s: list[float]
+    batched_proposals: int = 0
+    single_proposals: int = 0
+
+
+@dataclass
+class GenerationResult:
+    """Generated tokens per prompt (prompt excluded, stop token included) and stats."""
+
+    tokens: list[list[int]]
+    stats: GenerationStats
+
+
+@dataclass
+class _Seq:
+    index: int
+    prompt_len: int
+    cache: Any
+    state: DFlashState
+    out: list[int] = field(default_factory=list)
+    steps: list[int] = field(default_factory=list)
+    done: bool = False
+
+
+def _validate_sampling(temperature: float, top_p: float, top_k: int) -> None:
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0, not {temperature}")
+    if not 0.0 < top_p <= 1.0:
+        raise ValueError(f"top_p must be in (0, 1], not {top_p}")
+    if top_k < 0:
+        raise ValueError(f"top_k must be >= 0, not {top_k}")
+
+
+def _allowed(bitmask: Tensor, vocab: int) -> Tensor:
+    """Packed int32 ``[ceil(V/32)]`` -> ``[V]`` bool."""
+    ids = torch.arange(vocab, device=bitmask.device)
+    return ((bitmask.to(torch.int64)[ids // 32] >> (ids % 32)) & 1).to(torch.bool)
+
+
+def target_probs(
+    logits: Tensor, temperature: float, top_p: float, top_k: int, allowed: Tensor | None = None
+) -> Tensor:
+    """The target's sampling distribution per row.
+
+    logits ``[R, V]`` -> probabilities ``[R, V]`` fp32: softmax at ``temperature`` over the
+    allowed ids, restricted to the ``top_k`` most likely (0 = all), then to the smallest set of
+    most likely ids whose mass reaches ``top_p``, renormalised.
+    """
+    scores = logits.float() / temperature
+    if allowed is not None:
+        scores = scores.masked_fill(~allowed, float("-inf"))
+    vocab = scores.shape[-1]
+    if 0 < top_k < vocab:
+        kth = torch.topk(scores, top_k, dim=-1).values[..., -1:]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    if top_p < 1.0:
+        sorted_p, order = probs.sort(dim=-1, descending=True, stable=True)
+        keep = (sorted_p.cumsum(-1) - sorted_p) < top_p
+        sorted_p = sorted_p * keep
+        probs = torch.zeros_like(probs).scatter(-1, order, sorted_p)
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
+
+
+class SpeculativeEngine:
+    """A reusable target + drafter pair with its proposer (pool, paged K/V).
+
+    Args:
+        target: a Hugging Face causal LM (``output_hidden_states`` and a ``DynamicCache``).
+        drafter: a loaded DFlash drafter matching the target.
+        proposer: an existing proposer for this pair (default: one is built).
+        max_seq_len: longest prompt + generation (default: the target's
+            ``max_position_embeddings``, else 4096).
+        proposer_kwargs: passed to :class:`DFlashProposer` when one is built.
+    """
+
+    def __init__(
+        self,
+        target: Any,
+        drafter: Any,
+        *,
+        proposer: DFlashProposer | None = None,
+        max_seq_len: int | None = None,
+        **proposer_kwargs: Any,
+    ) -> None:
+        self.target = target
+        self.drafter = drafter
+        if max_seq_len is None:
+            cfg = getattr(target, "config", None)
+            max_seq_len = int(getattr(cfg, "max_position_embeddings", 0) or 4096)
+        self.max_seq_len = max_seq_len
+        self.proposer = proposer or DFlashProposer(
+            drafter, target, max_seq_len=max_seq_len, **proposer_kwargs
+        )
+        self.layer_ids = list(self.proposer.target_layer_ids)
+        self.device = next(target.parameters()).device
+
+    # ------------------------------------------------------------------ target calls
+
+    def _target_forward(self, ids: list[int], cache: Any) -> tuple[Tensor, Tensor]:
+        """Run ``ids`` through the target after ``cache``: (logits [T, V] fp32, ctx rows [T, k*H])."""
+        inp = torch.tensor([ids], dtype=torch.long, device=self.device)
+        out = self.target(
+            input_ids=inp, past_key_values=cache, use_cache=True, output_hidden_states=True
+        )
+        hs = out.hidden_states
+        rows = torch.cat([hs[i + 1][0] for i in self.layer_ids], dim=-1)
+        return out.logits[0].float(), rows
+
+    def _new_cache(self) -> Any:
+        from transformers import DynamicCache
+
+        return DynamicCache(config=self.target.config)
+
+    # ------------------------------------------------------------------ generation
+
+    @torch.inference_mode()
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        *,
+        max_new_tokens: int,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        stop_token_ids: Sequence[int] | None = None,
+        grammar_bitmask_fn: GrammarBitmaskFn | None = None,
+        generator: torch.Generator | None = None,
+        progress: Callable[[int], None] | None = None,
+    ) -> GenerationResult:
+        """Generate up to ``max_new_tokens`` tokens after each prompt.
+
+        Args:
+            prompts: token ids per prompt (each non-empty; lengths may differ).
+            max_new_tokens: most tokens generated per prompt (>= 1).
+            temperature: 0 = greedy; else sampling at this temperature.
+            top_p, top_k: nucleus / top-k filtering of the target distribution when sampling.
+            stop_token_ids: a sequence ends after producing one of these (included).
+            grammar_bitmask_fn: see :data:`GrammarBitmaskFn`; the target's choice is masked
+                at every position, and drafts are masked with the current position's mask.
+            generator: random source for sampling (default: torch's global one).
+            progress: called with the number of new tokens after every step.
+
+        Returns:
+            the tokens per prompt and :class:`GenerationStats`.
+
+        Raises:
+            ValueError: bad arguments. Every proposer state is freed on any exit, including
+            exceptions and ``KeyboardInterrupt``.
+        """
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, not {max_new_tokens}")
+        _validate_sampling(temperature, top_p, top_k)
+        prompt_ids = [[int(t) for t in p] for p in prompts]
+        if not prompt_ids:
+            raise ValueError("no prompts given")
+        for i, p in enumerate(prompt_ids):
+            if not p:
+                raise ValueError(f"prompt {i} is empty")
+            if len(p) + max_new_tokens > self.max_seq_len:
+                raise ValueError(
+                    f"prompt {i}: {len(p)} + {max_new_tokens} new tokens exceed max_seq_len "
+                    f"{self.max_seq_len}"
+                )
+        stops = frozenset(int(t) for t in (stop_token_ids or ()))
+        prop = self.proposer
+        ctx = _Run(self, temperature, top_p, top_k, stops, grammar_bitmask_fn, generator)
+        seqs: list[_Seq] = []
+        t0 = time.perf_counter()
+        ttft: list[float] = []
+        batched = single = 0
+        try:
+            for i, p in enumerate(prompt_ids):
+                st = prop.alloc_state_for(len(p) + max_new_tokens)
+                seq = _Seq(i, len(p), self._new_cache(), st)
+                seqs.append(seq)
+                logits, rows = self._target_forward(p, seq.cache)
+                first = ctx.choose(seq, logits[-1:], [])[0]
+                prop.commit_ctx(st, rows, range(len(p)))
+                seq.out.append(first)
+                ttft.append(time.perf_counter() - t0)
+                ctx.finish_check(seq, max_new_tokens)
+                if progress is not None:
+                    progress(1)
+            while True:
+                active = [s for s in seqs if not s.done]
+                if not active:
+                    break
+                want = {
+                    s.index: min(prop.block_gamma - 1, max_new_tokens - len(s.out) - 1)
+                    for s in active
+                }
+                drafts: dict[int, list[int]] = {s.index: [] for s in active}
+                need = [s for s in active if want[s.index] > 0]
+                plain = need if grammar_bitmask_fn is None else []
+                width = prop.propose_batch_max()
+                if len(plain) >= 2 and width >= 2:
+                    for c in range(0, len(plain), width):
+                        chunk = plain[c : c + width]
+                        got = None
+                        if len(chunk) >= 2:
+                            got = prop.propose_batch(
+                                [s.state for s in chunk],
+                                [s.out[-1] for s in chunk],
+                                [s.prompt_len + len(s.out) - 1 for s in chunk],
+                                max(want[s.index] for s in chunk),
+                            )
+                        if got is not None:
+                            batched += 1
+                            for s, d in zip(chunk, got):
+                                drafts[s.index] = d[: want[s.index]]
+                        else:
+                            for s in chunk:
+                                drafts[s.index] = self._propose_one(s, want[s.index], ctx)
+                                single += 1
+                else:
+                    for s in need:
+                        drafts[s.index] = self._propose_one(s, want[s.index], ctx)
+                        single += 1
+                for s in active:
+                    before = len(s.out)
+                    self._verify(s, drafts[s.index], ctx, max_new_tokens)
+                    if progress is not None:
+                        progress(len(s.out) - before)
+        finally:
+            for s in seqs:
+                prop.free_state(s.state)
+        elapsed = time.perf_counter() - t0
+        steps = [s.steps for s in seqs]
+        flat = [x for st in steps for x in st]
+        total = sum(len(s.out) for s in seqs)
+        stats = GenerationStats(
+            acceptance_lengths=steps,
+            mean_tau=(sum(flat) / len(flat)) if flat else 0.0,
+            num_new_tokens=total,
+            elapsed_s=elapsed,
+            tokens_per_s=total / elapsed if elapsed > 0 else 0.0,
+            ttft_s=ttft,
+            batched_proposals=batched,
+            single_proposals=single,
+        )
+        return GenerationResult([s.out for s in seqs], stats)
+
+    def _propose_one(self, s: _Seq, num: int, ctx: _Run) -> list[int]:
+        mask = ctx.bitmask(s, [])
+        return self.proposer.propose(
+            s.state, s.out[-1], s.prompt_len + len(s.out) - 1, num, grammar_bitmask=mask
+        )
+
+    def _verify(self, s: _Seq, drafts: list[int], ctx: _Run, max_new_tokens: int) -> None:
+        start = s.prompt_len + len(s.out) - 1  # the anchor's position
+        logits, rows = self._target_forward([s.out[-1], *drafts], s.cache)
+        accepted, nxt = ctx.accept(s, logits, drafts)
+        # Keep the target's K/V of the anchor and the accepted drafts only.
+        remove = len(drafts) - accepted
+        if remove > 0:
+            s.cache.crop(-remove)
+        self.proposer.after_verify(s.state, accepted)
+        new = [*drafts[:accepted], nxt]
+        s.steps.append(len(new))
+        for tok in new:
+            s.out.append(tok)
+            if ctx.finish_check(s, max_new_tokens):
+                break
+        if not s.done:
+            self.proposer.commit_ctx(s.state, rows[: accepted + 1], range(start, start + accepted + 1))
+        else:
+            self.proposer.free_state(s.state)
+
+
+class _Run:
+    """Per-call sampling settings and the accept/choose rules."""
+
+    def __init__(
+        self,
+        engine: SpeculativeEngine,
+        temperature: float,
+        top_p: float,
+        top_k: int,
+        stops: frozenset[int],
+        mask_fn: GrammarBitmaskFn | None,
+        generator: torch.Generator | None,
+    ) -> None:
+        self.engine = engine
+        self.temperature = temperature
+        self.top_p = top_p
+        self.top_k = top_k
+        self.stops = stops
+        self.mask_fn = mask_fn
+        self.generator = generator
+
+    def bitmask(self, s: _Seq, extra: Sequence[int]) -> Tensor | None:
+        if self.mask_fn is None:
+            return None
+        return self.mask_fn(s.index, [*s.out, *extra])
+
+    def finish_check(self, s: _Seq, max_new_tokens: int) -> bool:
+        if s.out[-1] in self.stops or len(s.out) >= max_new_tokens:
+            s.done = True
+        return s.done
+
+    def _uniform(self, device: torch.device) -> float:
+        return float(torch.rand((), generator=self.generator, device=device))
+
+    def _draw(self, probs: Tensor) -> int:
+        return int(torch.multinomial(probs, 1, generator=self.generator)[0])
+
+    def _allowed_row(self, s: _Seq, extra: Sequence[int], vocab: int) -> Tensor | None:
+        mask = self.bitmask(s, extra)
+        return None if mask is None else _allowed(mask.to(torch.int32).cpu(), vocab)
+
+    def choose(self, s: _Seq, logits: Tensor, extra: Sequence[int]) -> list[int]:
+        """The target's own choice from each row of ``logits`` [R, V] (after ``extra``)."""
+        row = logits[0].cpu()
+        allowed = self._allowed_row(s, extra, row.shape[-1])
+        if self.temperature <= 0:
+            if allowed is not None:
+                row = row.masked_fill(~allowed, float("-inf"))
+            return [int(torch.argmax(row))]
+        probs = target_probs(row[None], self.temperature, self.top_p, self.top_k,
+                             None if allowed is None else allowed[None])[0]
+        return [self._draw(probs)]
+
+    def accept(self, s: _Seq, logits: Tensor, drafts: list[int]) -> tuple[int, int]:
+        """``(accepted drafts, next token)`` from the verify logits ``[1 + len(drafts), V]``."""
+        logits = logits.cpu()
+        vocab = logits.shape[-1]
+        for j in range(len(drafts) + 1):
+            allowed = self._allowed_row(s, drafts[:j], vocab)
+            row = logits[j]
+            if self.temperature <= 0:
+                if allowed is not None:
+                    row = row.masked_fill(~allowed, float("-inf"))
+                choice = int(torch.argmax(row))
+                if j < len(drafts) and drafts[j] == choice:
+                    continue
+                return j, choice
+            probs = target_probs(row[None], self.temperature, self.top_p, self.top_k,
+                                 None if allowed is None else allowed[None])[0]
+            if j == len(drafts):
+                return j, self._draw(probs)
+            d = drafts[j]
+            # q is one-hot at d: accept with probability min(1, p(d) / 1).
+            if self._uniform(probs.device) < float(probs[d]):
+                continue
+            residual = probs.clone()
+            residual[d] = 0.0
+            total = float(residual.sum())
+            if total <= 0.0:
+                # p was (numerically) all on d, so rejecting d had probability ~0.
+                return j, d
+            return j, self._draw(residual / total)
+        raise AssertionError("unreachable")
+
+
+def generate(
+    target: Any,
+    drafter: Any,
+    prompts: Sequence[Sequence[int]],
+    *,
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    stop_token_ids: Sequence[int] | None = None,
+    grammar_bitmask_fn: GrammarBitmaskFn | None = None,
+) -> GenerationResult:
+    """Speculative generation for one or many prompts (a one-off :class:`SpeculativeEngine`).
+
+    See :meth:`SpeculativeEngine.generate` for the arguments. Build a
+    :class:`SpeculativeEngine` once to reuse its proposer (pool and paged K/V) across calls.
+    """
+    if not prompts:
+        raise ValueError("no prompts given")
+    gamma = int(drafter.config.block_size)
+    longest = max(len(p) for p in prompts) + max_new_tokens
+    block = 16
+    # Enough blocks for every prompt's whole window at once, and no more.
+    per_seq = -(-(longest + gamma + 1) // block)
+    engine = SpeculativeEngine(
+        target,
+        drafter,
+        max_seq_len=longest,
+        max_batch=max(1, min(len(prompts), 16)),
+        num_blocks=per_seq * len(prompts),
+        kv_block_size=block,
+    )
+    return engine.generate(
+        prompts,
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        stop_token_ids=stop_token_ids,
+        grammar_bitmask_fn=grammar_bitmask_fn,
+    )

@@ -1,0 +1,782 @@
+"""The DFlash proposer: drafter + target embeddings/lm_head + paged ctx K/V + the Rust core.
+
+The Rust core (:mod:`blockdraft._core`) decides every piece of bookkeeping (which pool blocks a
+sequence holds, which context rows it keeps and at which positions, how many rows have K/V in
+the paged cache, whether a batch is accepted); this module owns the tensors and moves them
+according to the core's plans:
+
+* ``commit_ctx``: ``plan_append`` -> accumulator copy (slide first when the plan says so) ->
+  ``apply_append``.
+* ``propose`` / ``propose_batch``: ``plan_precompute`` -> one GEMM for every layer's ctx K/V ->
+  ``ctx_kv_store`` into the paged cache -> drafter ``forward_block`` attending over the paged
+  cache -> target ``lm_head`` -> masked argmax -> ``confirm_precompute``. Any failure before the
+  confirm aborts the plans, which gives the blocks back and leaves every state as it was.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Literal, Protocol
+
+import torch
+from torch import Tensor, nn
+from torch.nn import functional as F
+
+from blockdraft import _core
+from blockdraft._core import (
+    BlockPool,
+    ConfigError,
+    ContextState,
+    InvalidStateError,
+    PrecomputePlan,
+)
+from blockdraft.levers import Levers, read_levers
+
+log = logging.getLogger(__name__)
+
+Backend = Literal["auto", "torch", "triton"]
+
+_owner_ids = itertools.count(1)
+# The window-cap notice is once per process, as in the seed: it is about the serve's sizing,
+# not about any one sequence.
+_cap_logged = False
+
+
+class _Ops(Protocol):
+    """The kernel launchers the proposer needs (Triton kernels or their torch references)."""
+
+    def ctx_kv_store(self, *args: Any, **kwargs: Any) -> Any: ...
+    def block_attention(self, *args: Any, **kwargs: Any) -> Tensor: ...
+    def masked_argmax(self, logits: Tensor, bitmask: Tensor | None) -> Tensor: ...
+
+
+def _load_ops(backend: str) -> Any:
+    """The module whose functions implement the kernels for ``backend`` ("torch" or "triton")."""
+    from blockdraft import kernels
+
+    getter = getattr(kernels, "get_backend", None)
+    if getter is not None:
+        return getter(backend)
+    if backend == "torch":
+        from blockdraft.kernels import reference
+
+        return reference
+    return kernels
+
+
+def _resolve_backend(backend: str, device: torch.device) -> str:
+    if backend not in ("auto", "torch", "triton"):
+        raise ConfigError(f"backend must be 'auto', 'torch' or 'triton', not {backend!r}")
+    if backend == "auto":
+        return "triton" if device.type == "cuda" else "torch"
+    return backend
+
+
+def _target_parts(target: Any) -> tuple[Tensor, Any, int]:
+    """``(embedding weight [V_in, H], lm_head, vocab size V)`` of a target model or adapter."""
+    embed: Any = getattr(target, "embed_weight", None)
+    if embed is None:
+        get_in = getattr(target, "get_input_embeddings", None)
+        if get_in is None:
+            raise ConfigError("target has neither get_input_embeddings() nor embed_weight")
+        embed = get_in().weight
+    head = getattr(target, "lm_head", None)
+    if head is None:
+        get_out = getattr(target, "get_output_embeddings", None)
+        head = get_out() if get_out is not None else None
+    if head is None:
+        raise ConfigError("target has no lm_head / output embeddings")
+    weight: Any = head.weight if isinstance(head, nn.Module) else head
+    return embed, head, int(weight.shape[0])
+
+
+def _target_layers_hidden(target: Any) -> tuple[int | None, int | None]:
+    """``(num_hidden_layers, hidden_size)`` of the target when it exposes a config."""
+    cfg = getattr(target, "config", None)
+    if cfg is None:
+        return None, None
+    text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    return getattr(text, "num_hidden_layers", None), getattr(text, "hidden_size", None)
+
+
+def _cfg(config: Any, *names: str, default: Any = None) -> Any:
+    """First of ``names`` present on the drafter config (field names differ across versions)."""
+    for name in names:
+        value = getattr(config, name, None)
+        if value is not None:
+            return value
+    return default
+
+
+def _unpack(bitmask: Tensor, vocab: int) -> Tensor:
+    """Packed int32 ``[R, ceil(V/32)]`` -> ``[R, V]`` bool (bit set = allowed)."""
+    ids = torch.arange(vocab, device=bitmask.device)
+    return ((bitmask.to(torch.int64)[:, ids // 32] >> (ids % 32)) & 1).to(torch.bool)
+
+
+class DFlashState:
+    """One sequence's proposer state: core bookkeeping + accumulator + device block table.
+
+    Attributes:
+        ctx: the core's :class:`~blockdraft.ContextState` (window, positions, blocks, counters).
+        acc: the context accumulator ``[window, k*H]`` (zeroed at allocation; ``None`` once
+            freed).
+        block_table_dev: the block table on the device ``[num_blocks]`` int32 (``None`` until
+            the first propose and after free).
+    """
+
+    __slots__ = ("acc", "block_table_dev", "ctx")
+
+    def __init__(self, ctx: ContextState, acc: Tensor) -> None:
+        self.ctx = ctx
+        self.acc: Tensor | None = acc
+        self.block_table_dev: Tensor | None = None
+
+    @property
+    def owner(self) -> int:
+        return self.ctx.owner
+
+    @property
+    def window(self) -> int:
+        return self.ctx.window
+
+    @property
+    def ctx_len(self) -> int:
+        return self.ctx.ctx_len
+
+    @property
+    def ctx_committed(self) -> int:
+        return self.ctx.ctx_committed
+
+    @property
+    def ctx_positions(self) -> list[int]:
+        return self.ctx.ctx_positions
+
+    @property
+    def block_table(self) -> list[int]:
+        return self.ctx.block_table
+
+    @property
+    def seq_len(self) -> int:
+        return self.ctx.seq_len
+
+    @property
+    def prefill_done(self) -> bool:
+        return self.ctx.prefill_done
+
+    @property
+    def last_num_drafted(self) -> int:
+        return self.ctx.last_num_drafted
+
+    @property
+    def last_num_accepted(self) -> int:
+        return self.ctx.last_num_accepted
+
+    @property
+    def freed(self) -> bool:
+        return self.ctx.freed
+
+    def __repr__(self) -> str:
+        return (
+            f"DFlashState(window={self.window}, ctx_len={self.ctx_len}, "
+            f"ctx_committed={self.ctx_committed}, blocks={self.ctx.num_blocks}, "
+            f"freed={self.freed})"
+        )
+
+
+@dataclass
+class _Prep:
+    """One sequence's share of a proposal: its state, anchor and outstanding K/V plan."""
+
+    state: DFlashState
+    token: int
+    position: int
+    plan: PrecomputePlan
+
+
+class DFlashProposer:
+    """Drafts blocks of tokens for many sequences with a DFlash drafter (the seed's contract).
+
+    Args:
+        drafter: a loaded DFlash drafter (see ``docs/design/interfaces.md``, "Drafter").
+        target: the target model (Hugging Face causal LM or blockdraft's target adapter); only
+            its input embeddings and ``lm_head`` are used.
+        max_seq_len: the longest sequence the target serves; with the context cap it bounds
+            each state's window.
+        num_blocks: paged K/V blocks in the pool. ``None`` sizes the pool to
+            ``pool_memory_fraction`` of free device memory, at most what ``max_batch`` full
+            windows need.
+        pool_memory_fraction: fraction of free memory for the pool when ``num_blocks`` is None.
+        kv_block_size: tokens per paged block.
+        max_batch: the most sequences one ``propose_batch`` accepts.
+        backend: "triton", "torch", or "auto" (Triton on CUDA, torch elsewhere).
+        device: where the K/V cache and accumulators live (default: the drafter's device).
+        dtype: K/V cache and accumulator dtype (default: the drafter's dtype).
+        pool: share an existing :class:`~blockdraft.BlockPool` (its sizes win).
+        batched_path: allow the batched ``propose_batch`` path at all.
+
+    Raises:
+        ConfigError: a bad lever, backend, or a drafter that does not fit the target.
+        ValueError: non-positive sizes.
+    """
+
+    def __init__(
+        self,
+        drafter: Any,
+        target: Any,
+        *,
+        max_seq_len: int,
+        num_blocks: int | None = None,
+        pool_memory_fraction: float = 0.25,
+        kv_block_size: int = 16,
+        max_batch: int = 16,
+        backend: Backend = "auto",
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+        pool: BlockPool | None = None,
+        batched_path: bool = True,
+    ) -> None:
+        if max_seq_len < 1:
+            raise ValueError(f"max_seq_len must be >= 1, not {max_seq_len}")
+        if max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1, not {max_batch}")
+        if kv_block_size < 1:
+            raise ValueError(f"kv_block_size must be >= 1, not {kv_block_size}")
+        if not 0.0 < pool_memory_fraction <= 1.0:
+            raise ValueError(f"pool_memory_fraction must be in (0, 1], not {pool_memory_fraction}")
+        self.levers: Levers = read_levers()
+        self.drafter = drafter
+        self.target = target
+        cfg = drafter.config
+        self.config = cfg
+        first = next(iter(drafter.parameters()), None) if hasattr(drafter, "parameters") else None
+        self.device = torch.device(
+            device if device is not None else (first.device if first is not None else "cpu")
+        )
+        self.dtype = dtype if dtype is not None else (first.dtype if first is not None else torch.float32)
+        self.backend = _resolve_backend(backend, self.device)
+        self._ops = _load_ops(self.backend)
+
+        self.hidden_size = int(_cfg(cfg, "hidden_size"))
+        self.num_layers = int(_cfg(cfg, "num_layers", "num_hidden_layers"))
+        self.num_kv_heads = int(_cfg(cfg, "num_kv_heads", "num_key_value_heads"))
+        self.num_heads = int(_cfg(cfg, "num_heads", "num_attention_heads"))
+        self.head_dim = int(_cfg(cfg, "head_dim", default=self.hidden_size // self.num_heads))
+        self.gamma = int(_cfg(cfg, "block_size"))
+        self.target_layer_ids = list(_cfg(cfg, "target_layer_ids"))
+        mask = _cfg(cfg, "mask_token_id")
+        if mask is None:
+            raise ConfigError("the drafter config has no mask_token_id")
+        self.mask_token_id = int(mask)
+        self.eps = float(_cfg(cfg, "rms_norm_eps", default=1e-6))
+        if self.gamma < 2:
+            raise ConfigError(f"the drafter's block_size must be >= 2, not {self.gamma}")
+
+        self._embed, self._lm_head, self.vocab_size = _target_parts(target)
+        t_layers, t_hidden = _target_layers_hidden(target)
+        if int(self._embed.shape[1]) != self.hidden_size or (
+            t_hidden is not None and t_hidden != self.hidden_size
+        ):
+            raise ConfigError(
+                f"drafter hidden size {self.hidden_size} does not match the target's "
+                f"{int(self._embed.shape[1])}"
+            )
+        if t_layers is not None and any(
+            i < 0 or i >= t_layers for i in self.target_layer_ids
+        ):
+            raise ConfigError(
+                f"drafter target_layer_ids {self.target_layer_ids} are outside the target's "
+                f"{t_layers} layers"
+            )
+        if not 0 <= self.mask_token_id < int(self._embed.shape[0]):
+            raise ConfigError(
+                f"mask_token_id {self.mask_token_id} is outside the target's embedding table "
+                f"({int(self._embed.shape[0])} rows)"
+            )
+
+        self.max_seq_len = max_seq_len
+        self.max_batch = max_batch
+        self._batched_path = batched_path
+        self.ceiling = _core.ctx_ceiling(max_seq_len, self.levers.ctx_cap)
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        self.ctx_row_width = len(self.target_layer_ids) * self.hidden_size
+        self.ctx_slot_bytes = self.ctx_row_width * elem
+
+        if pool is None:
+            if num_blocks is None:
+                num_blocks = self._default_num_blocks(kv_block_size, pool_memory_fraction, elem)
+            pool = BlockPool(num_blocks, kv_block_size)
+        self.pool = pool
+        self.kv_block_size = pool.block_size
+        shape = (
+            self.num_layers,
+            pool.num_blocks,
+            pool.block_size,
+            self.num_kv_heads,
+            self.head_dim,
+        )
+        # One paged K/V tensor per drafter layer (views of one allocation each for K and V).
+        self._k_all = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self._v_all = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        # Plain select views: unbind() views refuse in-place writes.
+        self.k_cache: list[Tensor] = [self._k_all[i] for i in range(self.num_layers)]
+        self.v_cache: list[Tensor] = [self._v_all[i] for i in range(self.num_layers)]
+        self.slot_pos = torch.full(
+            (pool.num_blocks * pool.block_size,), -1, dtype=torch.int32, device=self.device
+        )
+        self._owner = next(_owner_ids)
+
+        self._kv_weight: Tensor = drafter.ctx_kv_weight()
+        bias_fn = getattr(drafter, "ctx_kv_bias", None)
+        self._kv_bias: Tensor | None = bias_fn() if bias_fn is not None else None
+        # DFlash2 picks drafts with its candidate selector (drafter.draft), DFlash by argmax.
+        self._selector = bool(getattr(cfg, "is_dflash2", False))
+        self._k_norm_w: Tensor = drafter.k_norm_weights()
+        rope = drafter.rope
+        self._inv_freq: Tensor = rope.inv_freq.to(device=self.device, dtype=torch.float32)
+        self._rope_scale = float(getattr(rope, "attention_scaling", 1.0))
+        self._scale = float(_cfg(cfg, "attn_scale", default=self.head_dim**-0.5))
+        self._layer_window, self._layer_causal = self._layer_attention_kinds()
+
+    # ------------------------------------------------------------------ set-up helpers
+
+    def _default_num_blocks(self, block_size: int, fraction: float, elem: int) -> int:
+        per_block = (
+            2 * self.num_layers * block_size * self.num_kv_heads * self.head_dim * elem + 4 * block_size
+        )
+        want = self.max_batch * math.ceil(self.ceiling / block_size)
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+        else:
+            try:
+                free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+            except (ValueError, OSError):
+                free = 1 << 30
+        fits = int(free * fraction) // per_block
+        if fits < 1:
+            raise ConfigError(
+                f"pool_memory_fraction={fraction} of {free} free bytes holds no K/V block "
+                f"({per_block} bytes each)"
+            )
+        return max(1, min(want, fits))
+
+    def _layer_attention_kinds(self) -> tuple[list[int | None], list[bool]]:
+        """Per drafter layer: sliding window (``None`` = full) and whether the block is causal."""
+        cfg = self.config
+        if hasattr(cfg, "layer_sliding_window") and hasattr(cfg, "layer_is_causal"):
+            return (
+                [cfg.layer_sliding_window(i) for i in range(self.num_layers)],
+                [bool(cfg.layer_is_causal(i)) for i in range(self.num_layers)],
+            )
+        types = _cfg(cfg, "layer_types")
+        is_causal = getattr(cfg, "is_causal", None)
+        windows: list[int | None] = []
+        causal: list[bool] = []
+        for layer in range(self.num_layers):
+            kind = types[layer] if types else "full_attention"
+            sliding = kind == "sliding_attention"
+            windows.append(int(cfg.sliding_window) if sliding else None)
+            causal.append(sliding if is_causal is None else bool(is_causal))
+        return windows, causal
+
+    # ------------------------------------------------------------------ the contract
+
+    @property
+    def block_gamma(self) -> int:
+        """The drafter's block size B (anchor + B-1 drafts)."""
+        return self.gamma
+
+    @property
+    def owner_id(self) -> int:
+        """Tag carried by every state this proposer makes."""
+        return self._owner
+
+    def alloc_state(self) -> DFlashState:
+        """A fresh state whose window is the ceiling (``max_seq_len`` bounded by the cap)."""
+        return self._alloc(None)
+
+    def alloc_state_for(self, budget_tokens: int) -> DFlashState:
+        """A fresh state whose window is ``min(ceiling, budget_tokens + B + 1)``.
+
+        Args:
+            budget_tokens: prompt plus max new tokens (>= 0).
+
+        Raises:
+            ValueError: a negative budget.
+        """
+        if isinstance(budget_tokens, bool) or not isinstance(budget_tokens, int):
+            raise TypeError(f"budget_tokens must be an int, not {type(budget_tokens).__name__}")
+        if budget_tokens < 0:
+            raise ValueError(f"budget_tokens must be >= 0, not {budget_tokens}")
+        return self._alloc(budget_tokens)
+
+    def _alloc(self, budget: int | None) -> DFlashState:
+        global _cap_logged
+        window = _core.ctx_window(self.max_seq_len, self.gamma, budget, self.levers.ctx_cap)
+        if self.ceiling < self.max_seq_len and not _cap_logged:
+            _cap_logged = True
+            mib = 1024 * 1024
+            log.info(
+                "DFlash ctx window capped to %d of max_seq_len %d (%d MB/seq instead of %d MB): "
+                "the accumulator is per sequence, so the uncapped size is what runs out of "
+                "memory at high concurrency and long context. Override with "
+                "BLOCKDRAFT_DFLASH_CTX_CAP=<tokens> (0 = uncapped).",
+                self.ceiling,
+                self.max_seq_len,
+                self.ceiling * self.ctx_slot_bytes // mib,
+                self.max_seq_len * self.ctx_slot_bytes // mib,
+            )
+        # Zeroed so that no earlier allocation's data is visible through a fresh state.
+        acc = torch.zeros((window, self.ctx_row_width), dtype=self.dtype, device=self.device)
+        return DFlashState(ContextState(self.pool, window, self._owner), acc)
+
+    def _own(self, st: object, what: str) -> DFlashState:
+        if not isinstance(st, DFlashState):
+            raise InvalidStateError(f"{what}: not a DFlash proposer state ({type(st).__name__})")
+        if st.owner != self._owner:
+            raise InvalidStateError(f"{what}: the state belongs to another proposer")
+        return st
+
+    def _live(self, st: object, what: str) -> DFlashState:
+        own = self._own(st, what)
+        if own.freed or own.acc is None:
+            raise InvalidStateError(f"{what}: the state was freed")
+        return own
+
+    @torch.no_grad()
+    def commit_ctx(self, st: DFlashState, hidden_rows: Tensor, positions: Sequence[int] | Tensor) -> None:
+        """Append verified target context rows; slides the window when it is full.
+
+        Args:
+            st: a live state of this proposer.
+            hidden_rows: ``[R, k*H]`` concatenated target hidden states of the selected layers.
+            positions: ``R`` strictly increasing token positions, after the last one committed.
+                When ``R`` exceeds the window only the newest ``window`` rows are kept.
+
+        Raises:
+            InvalidStateError: a foreign or freed state.
+            TypeError / ValueError: bad rows or positions (nothing changed).
+        """
+        state = self._live(st, "commit_ctx")
+        acc = state.acc
+        assert acc is not None
+        if not isinstance(hidden_rows, Tensor):
+            raise TypeError(f"hidden_rows must be a torch.Tensor, not {type(hidden_rows).__name__}")
+        if not hidden_rows.is_floating_point():
+            raise TypeError(f"hidden_rows must be floating point, not {hidden_rows.dtype}")
+        if hidden_rows.dim() != 2 or hidden_rows.shape[1] != self.ctx_row_width:
+            raise ValueError(
+                f"hidden_rows must be [R, {self.ctx_row_width}] (k*H), not {list(hidden_rows.shape)}"
+            )
+        if hidden_rows.device.type != self.device.type:
+            raise ValueError(
+                f"hidden_rows are on {hidden_rows.device}, the proposer on {self.device}"
+            )
+        pos = positions.tolist() if isinstance(positions, Tensor) else [int(p) for p in positions]
+        if len(pos) != hidden_rows.shape[0]:
+            raise ValueError(f"{hidden_rows.shape[0]} rows but {len(pos)} positions")
+        if len(pos) > state.window:
+            hidden_rows = hidden_rows[-state.window :]
+            pos = pos[-state.window :]
+        plan = state.ctx.plan_append(pos)
+        slide = plan.slide
+        if slide is not None:
+            # Overlapping move: copy out first.
+            kept = acc[slide.src_start : slide.src_start + slide.keep].clone()
+            acc[: slide.keep] = kept
+        acc[plan.dst_start : plan.dst_start + plan.n_rows] = hidden_rows.to(
+            device=acc.device, dtype=acc.dtype
+        )
+        state.ctx.apply_append(plan)
+
+    def propose(
+        self,
+        st: DFlashState,
+        last_token: int,
+        position: int,
+        num_drafts: int,
+        grammar_bitmask: Tensor | Sequence[int] | None = None,
+    ) -> list[int]:
+        """Draft up to ``num_drafts`` tokens following ``last_token`` at ``position``.
+
+        Args:
+            st: a live state of this proposer.
+            last_token: the anchor (last verified token).
+            position: the anchor's position; drafts predict ``position + 1 ...``.
+            num_drafts: ``1 .. B-1`` (the draft-cap lever may return fewer).
+            grammar_bitmask: packed int32 allowed-token bits, ``[ceil(V/32)]`` for every draft
+                or ``[num_drafts, ceil(V/32)]`` per draft; masked-out tokens are never drafted.
+
+        Returns:
+            The drafts (``min(num_drafts, draft_cap)`` tokens).
+
+        Raises:
+            InvalidStateError: a foreign or freed state.
+            ValueError: bad token, position, ``num_drafts`` or bitmask (nothing changed).
+            PoolExhaustedError: no blocks for the new context K/V (nothing changed).
+        """
+        state = self._live(st, "propose")
+        self._check_num_drafts(num_drafts)
+        self._check_anchor(state, last_token, position)
+        take = self._num_take(num_drafts)
+        mask = self._bitmask(grammar_bitmask, take) if grammar_bitmask is not None else None
+        plan = state.ctx.plan_precompute()
+        preps = [_Prep(state, int(last_token), int(position), plan)]
+        try:
+            tokens = self._draft(preps, take, mask)
+        except BaseException:
+            state.ctx.abort_precompute(plan)
+            raise
+        drafts = tokens[0]
+        state.ctx.note_propose(int(position), len(drafts))
+        return drafts
+
+    def propose_batch_max(self) -> int:
+        """1 without the batched path or with ``BLOCKDRAFT_DFLASH_BATCH_PROPOSE`` < 2, else that
+        width capped at ``max_batch``."""
+        return _core.propose_batch_max(self._batched_path, self.levers.batch_propose, self.max_batch)
+
+    def propose_batch(
+        self,
+        states: Sequence[DFlashState],
+        last_tokens: Sequence[int],
+        positions: Sequence[int],
+        num_drafts: int,
+    ) -> list[list[int]] | None:
+        """Draft for ``n`` sequences in one drafter forward over ``n * B`` rows.
+
+        Returns ``None`` (never raises) to decline; the caller then uses ``propose`` per
+        sequence. A declined call leaves the pool and every state as they were, except that with
+        the batched precompute off, the sequences already prepared keep their (valid) ctx K/V.
+
+        Returns:
+            ``n`` lists of at most ``min(num_drafts, draft_cap)`` drafts, or ``None``.
+        """
+        try:
+            n = len(last_tokens)
+            reason = _core.batch_decline_reason(
+                n,
+                self.max_batch,
+                self._batched_path and self.levers.batch_propose >= 2,
+                len(positions),
+                len(states),
+            )
+        except Exception as exc:  # noqa: BLE001 - declining is the contract
+            reason = f"bad arguments: {exc}"
+        if reason is not None:
+            log.debug("DFlash propose_batch declined: %s", reason)
+            return None
+        preps: list[_Prep] = []
+        try:
+            self._check_num_drafts(num_drafts)
+            take = self._num_take(num_drafts)
+            seen: set[int] = set()
+            for st, tok, pos in zip(states, last_tokens, positions):
+                state = self._live(st, "propose_batch")
+                if id(state) in seen:
+                    raise ValueError("the same state appears twice in one batch")
+                seen.add(id(state))
+                self._check_anchor(state, tok, pos)
+        except Exception as exc:  # noqa: BLE001 - declining is the contract
+            log.warning("DFlash batched propose prep: %s - per-sequence path", exc)
+            return None
+        try:
+            for st, tok, pos in zip(states, last_tokens, positions):
+                if not self.levers.batched_precompute:
+                    self._precompute_now(st)
+                preps.append(_Prep(st, int(tok), int(pos), st.ctx.plan_precompute()))
+            tokens = self._draft(preps, take, None)
+        except Exception as exc:  # noqa: BLE001 - declining is the contract
+            for p in preps:
+                p.state.ctx.abort_precompute(p.plan)
+            log.warning("DFlash batched propose: %s - per-sequence path", exc)
+            return None
+        except BaseException:
+            for p in preps:
+                p.state.ctx.abort_precompute(p.plan)
+            raise
+        for p, drafts in zip(preps, tokens):
+            p.state.ctx.note_propose(p.position, len(drafts))
+        return tokens
+
+    def after_verify(self, st: DFlashState, num_accepted: int) -> None:
+        """Record the verification of the last proposal (resets ``last_num_drafted``).
+
+        Raises:
+            InvalidStateError: a state of another proposer (or kind), or a freed one.
+            ValueError: more accepted than drafted.
+        """
+        state = self._own(st, "after_verify")
+        state.ctx.after_verify(int(num_accepted))
+
+    def free_state(self, st: object) -> None:
+        """Give back every block and the accumulator; reset every counter. Idempotent.
+
+        A state of another kind is ignored; a DFlash state of another proposer is an error.
+        """
+        if not isinstance(st, DFlashState):
+            return
+        state = self._own(st, "free_state")
+        state.ctx.free()
+        state.acc = None
+        state.block_table_dev = None
+
+    # ------------------------------------------------------------------ internals
+
+    def _check_num_drafts(self, num_drafts: int) -> None:
+        if isinstance(num_drafts, bool) or not isinstance(num_drafts, int):
+            raise TypeError(f"num_drafts must be an int, not {type(num_drafts).__name__}")
+        if not 1 <= num_drafts <= self.gamma - 1:
+            raise ValueError(f"num_drafts must be in 1..{self.gamma - 1}, not {num_drafts}")
+
+    def _num_take(self, num_drafts: int) -> int:
+        cap = self.levers.draft_cap
+        return num_drafts if cap is None else min(num_drafts, cap)
+
+    def _check_anchor(self, state: DFlashState, token: int, position: int) -> None:
+        if isinstance(token, bool) or not isinstance(token, int):
+            raise TypeError(f"last_token must be an int, not {type(token).__name__}")
+        if isinstance(position, bool) or not isinstance(position, int):
+            raise TypeError(f"position must be an int, not {type(position).__name__}")
+        if not 0 <= token < int(self._embed.shape[0]):
+            raise ValueError(f"last_token {token} is outside the vocabulary")
+        if position < 0:
+            raise ValueError(f"position must be >= 0, not {position}")
+        if state.ctx_len and position <= state.ctx_positions[-1]:
+            raise ValueError(
+                f"position {position} is not after the last context position "
+                f"{state.ctx_positions[-1]}"
+            )
+
+    def _bitmask(self, mask: Tensor | Sequence[int], rows: int) -> Tensor:
+        words = (self.vocab_size + 31) // 32
+        t = mask if isinstance(mask, Tensor) else torch.tensor(list(mask), dtype=torch.int64)
+        if t.is_floating_point() or t.dtype == torch.bool:
+            raise ValueError(f"grammar_bitmask must hold packed int32 words, not {t.dtype}")
+        if t.dtype != torch.int32:
+            # Accept unsigned-looking words (bit 31 set) given as Python ints.
+            t = torch.where(t >= 2**31, t - 2**32, t).to(torch.int32)
+        if t.dim() == 1:
+            t = t.unsqueeze(0).expand(rows, -1)
+        if t.dim() != 2 or t.shape[1] != words or t.shape[0] < rows:
+            raise ValueError(
+                f"grammar_bitmask must be [{words}] or [{rows}, {words}] packed int32, "
+                f"not {list(t.shape)}"
+            )
+        return t[:rows].to(self.device).contiguous()
+
+    def _precompute_now(self, state: DFlashState) -> None:
+        plan = state.ctx.plan_precompute()
+        try:
+            self._store_ctx_kv([(state, plan)])
+        except BaseException:
+            state.ctx.abort_precompute(plan)
+            raise
+        state.ctx.confirm_precompute(plan)
+
+    @torch.no_grad()
+    def _store_ctx_kv(self, items: Sequence[tuple[DFlashState, PrecomputePlan]]) -> None:
+        """One GEMM for every layer's K/V of all the plans' rows, then the paged store."""
+        rows: list[Tensor] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        for state, plan in items:
+            if plan.row_end > plan.row_start:
+                assert state.acc is not None
+                rows.append(state.acc[plan.row_start : plan.row_end])
+                positions.extend(plan.positions)
+                slots.extend(plan.slots)
+        if not rows:
+            return
+        ctx = torch.cat(rows, 0) if len(rows) > 1 else rows[0]
+        fused = self.drafter.fuse_context(ctx.to(self.dtype))
+        kv = F.linear(fused, self._kv_weight, self._kv_bias).view(
+            -1, self.num_layers, 2, self.num_kv_heads, self.head_dim
+        )
+        self._ops.ctx_kv_store(
+            kv,
+            torch.tensor(positions, dtype=torch.int64, device=self.device),
+            torch.tensor(slots, dtype=torch.int64, device=self.device),
+            self._k_norm_w,
+            self._inv_freq,
+            self._rope_scale,
+            self.eps,
+            self.k_cache,
+            self.v_cache,
+            self.slot_pos,
+        )
+
+    @torch.no_grad()
+    def _draft(self, preps: Sequence[_Prep], take: int, mask: Tensor | None) -> list[list[int]]:
+        """Store outstanding ctx K/V, run one drafter forward, pick drafts, confirm the plans.
+
+        Returns ``len(preps)`` lists of ``take`` drafts. Raises on any failure with every plan
+        still outstanding (the caller aborts them).
+        """
+        self._store_ctx_kv([(p.state, p.plan) for p in preps])
+        n, b = len(preps), self.gamma
+        tables = [p.state.ctx.block_table + list(p.plan.new_blocks) for p in preps]
+        width = max(1, max(len(t) for t in tables))
+        block_tables = torch.zeros((n, width), dtype=torch.int32)
+        for i, t in enumerate(tables):
+            if t:
+                block_tables[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
+        block_tables = block_tables.to(self.device)
+        ctx_lens = torch.tensor(
+            [p.plan.row_end for p in preps], dtype=torch.int32, device=self.device
+        )
+        anchors = torch.tensor([p.token for p in preps], dtype=torch.int64, device=self.device)
+        ids = torch.full((n, b), self.mask_token_id, dtype=torch.int64, device=self.device)
+        ids[:, 0] = anchors
+        starts = torch.tensor([p.position for p in preps], dtype=torch.int64, device=self.device)
+        q_pos = starts[:, None] + torch.arange(b, dtype=torch.int64, device=self.device)[None, :]
+        # Raw target embeddings: forward_block applies input_embedding_scale itself.
+        embeds = F.embedding(ids, self._embed).to(self.dtype)
+
+        def attend(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+            out: Tensor = self._ops.block_attention(
+                q,
+                k,
+                v,
+                self.k_cache[layer],
+                self.v_cache[layer],
+                block_tables,
+                ctx_lens,
+                q_pos,
+                self.slot_pos,
+                scale=self._scale,
+                sliding_window=self._layer_window[layer],
+                causal_block=self._layer_causal[layer],
+            )
+            return out
+
+        hidden = self.drafter.forward_block(embeds, q_pos, attend)  # [n, B, H]
+        if self._selector:
+            # The selector walks all B-1 rows left to right; keep the first `take`.
+            picked = self.drafter.draft(hidden[:, 1:], anchors, self._lm_head).tokens[:, :take]
+            if mask is not None:
+                allowed = _unpack(mask, self.vocab_size).gather(1, picked[0][:, None])[:, 0]
+                # A disallowed draft ends the band: later drafts would condition on it.
+                picked = torch.where(allowed.to(torch.int64).cumprod(0).bool()[None], picked, -1)
+        else:
+            rows = hidden[:, 1 : 1 + take].reshape(n * take, self.hidden_size)
+            logits = self.drafter.logits(rows, self._lm_head)  # [n*take, V]
+            bits = mask.repeat(n, 1) if mask is not None else None
+            picked = self._ops.masked_argmax(logits, bits).view(n, take)
+        # Row 0 (the anchor) is never a draft; the core's band split drops it.
+        band = torch.cat([anchors[:, None], picked], 1).reshape(-1).tolist()
+        bands = _core.split_bands(band, n, take + 1, True, take)
+        if bands is None:
+            raise RuntimeError(f"the drafter forward returned fewer than {n * b} rows")
+        # A row with no allowed token (-1 from masked_argmax) ends that sequence's drafts.
+        bands = [d[: d.index(-1)] if -1 in d else d for d in bands]
+        for p in preps:
+            p.state.ctx.confirm_precompute(p.plan)
+            t = p.state.ctx.block_table
+            p.state.block_table_dev = torch.tensor(t, dtype=torch.int32, device=self.device)
+        return bands

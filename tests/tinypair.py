@@ -1,0 +1,85 @@
+"""Tiny random target + DFlash drafter pairs for the proposer, engine and CLI tests (CPU, fp32).
+
+Everything is built in memory from fixed seeds, so each test sees the same weights every run.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+from blockdraft.config import DrafterConfig
+from blockdraft.models import DFlashDrafter
+
+HIDDEN = 32
+
+
+def tiny_target(kind: str = "qwen3", *, vocab: int = 64, layers: int = 3, seed: int = 0) -> Any:
+    """A random causal LM (fp32, eval) with hidden size 32."""
+    torch.manual_seed(seed)
+    common: dict[str, Any] = dict(
+        hidden_size=HIDDEN,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=64,
+        vocab_size=vocab,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+    )
+    if kind == "qwen3":
+        model = Qwen3ForCausalLM(Qwen3Config(head_dim=8, **common))
+    elif kind == "llama":
+        model = LlamaForCausalLM(LlamaConfig(**common))
+    else:
+        raise ValueError(kind)
+    return model.eval()
+
+
+def drafter_config(
+    *,
+    vocab: int = 64,
+    target_layers: int = 3,
+    block: int = 4,
+    layers: int = 1,
+    mask: int | None = None,
+    extra: dict[str, Any] | None = None,
+) -> DrafterConfig:
+    raw: dict[str, Any] = {
+        "architectures": ["DFlashDraftModel"],
+        "hidden_size": HIDDEN,
+        "num_hidden_layers": layers,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 8,
+        "intermediate_size": 48,
+        "vocab_size": vocab,
+        "rms_norm_eps": 1e-6,
+        "max_position_embeddings": 512,
+        "rope_theta": 10000.0,
+        "num_target_layers": target_layers,
+        "block_size": block,
+        "dflash_config": {
+            "target_layer_ids": [0, target_layers - 1],
+            "mask_token_id": vocab - 1 if mask is None else mask,
+        },
+    }
+    raw.update(extra or {})
+    return DrafterConfig.from_dict(raw)
+
+
+def tiny_drafter(config: DrafterConfig | None = None, *, seed: int = 1) -> DFlashDrafter:
+    """A random DFlash drafter (fp32, CPU); norms start at 1, matrices ~ N(0, 0.1)."""
+    cfg = config or drafter_config()
+    drafter = DFlashDrafter(cfg, device="cpu", dtype=torch.float32)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in drafter.named_parameters():
+            if p.dim() == 1 and "norm" in name:
+                p.fill_(1.0)
+            else:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+    drafter.requires_grad_(False)
+    return drafter.eval()
