@@ -1,0 +1,245 @@
+"""Adapter around a Hugging Face causal LM target (Qwen3, Llama and look-alikes).
+
+It gives the drafter the target's input embeddings and output head, and captures the hidden
+states of the layers in ``target_layer_ids`` with forward hooks, written straight into the ctx
+row layout the proposer stores: ``[rows, k*H]``, layers in config order, rows in (sequence,
+token) order. Layer id ``i`` is the output of decoder layer ``i``, i.e. Hugging Face's
+``hidden_states[i + 1]``; like Hugging Face, the last layer's entry is taken after the final
+norm (the public reference reads ``hidden_states`` and so sees it that way).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.utils.hooks import RemovableHandle
+
+from blockdraft._core import ConfigError
+from blockdraft.config import DrafterConfig
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class TargetOutput:
+    """One target forward.
+
+    Attributes:
+        logits: [n, T, V] (or the last ``logits_to_keep`` positions).
+        ctx_rows: [n*T, k*H] captured hidden states of the target layers.
+        past_key_values: the (updated) cache, when one was used.
+    """
+
+    logits: Tensor
+    ctx_rows: Tensor
+    past_key_values: Any
+
+
+def _decoder(model: nn.Module) -> nn.Module:
+    inner = getattr(model, "model", None)
+    if isinstance(inner, nn.Module) and hasattr(inner, "layers"):
+        return inner
+    get_decoder = getattr(model, "get_decoder", None)
+    if callable(get_decoder):
+        decoder = get_decoder()
+        if isinstance(decoder, nn.Module) and hasattr(decoder, "layers"):
+            return decoder
+    raise ConfigError(f"target {type(model).__name__} has no decoder with a 'layers' list (model.model.layers)")
+
+
+class TargetAdapter:
+    """Wraps ``model`` (an ``AutoModelForCausalLM``) for a drafter described by ``config``.
+
+    Args:
+        model: the target; its weights are used in place (nothing is copied).
+        config: the drafter's config, or just the target layer ids to capture.
+
+    Raises:
+        ConfigError: the drafter does not fit the target (hidden size, layer ids, vocabulary).
+    """
+
+    def __init__(self, model: nn.Module, config: DrafterConfig | Sequence[int]) -> None:
+        self.model = model
+        self.decoder = _decoder(model)
+        layers = self.decoder.layers
+        assert isinstance(layers, nn.ModuleList)
+        self.num_layers = len(layers)
+        target_config = getattr(model, "config", None)
+        hidden = getattr(target_config, "hidden_size", None)
+        embed = model.get_input_embeddings()  # type: ignore[operator]
+        if not isinstance(embed, nn.Module) or not isinstance(getattr(embed, "weight", None), Tensor):
+            raise ConfigError(f"target {type(model).__name__} has no input embedding table")
+        self.embedding_weight: Tensor = embed.weight
+        head = getattr(model, "lm_head", None)
+        if head is None:
+            head = model.get_output_embeddings()  # type: ignore[operator]
+        if not isinstance(head, nn.Module) or not isinstance(getattr(head, "weight", None), Tensor):
+            raise ConfigError(f"target {type(model).__name__} has no output head (lm_head)")
+        self.head: nn.Module = head
+        self.hidden_size = int(hidden) if hidden is not None else int(self.embedding_weight.shape[1])
+        self.vocab_size = int(self.lm_head.shape[0])
+
+        if isinstance(config, DrafterConfig):
+            self.layer_ids = tuple(config.target_layer_ids)
+            self._check_fit(config)
+        else:
+            self.layer_ids = tuple(int(i) for i in config)
+        if not self.layer_ids:
+            raise ConfigError("target_layer_ids is empty")
+        for i in self.layer_ids:
+            if not 0 <= i < self.num_layers:
+                raise ConfigError(
+                    f"target layer id {i} is out of range: the target has {self.num_layers} layers"
+                )
+        self._sink: Tensor | None = None
+        self._seen: list[bool] = []
+        self._handles: list[RemovableHandle] = []
+        for slot, layer_id in enumerate(self.layer_ids):
+            # HF reports the last layer's output after the final norm; match it.
+            module = self.decoder.norm if layer_id == self.num_layers - 1 else layers[layer_id]
+            assert isinstance(module, nn.Module)
+            self._handles.append(module.register_forward_hook(self._make_hook(slot)))
+
+    def _check_fit(self, config: DrafterConfig) -> None:
+        if config.hidden_size != self.hidden_size:
+            raise ConfigError(
+                f"drafter hidden_size {config.hidden_size} != target hidden_size {self.hidden_size}"
+            )
+        if config.num_target_layers is not None and config.num_target_layers != self.num_layers:
+            logger.warning(
+                "drafter was made for a %d-layer target; this target has %d layers",
+                config.num_target_layers, self.num_layers,
+            )
+        if self.embedding_weight.shape[0] != self.vocab_size:
+            logger.info(
+                "target embedding rows (%d) != lm_head rows (%d)", self.embedding_weight.shape[0], self.vocab_size
+            )
+        mask = config.mask_token_id
+        if mask is not None and mask >= self.embedding_weight.shape[0]:
+            raise ConfigError(
+                f"drafter mask_token_id {mask} is outside the target's embedding table "
+                f"({self.embedding_weight.shape[0]} rows)"
+            )
+        if config.is_dflash2 and config.vocab_size < self.vocab_size:
+            raise ConfigError(
+                f"DFlash2 selector codebooks have {config.vocab_size} rows but the target head "
+                f"has {self.vocab_size} tokens"
+            )
+
+    def _make_hook(self, slot: int) -> Any:
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
+            sink = self._sink
+            if sink is None:
+                return
+            hidden = output[0] if isinstance(output, (tuple, list)) else output
+            n, t, h = hidden.shape
+            sink.view(n, t, len(self.layer_ids), h)[:, :, slot, :].copy_(hidden)
+            self._seen[slot] = True
+
+        return hook
+
+    # ---- pieces the drafter uses -----------------------------------------------------------
+
+    @property
+    def lm_head(self) -> Tensor:
+        """[V, H] output head weight."""
+        weight = self.head.weight
+        assert isinstance(weight, Tensor)
+        return weight
+
+    @property
+    def device(self) -> torch.device:
+        return self.embedding_weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embedding_weight.dtype
+
+    @property
+    def ctx_row_size(self) -> int:
+        """k*H values per ctx row."""
+        return len(self.layer_ids) * self.hidden_size
+
+    def embed(self, tokens: Tensor) -> Tensor:
+        """Raw embedding rows: [...] int64 -> [..., H] (no model-specific scaling)."""
+        return F.embedding(tokens.to(self.device), self.embedding_weight)
+
+    def head_logits(self, hidden: Tensor) -> Tensor:
+        """[..., H] -> [..., V] through the target head."""
+        out: Tensor = self.head(hidden)
+        return out
+
+    # ---- forward ---------------------------------------------------------------------------
+
+    def new_cache(self) -> Any:
+        """An empty ``DynamicCache`` for incremental forwards."""
+        from transformers import DynamicCache
+
+        cache = DynamicCache(config=getattr(self.model, "config", None))
+        # Sliding-window layers must keep rows past their window until a crop, so a rejected
+        # block can be rolled back.
+        cache.activate_past_recording()
+        return cache
+
+    @staticmethod
+    def crop_cache(cache: Any, length: int) -> None:
+        """Drop cached positions ``>= length`` (rejected drafts)."""
+        remove = int(cache.get_seq_length()) - length
+        if remove > 0:
+            cache.crop(-remove)
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: Tensor,
+        positions: Tensor | None = None,
+        past_key_values: Any = None,
+        *,
+        out: Tensor | None = None,
+        logits_to_keep: int = 0,
+    ) -> TargetOutput:
+        """Run the target on ``input_ids`` [n, T] and capture the ctx rows.
+
+        Args:
+            positions: [n, T] int64 absolute positions (default: continue the cache).
+            past_key_values: a cache from :meth:`new_cache` (updated in place), or ``None``.
+            out: [n*T, k*H] where to write the ctx rows (e.g. a view of the proposer's
+                accumulator; any dtype, cast on write); allocated when ``None``.
+            logits_to_keep: 0 = logits for every position, else only the last ones.
+        """
+        n, t = input_ids.shape
+        rows = n * t
+        if out is None:
+            out = torch.empty(rows, self.ctx_row_size, dtype=self.dtype, device=self.device)
+        elif tuple(out.shape) != (rows, self.ctx_row_size) or not out.is_contiguous():
+            raise ValueError(
+                f"out must be a contiguous [{rows}, {self.ctx_row_size}] tensor, got {list(out.shape)}"
+            )
+        self._sink = out
+        self._seen = [False] * len(self.layer_ids)
+        try:
+            result = self.model(
+                input_ids=input_ids.to(self.device),
+                position_ids=None if positions is None else positions.to(self.device),
+                past_key_values=past_key_values,
+                use_cache=past_key_values is not None,
+                logits_to_keep=logits_to_keep,
+            )
+        finally:
+            self._sink = None
+        if not all(self._seen):
+            missing = [i for i, seen in zip(self.layer_ids, self._seen) if not seen]
+            raise RuntimeError(f"target layers {missing} did not run; cannot capture their hidden states")
+        return TargetOutput(logits=result.logits, ctx_rows=out, past_key_values=past_key_values)
+
+    def close(self) -> None:
+        """Remove the hooks (the adapter cannot capture afterwards)."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
