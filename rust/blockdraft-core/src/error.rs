@@ -12,7 +12,7 @@ pub enum Error {
 
     /// A block id outside `0..num_blocks`.
     #[error("block {block} is out of range (the pool has {num_blocks} blocks)")]
-    BlockOutOfRange { block: i64, num_blocks: usize },
+    BlockOutOfRange { block: usize, num_blocks: usize },
 
     /// A block id that is not currently allocated.
     #[error("block {block} is not allocated")]

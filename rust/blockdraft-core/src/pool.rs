@@ -99,7 +99,7 @@ impl BlockPool {
         for (i, &b) in blocks.iter().enumerate() {
             let err = if b >= self.num_blocks {
                 Some(Error::BlockOutOfRange {
-                    block: i64::try_from(b).unwrap_or(i64::MAX),
+                    block: b,
                     num_blocks: self.num_blocks,
                 })
             } else if self.bit(b) {

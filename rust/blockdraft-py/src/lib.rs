@@ -338,18 +338,29 @@ impl PyBlockPool {
 
     #[pyo3(signature = (blocks))]
     fn free(&self, py: Python<'_>, blocks: &Bound<'_, PyAny>) -> PyResult<()> {
-        let raw = i64_list_arg(blocks, "blocks")?;
-        let mut ids = Vec::with_capacity(raw.len());
-        for b in raw {
-            // A negative id is simply not a block of this pool.
-            let id = usize::try_from(b).map_err(|_| {
-                CoreError(core::Error::BlockOutOfRange {
-                    block: b,
-                    num_blocks: self.num_blocks,
+        let ids = i64_list_arg(blocks, "blocks").map_err(|e| {
+            // An int beyond 64 bits is simply not a block of this pool, like -1 or 99.
+            if e.is_instance_of::<PyValueError>(py) {
+                InvalidStateError::new_err(format!(
+                    "{} (the pool has {} blocks)",
+                    e.value(py),
+                    self.num_blocks
+                ))
+            } else {
+                e
+            }
+        })?;
+        let ids = ids
+            .into_iter()
+            .map(|b| {
+                usize::try_from(b).map_err(|_| {
+                    InvalidStateError::new_err(format!(
+                        "block {b} is out of range (the pool has {} blocks)",
+                        self.num_blocks
+                    ))
                 })
-            })?;
-            ids.push(id);
-        }
+            })
+            .collect::<PyResult<Vec<usize>>>()?;
         Ok(py.detach(|| lock(&self.pool, "pool")?.free(&ids).map_err(CoreError))?)
     }
 
