@@ -227,12 +227,6 @@ def test_catalogue_names_are_unique() -> None:
     assert len(names) == len(set(names))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="disagreement reported to the core's owner: an id beyond 64 bits raises ValueError, "
-    "while the contract (and the core for -1 or 99) treats any out-of-range id as "
-    "InvalidStateError",
-)
 def test_free_id_beyond_64_bits_is_out_of_range(monkeypatch: pytest.MonkeyPatch) -> None:
     world = make_world(monkeypatch)
     before = world.snapshot()
