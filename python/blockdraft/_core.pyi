@@ -109,8 +109,9 @@ class BlockPool:
         """Return ``blocks`` to the pool.
 
         Raises:
-            InvalidStateError: an id is out of range, not allocated, or listed twice;
-                nothing changed.
+            InvalidStateError: an id is out of range (negative ids included), not allocated, or
+                listed twice; nothing changed.
+            TypeError: ``blocks`` is not a sequence of ints.
         """
 
     def is_allocated(self, block: int) -> bool:
@@ -186,6 +187,8 @@ class ContextState:
 
     Holds the window, the context rows' positions, how many have K/V in the paged cache, the
     block table (blocks from ``pool``), and the seed's counters. Thread-safe (internal lock).
+    Call ``free`` explicitly; a state that is garbage-collected unfreed still returns its
+    blocks, as a safety net against leaks.
     """
 
     def __new__(cls, pool: BlockPool, window: int, owner: int = 0) -> ContextState:
@@ -208,7 +211,9 @@ class ContextState:
     @property
     def block_table(self) -> list[int]: ...
     @property
-    def num_blocks(self) -> int: ...
+    def num_blocks(self) -> int:
+        """``len(block_table)``; blocks of an unresolved ``PrecomputePlan`` are not included."""
+
     @property
     def seq_len(self) -> int: ...
     @property
@@ -244,7 +249,8 @@ class ContextState:
     def apply_append(self, plan: AppendPlan) -> None:
         """Commit a plan from ``plan_append`` after the accumulator was written.
 
-        A slide resets ``ctx_committed`` to 0 and returns the state's blocks to the pool.
+        A slide resets ``ctx_committed`` to 0 and returns the state's blocks to the pool. Any
+        change makes an outstanding ``PrecomputePlan`` stale (it can then only be aborted).
 
         Raises:
             InvalidStateError: the plan is for another state or an older version, or the state
@@ -265,13 +271,17 @@ class ContextState:
         """The K/V of the plan's rows is written: adopt its blocks, ``ctx_committed = row_end``.
 
         Raises:
-            InvalidStateError: the plan is foreign, stale, or already resolved.
+            InvalidStateError: the plan is foreign, stale, or already resolved, or the state was
+                freed.
         """
 
     def abort_precompute(self, plan: PrecomputePlan) -> None:
         """Give the plan's blocks back; the state is as before ``plan_precompute``.
 
-        Aborting an already-resolved plan does nothing.
+        Aborting an already-resolved plan (or one whose state was freed) does nothing.
+
+        Raises:
+            InvalidStateError: the plan belongs to another state.
         """
 
     def slot_mapping(self) -> list[int]:
@@ -294,7 +304,7 @@ class ContextState:
         """
 
     def free(self) -> bool:
-        """Return every block and reset every counter to its fresh value.
+        """Return every block (including an unresolved plan's) and reset every counter.
 
         Idempotent: returns ``True`` the first time, ``False`` afterwards (nothing done).
         """
