@@ -1,3 +1,6 @@
+# Triton ships no type information and @triton.jit kernels take untyped tensor/pointer
+# arguments; the host launchers below are fully annotated.
+# mypy: disable-error-code="import-untyped,untyped-decorator,no-untyped-def"
 """ctx K/V store: per-layer ``k_norm`` + RoPE on K, then K and V into the paged caches.
 
 The input is the result of one GEMM of the fused ctx rows against every drafter layer's stacked

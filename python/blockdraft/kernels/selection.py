@@ -1,3 +1,6 @@
+# Triton ships no type information and @triton.jit kernels take untyped tensor/pointer
+# arguments; the host launchers below are fully annotated.
+# mypy: disable-error-code="import-untyped,untyped-decorator,no-untyped-def"
 """Masked selection over logits: argmax (a kernel) and temperature / top-k / top-p sampling.
 
 The argmax splits the vocabulary across programs when there are few rows (decode: a handful of
