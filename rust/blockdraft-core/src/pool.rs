@@ -17,6 +17,9 @@ pub struct BlockPool {
     free: Vec<usize>,
     /// Bit `i` set iff block `i` is allocated.
     allocated: Vec<u64>,
+    /// All-zero between calls; `free` marks the ids of one call here to find duplicates
+    /// without allocating.
+    scratch: Vec<u64>,
     /// Source of per-pool ids for the context states drawing from this pool.
     next_state_id: u64,
 }
@@ -38,6 +41,7 @@ impl BlockPool {
             num_blocks,
             free: (0..num_blocks).rev().collect(),
             allocated: vec![0; num_blocks.div_ceil(WORD_BITS)],
+            scratch: vec![0; num_blocks.div_ceil(WORD_BITS)],
             next_state_id: 1,
         })
     }
@@ -94,27 +98,35 @@ impl BlockPool {
     /// [`Error::BlockOutOfRange`], [`Error::BlockNotAllocated`] or [`Error::DuplicateBlock`]
     /// for the first bad id; nothing changes.
     pub fn free(&mut self, blocks: &[usize]) -> Result<()> {
-        // Clear bits as we go so a repeated id shows up as "not allocated" on its second
-        // occurrence; on any error the bits cleared so far are restored.
-        for (i, &b) in blocks.iter().enumerate() {
-            let err = if b >= self.num_blocks {
-                Some(Error::BlockOutOfRange {
+        // Validate first: range, allocated, and duplicates via the scratch bitmap (marks only
+        // the ids of this call, and is all-zero again before we return).
+        let mut bad = None;
+        let mut marked = 0;
+        for &b in blocks {
+            if b >= self.num_blocks {
+                bad = Some(Error::BlockOutOfRange {
                     block: b,
                     num_blocks: self.num_blocks,
-                })
-            } else if self.bit(b) {
-                None
-            } else if blocks[..i].contains(&b) {
-                Some(Error::DuplicateBlock { block: b })
-            } else {
-                Some(Error::BlockNotAllocated { block: b })
-            };
-            if let Some(err) = err {
-                for &done in &blocks[..i] {
-                    self.set_bit(done, true);
-                }
-                return Err(err);
+                });
+            } else if !self.bit(b) {
+                bad = Some(Error::BlockNotAllocated { block: b });
+            } else if get_bit(&self.scratch, b) {
+                bad = Some(Error::DuplicateBlock { block: b });
             }
+            if bad.is_some() {
+                break;
+            }
+            put_bit(&mut self.scratch, b, true);
+            marked += 1;
+        }
+        for &b in &blocks[..marked] {
+            put_bit(&mut self.scratch, b, false);
+        }
+        if let Some(err) = bad {
+            return Err(err);
+        }
+        // Then mutate.
+        for &b in blocks {
             self.set_bit(b, false);
         }
         // Reverse order so that an alloc right after this free hands the same ids back in the
@@ -147,6 +159,11 @@ impl BlockPool {
                 )));
             }
         }
+        if self.scratch.iter().any(|&w| w != 0) {
+            return Err(Error::Invariant(
+                "free's scratch bitmap is not clear".into(),
+            ));
+        }
         let marked: usize = self.allocated.iter().map(|w| w.count_ones() as usize).sum();
         if marked + self.free.len() != self.num_blocks {
             return Err(Error::Invariant(format!(
@@ -166,16 +183,24 @@ impl BlockPool {
     }
 
     fn bit(&self, b: usize) -> bool {
-        self.allocated[b / WORD_BITS] & (1 << (b % WORD_BITS)) != 0
+        get_bit(&self.allocated, b)
     }
 
     fn set_bit(&mut self, b: usize, on: bool) {
-        let mask = 1u64 << (b % WORD_BITS);
-        if on {
-            self.allocated[b / WORD_BITS] |= mask;
-        } else {
-            self.allocated[b / WORD_BITS] &= !mask;
-        }
+        put_bit(&mut self.allocated, b, on);
+    }
+}
+
+fn get_bit(words: &[u64], b: usize) -> bool {
+    words[b / WORD_BITS] & (1 << (b % WORD_BITS)) != 0
+}
+
+fn put_bit(words: &mut [u64], b: usize, on: bool) {
+    let mask = 1u64 << (b % WORD_BITS);
+    if on {
+        words[b / WORD_BITS] |= mask;
+    } else {
+        words[b / WORD_BITS] &= !mask;
     }
 }
 
