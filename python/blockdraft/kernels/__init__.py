@@ -60,6 +60,9 @@ def _load_triton() -> str | None:
         _triton_mods.clear()
         _triton_error = f"triton kernels unavailable: {exc}"
         logger.info("%s; using the torch references", _triton_error)
+    # Importing submodule `block_attention` rebinds the package attribute of that name to the
+    # module; put the launcher back (reach the module with importlib.import_module).
+    globals()["block_attention"] = _block_attention_launcher
     return _triton_error
 
 
@@ -134,6 +137,9 @@ def block_attention(
         q, k_blk, v_blk, k_cache, v_cache, block_tables, ctx_lens, q_pos, slot_pos,
         scale=scale, sliding_window=sliding_window, causal_block=causal_block)
     return out
+
+
+_block_attention_launcher = block_attention
 
 
 def acc_append(
