@@ -726,12 +726,9 @@ impl PyContextState {
     #[pyo3(signature = (num_accepted))]
     fn after_verify(&self, num_accepted: &Bound<'_, PyAny>) -> PyResult<()> {
         let num_accepted = size_arg(num_accepted, "num_accepted")?;
-        let mut state = lock(&self.shared.state, "state")?;
-        // A freed state is a lifecycle error even when the count is also bad.
-        if state.freed() {
-            return Err(CoreError(core::Error::Freed).into());
-        }
-        Ok(state.after_verify(num_accepted).map_err(CoreError)?)
+        Ok(lock(&self.shared.state, "state")?
+            .after_verify(num_accepted)
+            .map_err(CoreError)?)
     }
 
     fn free(&self, py: Python<'_>) -> PyResult<bool> {
