@@ -132,6 +132,9 @@ class SpeculativeEngine:
         proposer: an existing proposer for this pair (default: one is built).
         max_seq_len: longest prompt + generation (default: the target's
             ``max_position_embeddings``, else 4096).
+        max_active: most sequences decoded at once (default: the proposer's ``max_batch``);
+            prompts beyond it wait for the next wave, so the pool needs blocks for only this
+            many windows.
         proposer_kwargs: passed to :class:`DFlashProposer` when one is built.
     """
 
@@ -142,6 +145,7 @@ class SpeculativeEngine:
         *,
         proposer: DFlashProposer | None = None,
         max_seq_len: int | None = None,
+        max_active: int | None = None,
         **proposer_kwargs: Any,
     ) -> None:
         self.target = target
@@ -150,6 +154,7 @@ class SpeculativeEngine:
             cfg = getattr(target, "config", None)
             max_seq_len = int(getattr(cfg, "max_position_embeddings", 0) or 4096)
         self.max_seq_len = max_seq_len
+        self.max_active = max_active
         self.proposer = proposer or DFlashProposer(
             drafter, target, max_seq_len=max_seq_len, **proposer_kwargs
         )
@@ -224,23 +229,64 @@ class SpeculativeEngine:
                     f"{self.max_seq_len}"
                 )
         stops = frozenset(int(t) for t in (stop_token_ids or ()))
-        prop = self.proposer
-        ctx = _Run(self, temperature, top_p, top_k, stops, grammar_bitmask_fn, generator)
+        run = _Run(self, temperature, top_p, top_k, stops, grammar_bitmask_fn, generator)
         seqs: list[_Seq] = []
         t0 = time.perf_counter()
-        ttft: list[float] = []
-        batched = single = 0
+        ttft: dict[int, float] = {}
+        counts = {"batched": 0, "single": 0}
+        wave = max(1, self.max_active or self.proposer.max_batch)
         try:
-            for i, p in enumerate(prompt_ids):
+            # Waves of at most `wave` live sequences keep the pool's demand bounded.
+            for first in range(0, len(prompt_ids), wave):
+                group = list(enumerate(prompt_ids))[first : first + wave]
+                seqs.extend(self._run_wave(group, run, max_new_tokens, t0, ttft, counts, progress))
+        finally:
+            for s in seqs:
+                self.proposer.free_state(s.state)
+        elapsed = time.perf_counter() - t0
+        steps = [s.steps for s in seqs]
+        flat = [x for st in steps for x in st]
+        total = sum(len(s.out) for s in seqs)
+        stats = GenerationStats(
+            acceptance_lengths=steps,
+            mean_tau=(sum(flat) / len(flat)) if flat else 0.0,
+            num_new_tokens=total,
+            elapsed_s=elapsed,
+            tokens_per_s=total / elapsed if elapsed > 0 else 0.0,
+            ttft_s=[ttft[i] for i in range(len(seqs))],
+            batched_proposals=counts["batched"],
+            single_proposals=counts["single"],
+        )
+        return GenerationResult([s.out for s in seqs], stats)
+
+    def _run_wave(
+        self,
+        group: list[tuple[int, list[int]]],
+        run: _Run,
+        max_new_tokens: int,
+        t0: float,
+        ttft: dict[int, float],
+        counts: dict[str, int],
+        progress: Callable[[int], None] | None,
+    ) -> list[_Seq]:
+        """Prefill and decode one group of prompts to completion; frees each finished state.
+
+        On any exception every state of the group is freed before it propagates.
+        """
+        prop = self.proposer
+        seqs: list[_Seq] = []
+        try:
+            for i, p in group:
                 st = prop.alloc_state_for(len(p) + max_new_tokens)
                 seq = _Seq(i, len(p), self._new_cache(), st)
                 seqs.append(seq)
                 logits, rows = self._target_forward(p, seq.cache)
-                first = ctx.choose(seq, logits[-1:], [])[0]
+                first_tok = run.choose(seq, logits[-1:], [])[0]
                 prop.commit_ctx(st, rows, range(len(p)))
-                seq.out.append(first)
-                ttft.append(time.perf_counter() - t0)
-                ctx.finish_check(seq, max_new_tokens)
+                seq.out.append(first_tok)
+                ttft[i] = time.perf_counter() - t0
+                if run.finish_check(seq, max_new_tokens):
+                    prop.free_state(st)
                 if progress is not None:
                     progress(1)
             while True:
@@ -253,7 +299,7 @@ class SpeculativeEngine:
                 }
                 drafts: dict[int, list[int]] = {s.index: [] for s in active}
                 need = [s for s in active if want[s.index] > 0]
-                plain = need if grammar_bitmask_fn is None else []
+                plain = need if run.mask_fn is None else []
                 width = prop.propose_batch_max()
                 if len(plain) >= 2 and width >= 2:
                     for c in range(0, len(plain), width):
@@ -267,40 +313,26 @@ class SpeculativeEngine:
                                 max(want[s.index] for s in chunk),
                             )
                         if got is not None:
-                            batched += 1
+                            counts["batched"] += 1
                             for s, d in zip(chunk, got):
                                 drafts[s.index] = d[: want[s.index]]
                         else:
                             for s in chunk:
-                                drafts[s.index] = self._propose_one(s, want[s.index], ctx)
-                                single += 1
+                                drafts[s.index] = self._propose_one(s, want[s.index], run)
+                                counts["single"] += 1
                 else:
                     for s in need:
-                        drafts[s.index] = self._propose_one(s, want[s.index], ctx)
-                        single += 1
+                        drafts[s.index] = self._propose_one(s, want[s.index], run)
+                        counts["single"] += 1
                 for s in active:
                     before = len(s.out)
-                    self._verify(s, drafts[s.index], ctx, max_new_tokens)
+                    self._verify(s, drafts[s.index], run, max_new_tokens)
                     if progress is not None:
                         progress(len(s.out) - before)
         finally:
             for s in seqs:
                 prop.free_state(s.state)
-        elapsed = time.perf_counter() - t0
-        steps = [s.steps for s in seqs]
-        flat = [x for st in steps for x in st]
-        total = sum(len(s.out) for s in seqs)
-        stats = GenerationStats(
-            acceptance_lengths=steps,
-            mean_tau=(sum(flat) / len(flat)) if flat else 0.0,
-            num_new_tokens=total,
-            elapsed_s=elapsed,
-            tokens_per_s=total / elapsed if elapsed > 0 else 0.0,
-            ttft_s=ttft,
-            batched_proposals=batched,
-            single_proposals=single,
-        )
-        return GenerationResult([s.out for s in seqs], stats)
+        return seqs
 
     def _propose_one(self, s: _Seq, num: int, ctx: _Run) -> list[int]:
         mask = ctx.bitmask(s, [])
@@ -436,14 +468,14 @@ def generate(
     gamma = int(drafter.config.block_size)
     longest = max(len(p) for p in prompts) + max_new_tokens
     block = 16
-    # Enough blocks for every prompt's whole window at once, and no more.
+    # Enough blocks for every live sequence's whole window (one wave), and no more.
     per_seq = -(-(longest + gamma + 1) // block)
     engine = SpeculativeEngine(
         target,
         drafter,
         max_seq_len=longest,
         max_batch=max(1, min(len(prompts), 16)),
-        num_blocks=per_seq * len(prompts),
+        num_blocks=per_seq * max(1, min(len(prompts), 16)),
         kv_block_size=block,
     )
     return engine.generate(
