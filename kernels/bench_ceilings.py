@@ -1,0 +1,23 @@
+"""H200 ceilings measured in the same run as the kernels: copy bandwidth and bf16 matmul."""
+
+from __future__ import annotations
+
+import torch
+
+from _lab import args, bench_ms, copy_bandwidth_gbs, record
+
+
+def main() -> None:
+    a = args()
+    gbs = copy_bandwidth_gbs()
+    record(a.out, {"bench": "copy_bandwidth", "bytes": 2 * (2 << 30), "gb_per_s": round(gbs, 1)})
+    n = 8192
+    x = torch.randn(n, n, dtype=torch.bfloat16, device="cuda")
+    y = torch.randn(n, n, dtype=torch.bfloat16, device="cuda")
+    ms = bench_ms(lambda: x @ y)
+    record(a.out, {"bench": "bf16_matmul", "shape": [n, n, n], "ms": round(ms, 4),
+                   "tflop_per_s": round(2 * n**3 / (ms * 1e-3) / 1e12, 1)})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,40 @@
+"""ctx K/V store at Qwen3-8B drafter shapes (5 layers, 8 KV heads x 128, bf16).
+
+Bytes: read kv [R, L, 2, Hkv, D] + write K and V of every layer (same size) + positions/slots.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from _lab import args, bench_ms, copy_bandwidth_gbs, import_kernels, record
+
+
+def main() -> None:
+    a = args()
+    K = import_kernels()
+    copy = copy_bandwidth_gbs()
+    layers, heads, dim, page = 5, 8, 128, 16
+    for rows in (4096, 16384):
+        num_blocks = 2 * rows // page
+        dev = "cuda"
+        kv = torch.randn(rows, layers, 2, heads, dim, dtype=torch.bfloat16, device=dev)
+        pos = torch.arange(rows, device=dev)
+        slots = torch.randperm(num_blocks * page, device=dev)[:rows]
+        w = torch.ones(layers, dim, dtype=torch.bfloat16, device=dev)
+        inv = 1.0 / (1e6 ** (torch.arange(0, dim, 2, device=dev, dtype=torch.float32) / dim))
+        kc = torch.zeros(layers, num_blocks, page, heads, dim, dtype=torch.bfloat16, device=dev)
+        vc = torch.zeros_like(kc)
+        sp = torch.zeros(num_blocks * page, dtype=torch.int32, device=dev)
+        ms = bench_ms(lambda: K.ctx_kv_store(kv, pos, slots, w, inv, 1.0, 1e-6, kc, vc, sp,
+                                             backend="triton"))
+        nbytes = 2 * kv.numel() * 2 + rows * (8 + 8 + 4)
+        gbs = nbytes / (ms * 1e-3) / 1e9
+        record(a.out, {"bench": "ctx_kv_store", "rows": rows, "layers": layers, "kv_heads": heads,
+                       "head_dim": dim, "ms": round(ms, 4), "gb_per_s": round(gbs, 1),
+                       "copy_gb_per_s": round(copy, 1), "ratio": round(gbs / copy, 3),
+                       "target_ratio": 0.70})
+
+
+if __name__ == "__main__":
+    main()

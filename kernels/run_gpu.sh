@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# All GPU kernel tests (bf16/fp16) and every benchmark, in one go, on a CUDA machine.
+#   bash kernels/run_gpu.sh            logs + bench.jsonl under $OUT (default kernels/out)
+# Works without the compiled Rust core: the kernels package is imported behind a stub
+# `blockdraft` package when `blockdraft._core` is missing.
+set -uo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$root"
+OUT="${OUT:-$root/kernels/out}"
+mkdir -p "$OUT"
+py="${PYTHON:-python3}"
+export PYTHONUNBUFFERED=1 TRITON_INTERPRET=0
+export PYTHONPATH="$root/python${PYTHONPATH:+:$PYTHONPATH}"
+if ! "$py" -c "import blockdraft._core" 2>/dev/null; then
+  shim="$(mktemp -d)"
+  mkdir -p "$shim/blockdraft"
+  # stub package: only `blockdraft.kernels` is needed, not the core
+  printf '__path__ = [%s]\n' "'$root/python/blockdraft'" > "$shim/blockdraft/__init__.py"
+  export PYTHONPATH="$shim:$PYTHONPATH"
+fi
+{
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+  "$py" -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'cuda', torch.version.cuda)"
+} 2>&1 | tee "$OUT/env.log"
+rc=0
+for b in ceilings kv_store attention selection; do
+  echo "== bench_$b" | tee -a "$OUT/bench.log"
+  (cd kernels && "$py" "bench_$b.py" --out "$OUT") 2>&1 | tee -a "$OUT/bench.log" || rc=1
+done
+"$py" -m pytest -q -m gpu tests/gpu/test_kernels_gpu.py -p no:cacheprovider --durations=10 \
+  2>&1 | tee "$OUT/gpu_tests.log" || rc=1
+exit "$rc"

@@ -1,0 +1,111 @@
+"""The kernel checks of tests/test_kernels_*.py on a CUDA device, in bf16 and fp16, with larger
+and sparse cases that need real device memory. Run: ``bash kernels/run_gpu.sh``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import test_kernels_attention as att
+import test_kernels_kv_store as kvs
+import test_kernels_rows as rows
+from kernel_support import K, assert_close
+
+pytestmark = pytest.mark.gpu
+GPU = torch.device("cuda")
+DTYPES = [torch.bfloat16, torch.float16]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("r", "layers", "heads", "dim", "page", "blocks", "as_list"), [
+    (1, 1, 1, 64, 4, 3, False), (17, 5, 8, 128, 16, 4, True), (63, 3, 2, 64, 8, 40, False),
+    (1000, 5, 8, 128, 16, 100, False), (4096, 2, 4, 64, 16, 300, False),
+])
+def test_kv_store_gpu(dtype: torch.dtype, r: int, layers: int, heads: int, dim: int, page: int,
+                      blocks: int, as_list: bool) -> None:
+    kvs.case_kv_store(GPU, dtype, r, layers, heads, dim, page, blocks, as_list)
+
+
+def test_kv_store_gpu_slots_beyond_2_pow_31() -> None:
+    page, heads, dim = 16, 1, 4
+    num_slots = (1 << 31) + 64 * page
+    shape = (1, num_slots // page, page, heads, dim)
+    k_c = torch.zeros(shape, dtype=torch.bfloat16, device=GPU)
+    v_c = torch.zeros(shape, dtype=torch.bfloat16, device=GPU)
+    sp = torch.zeros(num_slots, dtype=torch.int32, device=GPU)
+    slots = torch.tensor([(1 << 31) + 5, 3, (1 << 31) + 1000, -1], device=GPU)
+    kv = torch.randn(4, 1, 2, heads, dim, device=GPU).to(torch.bfloat16)
+    pos = torch.tensor([7, 8, 9, 10], device=GPU)
+    w = torch.ones(1, dim, dtype=torch.bfloat16, device=GPU)
+    inv = torch.ones(dim // 2, device=GPU)
+    K.ctx_kv_store(kv, pos, slots, w, inv, 1.0, 1e-6, k_c, v_c, sp, backend="triton")
+    flat = v_c.view(-1, heads, dim)
+    for i, s in enumerate(slots.tolist()[:3]):
+        assert torch.equal(flat[s], kv[i, 0, 1]) and int(sp[s]) == int(pos[i])
+    assert int(sp[(1 << 31) + 4]) == 0 and not flat[(1 << 31) + 6].any()
+    del k_c, v_c, sp
+    torch.cuda.empty_cache()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("ctx_lens", "num_q", "hq", "hkv", "dim", "page", "splits"), [
+    ([0], 1, 1, 1, 64, 4, None), ([5, 17, 40], 4, 8, 2, 64, 8, 3),
+    ([63], 16, 8, 1, 128, 16, 4), ([1, 30, 100], 3, 4, 4, 64, 4, 2),
+    ([1000, 3, 777], 16, 32, 8, 128, 16, None), ([4099], 16, 32, 4, 128, 16, None),
+    ([2000] * 3, 8, 16, 16, 64, 8, None),
+])
+def test_attention_gpu(dtype: torch.dtype, ctx_lens: list[int], num_q: int, hq: int, hkv: int,
+                       dim: int, page: int, splits: int | None) -> None:
+    blocks = len(ctx_lens) * (max((c + page - 1) // page for c in ctx_lens) + 1) + 8
+    att.case_attention(GPU, dtype, ctx_lens, num_q, hq, hkv, dim, page, blocks, num_splits=splits)
+
+
+@pytest.mark.parametrize(("window", "causal"), [(None, True), (7, True), (3, False), (300, False)])
+def test_attention_gpu_sliding(window: int | None, causal: bool) -> None:
+    att.case_attention(GPU, torch.bfloat16, [20, 450], 16, 32, 8, 128, 16, 64,
+                       sliding_window=window, causal_block=causal)
+
+
+def test_attention_gpu_block_ids_and_offsets_beyond_2_pow_31() -> None:
+    page, hkv, dim = 16, 8, 128
+    num_blocks = (1 << 31) // (page * hkv * dim) + 64
+    shape = (num_blocks, page, hkv, dim)
+    caches = (torch.zeros(shape, dtype=torch.bfloat16), torch.zeros(shape, dtype=torch.bfloat16),
+              torch.zeros(num_blocks * page, dtype=torch.int32))
+    x = att.make_attention_case(torch.device("cpu"), torch.bfloat16, [21, 40], 4, 16, hkv, dim,
+                                page, num_blocks, caches=caches, block_offset=num_blocks - 64)
+    x = {k: v.to(GPU) for k, v in x.items()}
+    del caches
+    want = att.run_attention(x, "torch")
+    got = att.run_attention(x, "triton")
+    assert_close(got, want, "attention output")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_acc_gpu(dtype: torch.dtype) -> None:
+    rows.case_acc(GPU, dtype, windows=[10, 5, 40, 2000], counts=[3, 0, 7, 999],
+                  starts=[2, 5, 30, 1], src_starts=[1, 0, 20, 3], keeps=[9, 5, 17, 1990],
+                  cols=5 * 512 + 3)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("r", "vocab"), [(1, 1), (3, 33), (17, 151936), (63, 1000),
+                                          (1000, 4096), (512, 151936)])
+@pytest.mark.parametrize("with_mask", [True, False])
+def test_masked_argmax_gpu(dtype: torch.dtype, r: int, vocab: int, with_mask: bool) -> None:
+    rows.case_argmax(GPU, dtype, r, vocab, with_mask)
+
+
+@pytest.mark.parametrize(("top_k", "top_p"), [(0, 1.0), (50, 1.0), (0, 0.9), (20, 0.5)])
+def test_masked_sample_gpu(top_k: int, top_p: float) -> None:
+    rows.case_sample(GPU, torch.bfloat16, 63, 32000, top_k, top_p, with_mask=True)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_dynamic_conv_gpu(dtype: torch.dtype) -> None:
+    rows.case_conv(GPU, dtype, 32, 16, 4096, 4, 128)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.7])
+def test_selector_gpu(temperature: float) -> None:
+    rows.case_selector(GPU, torch.float32, 32, 15, 32, 64, 151936, temperature)
