@@ -9,15 +9,27 @@ pool is exactly full and consistent.
 from __future__ import annotations
 
 import random
+import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+
+import pytest
 
 from blockdraft import BlockPool, ContextState, PoolExhaustedError
 from core_checks import check_world
 from scorecard import score
 
 N_THREADS = 8
+
+
+@pytest.fixture(autouse=True)
+def eager_thread_switching() -> Iterator[None]:
+    """Switch threads every few bytecodes, so they interleave between core calls too."""
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    yield
+    sys.setswitchinterval(old)
 
 
 class Ownership:
@@ -85,7 +97,7 @@ def test_shared_pool_raw_alloc_and_state_lifecycles() -> None:
         rng = random.Random(1000 + i)
         mine: list[list[int]] = []
         barrier.wait()
-        for _ in range(300):
+        for _ in range(1500):
             tally.operations += 1
             action = rng.random()
             if action < 0.45:
@@ -158,7 +170,7 @@ def test_threads_each_own_a_state_on_a_shared_pool() -> None:
         committed = 0
         barrier.wait()
         tally.sequences += 1
-        for step in range(150):
+        for step in range(400):
             n = rng.randint(1, 4)
             new = list(range(3 * step, 3 * step + min(n, 3)))
             plan = state.plan_append(new)
