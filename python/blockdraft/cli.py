@@ -174,6 +174,10 @@ def _load_pair(args: argparse.Namespace, device: Any) -> tuple[Any, Any, Any, st
         if not (path / "config.json").is_file():
             raise CliError(f"{flag} {value}: no config.json")
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    # The CLI has its own progress bar; transformers' loading bars would bury error lines.
+    hf_logging.disable_progress_bar()
 
     from blockdraft.checkpoint import load_drafter
 
