@@ -32,6 +32,9 @@ from blockdraft._core import (
     split_bands,
 )
 from blockdraft._core import __version__ as __version__
+from blockdraft.engine import GenerationResult, GenerationStats, SpeculativeEngine, generate
+from blockdraft.levers import Levers, read_levers
+from blockdraft.proposer import DFlashProposer, DFlashState
 
 logging.getLogger(__name__).addHandler(logging.NullHandler())
 
@@ -45,6 +48,12 @@ __all__ = [
     "CheckpointError",
     "ConfigError",
     "ContextState",
+    "DFlashProposer",
+    "DFlashState",
+    "GenerationResult",
+    "GenerationStats",
+    "Levers",
+    "SpeculativeEngine",
     "InvalidStateError",
     "PoolExhaustedError",
     "PrecomputePlan",
@@ -52,7 +61,9 @@ __all__ = [
     "batch_decline_reason",
     "ctx_ceiling",
     "ctx_window",
+    "generate",
     "propose_batch_max",
     "read_ctx_cap",
+    "read_levers",
     "split_bands",
 ]

@@ -177,7 +177,7 @@ def _load_pair(args: argparse.Namespace, device: Any) -> tuple[Any, Any, Any, st
     from transformers.utils import logging as hf_logging
 
     # The CLI has its own progress bar; transformers' loading bars would bury error lines.
-    hf_logging.disable_progress_bar()
+    hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]
 
     from blockdraft.checkpoint import load_drafter
 
