@@ -21,7 +21,7 @@ import triton.language as tl
 
 from ._validate import FLOAT_DTYPES, check, interpreting, next_pow2
 
-_NEG_BIG = -1.0e30  # finite "minus infinity" for running maxima: avoids inf - inf = nan
+_NEG_BIG = tl.constexpr(-1.0e30)  # finite "minus infinity" for running maxima: no inf - inf
 _LOG2E = 1.4426950408889634
 
 
@@ -222,9 +222,9 @@ def _sm_count(device: torch.device) -> int:
 
 def default_num_splits(n: int, kv_heads: int, max_ctx: int, device: torch.device,
                        block_n: int = 64) -> int:
-    """Splits per sequence: enough programs for about 4 per SM, from shapes only."""
+    """Splits per sequence: enough programs for about 3 per SM, from shapes only."""
     tiles = max(1, math.ceil(max_ctx / block_n))
-    want = math.ceil(4 * _sm_count(device) / max(1, n * kv_heads))
+    want = math.ceil(3 * _sm_count(device) / max(1, n * kv_heads))
     return max(1, min(tiles, want))
 
 

@@ -21,7 +21,7 @@ from ._validate import FLOAT_DTYPES, check
 from .reference import sample_uniforms
 
 _BLOCK_V = 1024
-_NO_ID = 1 << 62  # "no allowed id seen yet"; larger than any vocabulary id
+_NO_ID = tl.constexpr(1 << 62)  # "no allowed id seen yet"; larger than any vocabulary id
 
 
 @triton.jit
