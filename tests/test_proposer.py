@@ -479,3 +479,21 @@ def _config_with_hidden(hidden: int) -> Any:
         intermediate_size=32,
         vocab_size=64,
     )
+
+
+def test_triton_backend_gives_the_same_drafts(drafter: Any, target: Any) -> None:
+    """Both backends on the same inputs (Triton on the CPU interpreter in CI, on CUDA on GPUs)."""
+    import os
+
+    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("Triton needs CUDA or TRITON_INTERPRET=1 (set by .ci/dev test)")
+    props = [make(drafter, target, backend=b) for b in ("torch", "triton")]
+    assert props[1].backend == "triton"
+    outs = []
+    for p in props:
+        a, b = filled(p, 7, 90), filled(p, 3, 91)
+        single = p.propose(a, 4, 7, 3)
+        p.after_verify(a, 0)
+        p.commit_ctx(a, rows(2, 92), [7, 8])
+        outs.append((single, p.propose_batch([a, b], [5, 6], [9, 3], 2)))
+    assert outs[0] == outs[1]

@@ -21,7 +21,7 @@ import math
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol
+from typing import Any, Literal
 
 import torch
 from torch import Tensor, nn
@@ -47,34 +47,33 @@ _owner_ids = itertools.count(1)
 _cap_logged = False
 
 
-class _Ops(Protocol):
-    """The kernel launchers the proposer needs (Triton kernels or their torch references)."""
+class _Ops:
+    """The kernel launchers of :mod:`blockdraft.kernels`, pinned to one backend."""
 
-    def ctx_kv_store(self, *args: Any, **kwargs: Any) -> Any: ...
-    def block_attention(self, *args: Any, **kwargs: Any) -> Tensor: ...
-    def masked_argmax(self, logits: Tensor, bitmask: Tensor | None) -> Tensor: ...
+    def __init__(self, backend: Literal["torch", "triton"]) -> None:
+        from blockdraft import kernels
+
+        self._kernels = kernels
+        self.backend: Literal["torch", "triton"] = backend
+
+    def ctx_kv_store(self, *args: Any, **kwargs: Any) -> None:
+        self._kernels.ctx_kv_store(*args, backend=self.backend, **kwargs)
+
+    def block_attention(self, *args: Any, **kwargs: Any) -> Tensor:
+        out: Tensor = self._kernels.block_attention(*args, backend=self.backend, **kwargs)
+        return out
+
+    def masked_argmax(self, logits: Tensor, bitmask: Tensor | None) -> Tensor:
+        out: Tensor = self._kernels.masked_argmax(logits, bitmask, backend=self.backend)
+        return out
 
 
-def _load_ops(backend: str) -> Any:
-    """The module whose functions implement the kernels for ``backend`` ("torch" or "triton")."""
-    from blockdraft import kernels
-
-    getter = getattr(kernels, "get_backend", None)
-    if getter is not None:
-        return getter(backend)
-    if backend == "torch":
-        from blockdraft.kernels import reference
-
-        return reference
-    return kernels
-
-
-def _resolve_backend(backend: str, device: torch.device) -> str:
+def _resolve_backend(backend: str, device: torch.device) -> Literal["torch", "triton"]:
     if backend not in ("auto", "torch", "triton"):
         raise ConfigError(f"backend must be 'auto', 'torch' or 'triton', not {backend!r}")
     if backend == "auto":
         return "triton" if device.type == "cuda" else "torch"
-    return backend
+    return "triton" if backend == "triton" else "torch"
 
 
 def _target_parts(target: Any) -> tuple[Tensor, Any, int]:
@@ -260,7 +259,7 @@ class DFlashProposer:
         )
         self.dtype = dtype if dtype is not None else (first.dtype if first is not None else torch.float32)
         self.backend = _resolve_backend(backend, self.device)
-        self._ops = _load_ops(self.backend)
+        self._ops = _Ops(self.backend)
 
         self.hidden_size = int(_cfg(cfg, "hidden_size"))
         self.num_layers = int(_cfg(cfg, "num_layers", "num_hidden_layers"))
