@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import random
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,15 @@ from blockdraft.models import ReferenceAttend, apply_rope, rms_norm
 
 log = logging.getLogger(__name__)
 TOL = 1e-5
+
+
+@pytest.fixture(autouse=True)
+def one_thread() -> Iterator[None]:
+    # Tiny models: intra-op threads only add contention on the 2-core CI machine.
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 @pytest.fixture
