@@ -32,6 +32,10 @@ from blockdraft._core import (
     split_bands,
 )
 from blockdraft._core import __version__ as __version__
+from blockdraft.checkpoint import load_drafter
+from blockdraft.config import DrafterConfig, RopeConfig
+from blockdraft.models import DFlash2Drafter, DFlashDrafter, Draft, ReferenceAttend
+from blockdraft.target import TargetAdapter, TargetOutput
 from blockdraft.engine import GenerationResult, GenerationStats, SpeculativeEngine, generate
 from blockdraft.levers import Levers, read_levers
 from blockdraft.proposer import DFlashProposer, DFlashState
@@ -66,4 +70,13 @@ __all__ = [
     "read_ctx_cap",
     "read_levers",
     "split_bands",
+    "DFlash2Drafter",
+    "DFlashDrafter",
+    "Draft",
+    "DrafterConfig",
+    "ReferenceAttend",
+    "RopeConfig",
+    "TargetAdapter",
+    "TargetOutput",
+    "load_drafter",
 ]
