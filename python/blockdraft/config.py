@@ -236,7 +236,7 @@ def _parse_architecture(raw: Mapping[str, Any]) -> str:
         raise CheckpointError(f"config field 'architectures' must be a list of names, found {archs!r}")
     for arch in archs:
         if arch in SUPPORTED_ARCHITECTURES:
-            return arch
+            return str(arch)
     raise CheckpointError(
         f"unsupported architecture {archs!r}; expected one of {list(SUPPORTED_ARCHITECTURES)}"
     )
@@ -423,4 +423,10 @@ def _parse(raw: Mapping[str, Any]) -> DrafterConfig:
         raise CheckpointError(
             f"selector_top_k ({fields['selector_top_k']}) exceeds vocab_size ({config.vocab_size})"
         )
-    return dataclasses.replace(config, **fields)
+    return dataclasses.replace(
+        config,
+        conv_kernel_size=fields["conv_kernel_size"],
+        conv_group_size=fields["conv_group_size"],
+        selector_rank=fields["selector_rank"],
+        selector_top_k=fields["selector_top_k"],
+    )

@@ -75,7 +75,9 @@ class TargetAdapter:
         embed = model.get_input_embeddings()  # type: ignore[operator]
         if not isinstance(embed, nn.Module) or not isinstance(getattr(embed, "weight", None), Tensor):
             raise ConfigError(f"target {type(model).__name__} has no input embedding table")
-        self.embedding_weight: Tensor = embed.weight
+        embedding_weight = embed.weight
+        assert isinstance(embedding_weight, Tensor)
+        self.embedding_weight: Tensor = embedding_weight
         head = getattr(model, "lm_head", None)
         if head is None:
             head = model.get_output_embeddings()  # type: ignore[operator]
@@ -184,7 +186,7 @@ class TargetAdapter:
         cache = DynamicCache(config=getattr(self.model, "config", None))
         # Sliding-window layers must keep rows past their window until a crop, so a rejected
         # block can be rolled back.
-        cache.activate_past_recording()
+        cache.activate_past_recording()  # type: ignore[no-untyped-call]
         return cache
 
     @staticmethod

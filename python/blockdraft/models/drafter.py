@@ -121,7 +121,7 @@ class DFlashDrafter(nn.Module):
 
     def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> DFlashDrafter:
         # Keep the RoPE frequencies (not a parameter; always fp32) on the weights' device.
-        super()._apply(fn, recurse)
+        super()._apply(fn, recurse)  # type: ignore[no-untyped-call]
         self.rope = self.rope.to(self.fc.weight.device)
         return self
 

@@ -41,7 +41,8 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(inner, hidden, bias=False, device=device, dtype=dtype)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        out: Tensor = self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return out
 
 
 def grouped_dynamic_conv(hidden: Tensor, dynamic: Tensor, base: Tensor, group_size: int) -> Tensor:
