@@ -1,0 +1,125 @@
+"""Test-only fault injection: make the N-th allocation (or forward step) at a chosen site fail.
+
+Off by default and free when off: every hook in the library is one line,
+
+    if faults._ACTIVE is not None:
+        faults.hit("accumulator")
+
+so a normal run pays one module-attribute load and a comparison per allocation site. Tests turn
+it on with :func:`inject` (fail the ``nth`` hit of one site) or :func:`record` (count the hits of
+every site without failing, to learn how many injection points a call has).
+
+Sites (each raises what the real failure raises):
+
+| site | where | raises |
+| --- | --- | --- |
+| ``pool_blocks`` | before each ``plan_precompute`` (pool blocks for new ctx K/V) | ``PoolExhaustedError`` |
+| ``accumulator`` | a state's accumulator, and the staging copies of ``commit_ctx`` | ``torch.OutOfMemoryError`` |
+| ``block_table_dev`` | the device block tables of a proposal | ``torch.OutOfMemoryError`` |
+| ``kv_cache`` | the paged ctx K/V write into newly taken blocks | ``torch.OutOfMemoryError`` |
+| ``forward`` | the drafter forward of a proposal | ``RuntimeError`` |
+| ``attention`` | each layer's paged block attention (a kernel) | ``RuntimeError`` |
+| ``logits`` | the lm_head + draft selection of a proposal | ``RuntimeError`` |
+| ``target_forward`` | the engine's target forward (prefill and verify) | ``torch.OutOfMemoryError`` |
+
+Every injected exception's message starts with ``fault injection``. Not thread-safe: arm
+faults from one thread at a time.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+
+from blockdraft._core import PoolExhaustedError
+
+SITES: tuple[str, ...] = (
+    "pool_blocks",
+    "accumulator",
+    "block_table_dev",
+    "kv_cache",
+    "forward",
+    "attention",
+    "logits",
+    "target_forward",
+)
+
+_OOM_SITES = frozenset({"accumulator", "block_table_dev", "kv_cache", "target_forward"})
+
+
+@dataclass
+class FaultPlan:
+    """What is armed: fail hit number ``nth`` (1-based) of ``site``; ``site=None`` never fails.
+
+    Attributes:
+        hits: hits seen so far, per site.
+        fired: whether the fault was raised.
+    """
+
+    site: str | None
+    nth: int = 0
+    hits: Counter[str] = field(default_factory=Counter)
+    fired: bool = False
+
+
+_ACTIVE: FaultPlan | None = None
+
+
+def _error(site: str, nth: int) -> BaseException:
+    msg = f"fault injection: {site} #{nth}"
+    if site == "pool_blocks":
+        return PoolExhaustedError(f"{msg} (simulated pool exhaustion)")
+    if site in _OOM_SITES:
+        return torch.OutOfMemoryError(f"CUDA out of memory ({msg}, simulated)")
+    return RuntimeError(f"{msg} (simulated kernel/forward failure)")
+
+
+def hit(site: str) -> None:
+    """Called by the library hooks (only while a plan is armed): count, and raise on the N-th.
+
+    Raises:
+        PoolExhaustedError / torch.OutOfMemoryError / RuntimeError: the armed fault.
+    """
+    plan = _ACTIVE
+    if plan is None:
+        return
+    plan.hits[site] += 1
+    if not plan.fired and site == plan.site and plan.hits[site] == plan.nth:
+        plan.fired = True
+        raise _error(site, plan.nth)
+
+
+@contextmanager
+def inject(site: str, nth: int) -> Iterator[FaultPlan]:
+    """Arm one fault for the duration of the block: hit number ``nth`` of ``site`` raises.
+
+    Raises:
+        ValueError: an unknown site or ``nth < 1``.
+        RuntimeError: another plan is already armed.
+    """
+    if site not in SITES:
+        raise ValueError(f"site must be one of {SITES}, not {site!r}")
+    if nth < 1:
+        raise ValueError(f"nth must be >= 1, not {nth}")
+    yield from _armed(FaultPlan(site, nth))
+
+
+@contextmanager
+def record() -> Iterator[FaultPlan]:
+    """Count hits of every site for the duration of the block, failing none."""
+    yield from _armed(FaultPlan(None))
+
+
+def _armed(plan: FaultPlan) -> Iterator[FaultPlan]:
+    global _ACTIVE
+    if _ACTIVE is not None:
+        raise RuntimeError("a fault plan is already armed")
+    _ACTIVE = plan
+    try:
+        yield plan
+    finally:
+        _ACTIVE = None
