@@ -21,6 +21,7 @@ different lengths without padding.
 from __future__ import annotations
 
 import logging
+import operator
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -29,6 +30,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from blockdraft import faults
 from blockdraft.proposer import DFlashProposer, DFlashState
 
 log = logging.getLogger(__name__)
@@ -165,6 +167,8 @@ class SpeculativeEngine:
 
     def _target_forward(self, ids: list[int], cache: Any) -> tuple[Tensor, Tensor]:
         """Run ``ids`` through the target after ``cache``: (logits [T, V] fp32, ctx rows [T, k*H])."""
+        if faults._ACTIVE is not None:
+            faults.hit("target_forward")
         inp = torch.tensor([ids], dtype=torch.long, device=self.device)
         out = self.target(
             input_ids=inp, past_key_values=cache, use_cache=True, output_hidden_states=True
@@ -217,12 +221,18 @@ class SpeculativeEngine:
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, not {max_new_tokens}")
         _validate_sampling(temperature, top_p, top_k)
-        prompt_ids = [[int(t) for t in p] for p in prompts]
+        try:
+            prompt_ids = [[operator.index(t) for t in p] for p in prompts]
+        except TypeError as exc:
+            raise TypeError(f"prompts must hold int token ids: {exc}") from None
         if not prompt_ids:
             raise ValueError("no prompts given")
+        vocab = int(self.proposer._embed.shape[0])
         for i, p in enumerate(prompt_ids):
             if not p:
                 raise ValueError(f"prompt {i} is empty")
+            if not all(0 <= t < vocab for t in p):
+                raise ValueError(f"prompt {i} holds token ids outside the vocabulary [0, {vocab})")
             if len(p) + max_new_tokens > self.max_seq_len:
                 raise ValueError(
                     f"prompt {i}: {len(p)} + {max_new_tokens} new tokens exceed max_seq_len "

@@ -18,6 +18,7 @@ from __future__ import annotations
 import itertools
 import logging
 import math
+import operator
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -27,7 +28,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
-from blockdraft import _core
+from blockdraft import _core, faults
 from blockdraft._core import (
     BlockPool,
     ConfigError,
@@ -431,6 +432,8 @@ class DFlashProposer:
                 self.max_seq_len * self.ctx_slot_bytes // mib,
             )
         # Zeroed so that no earlier allocation's data is visible through a fresh state.
+        if faults._ACTIVE is not None:
+            faults.hit("accumulator")
         acc = torch.zeros((window, self.ctx_row_width), dtype=self.dtype, device=self.device)
         return DFlashState(ContextState(self.pool, window, self._owner), acc)
 
@@ -476,21 +479,28 @@ class DFlashProposer:
             raise ValueError(
                 f"hidden_rows are on {hidden_rows.device}, the proposer on {self.device}"
             )
-        pos = positions.tolist() if isinstance(positions, Tensor) else [int(p) for p in positions]
+        try:
+            raw = positions.tolist() if isinstance(positions, Tensor) else positions
+            pos = [operator.index(p) for p in raw]
+        except TypeError:
+            raise TypeError("positions must be ints (a float position is never rounded)") from None
         if len(pos) != hidden_rows.shape[0]:
             raise ValueError(f"{hidden_rows.shape[0]} rows but {len(pos)} positions")
         if len(pos) > state.window:
             hidden_rows = hidden_rows[-state.window :]
             pos = pos[-state.window :]
         plan = state.ctx.plan_append(pos)
+        # Every allocation happens before the accumulator is touched: a failure (device OOM)
+        # must leave its rows as they were, since the core still describes the old layout.
+        if faults._ACTIVE is not None:
+            faults.hit("accumulator")
+        new_rows = hidden_rows.to(device=acc.device, dtype=acc.dtype)
         slide = plan.slide
         if slide is not None:
             # Overlapping move: copy out first.
             kept = acc[slide.src_start : slide.src_start + slide.keep].clone()
             acc[: slide.keep] = kept
-        acc[plan.dst_start : plan.dst_start + plan.n_rows] = hidden_rows.to(
-            device=acc.device, dtype=acc.dtype
-        )
+        acc[plan.dst_start : plan.dst_start + plan.n_rows] = new_rows
         state.ctx.apply_append(plan)
 
     def propose(
@@ -524,6 +534,8 @@ class DFlashProposer:
         self._check_anchor(state, last_token, position)
         take = self._num_take(num_drafts)
         mask = self._bitmask(grammar_bitmask, take) if grammar_bitmask is not None else None
+        if faults._ACTIVE is not None:
+            faults.hit("pool_blocks")
         plan = state.ctx.plan_precompute()
         preps = [_Prep(state, int(last_token), int(position), plan)]
         try:
@@ -588,6 +600,8 @@ class DFlashProposer:
             for st, tok, pos in zip(states, last_tokens, positions):
                 if not self.levers.batched_precompute:
                     self._precompute_now(st)
+                if faults._ACTIVE is not None:
+                    faults.hit("pool_blocks")
                 preps.append(_Prep(st, int(tok), int(pos), st.ctx.plan_precompute()))
             tokens = self._draft(preps, take, None)
         except Exception as exc:  # noqa: BLE001 - declining is the contract
@@ -646,6 +660,9 @@ class DFlashProposer:
             raise ValueError(f"last_token {token} is outside the vocabulary")
         if position < 0:
             raise ValueError(f"position must be >= 0, not {position}")
+        if position >= 2**62:
+            # Draft positions (position + B) must fit the int64 position tensors.
+            raise ValueError(f"position must be < 2**62, not {position}")
         if state.ctx_len and position <= state.ctx_positions[-1]:
             raise ValueError(
                 f"position {position} is not after the last context position "
@@ -670,6 +687,8 @@ class DFlashProposer:
         return t[:rows].to(self.device).contiguous()
 
     def _precompute_now(self, state: DFlashState) -> None:
+        if faults._ACTIVE is not None:
+            faults.hit("pool_blocks")
         plan = state.ctx.plan_precompute()
         try:
             self._store_ctx_kv([(state, plan)])
@@ -697,6 +716,8 @@ class DFlashProposer:
         kv = F.linear(fused, self._kv_weight, self._kv_bias).view(
             -1, self.num_layers, 2, self.num_kv_heads, self.head_dim
         )
+        if faults._ACTIVE is not None:
+            faults.hit("kv_cache")
         self._ops.ctx_kv_store(
             kv,
             torch.tensor(positions, dtype=torch.int64, device=self.device),
@@ -721,6 +742,8 @@ class DFlashProposer:
         n, b = len(preps), self.gamma
         tables = [p.state.ctx.block_table + list(p.plan.new_blocks) for p in preps]
         width = max(1, max(len(t) for t in tables))
+        if faults._ACTIVE is not None:
+            faults.hit("block_table_dev")
         block_tables = torch.zeros((n, width), dtype=torch.int32)
         for i, t in enumerate(tables):
             if t:
@@ -738,6 +761,8 @@ class DFlashProposer:
         embeds = F.embedding(ids, self._embed).to(self.dtype)
 
         def attend(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+            if faults._ACTIVE is not None:
+                faults.hit("attention")
             out: Tensor = self._ops.block_attention(
                 q,
                 k,
@@ -754,7 +779,11 @@ class DFlashProposer:
             )
             return out
 
+        if faults._ACTIVE is not None:
+            faults.hit("forward")
         hidden = self.drafter.forward_block(embeds, q_pos, attend)  # [n, B, H]
+        if faults._ACTIVE is not None:
+            faults.hit("logits")
         if self._selector:
             # The selector walks all B-1 rows left to right; keep the first `take`.
             picked = self.drafter.draft(hidden[:, 1:], anchors, self._lm_head).tokens[:, :take]
@@ -774,8 +803,12 @@ class DFlashProposer:
             raise RuntimeError(f"the drafter forward returned fewer than {n * b} rows")
         # A row with no allowed token (-1 from masked_argmax) ends that sequence's drafts.
         bands = [d[: d.index(-1)] if -1 in d else d for d in bands]
-        for p in preps:
+        # The confirmed tables are `tables`; build them all first, so a failed allocation leaves
+        # every plan outstanding (the caller aborts them) instead of half the batch confirmed.
+        if faults._ACTIVE is not None:
+            faults.hit("block_table_dev")
+        devs = [torch.tensor(t, dtype=torch.int32, device=self.device) for t in tables]
+        for p, dev in zip(preps, devs):
             p.state.ctx.confirm_precompute(p.plan)
-            t = p.state.ctx.block_table
-            p.state.block_table_dev = torch.tensor(t, dtype=torch.int32, device=self.device)
+            p.state.block_table_dev = dev
         return bands
