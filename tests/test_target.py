@@ -99,6 +99,7 @@ def test_out_buffer_and_embeddings() -> None:
         adapter.forward(ids, out=torch.empty(5, 3 * HIDDEN))
     assert torch.equal(adapter.embed(ids), model.model.embed_tokens.weight[ids])
     assert adapter.lm_head is model.lm_head.weight
+    assert adapter.embed_weight is model.model.embed_tokens.weight and adapter.config is model.config
     assert adapter.ctx_row_size == 3 * HIDDEN
     adapter.close()
     with pytest.raises(RuntimeError, match="did not run"):

@@ -156,6 +156,16 @@ class TargetAdapter:
         return weight
 
     @property
+    def embed_weight(self) -> Tensor:
+        """[V_in, H] input embedding table (the name the proposer looks for)."""
+        return self.embedding_weight
+
+    @property
+    def config(self) -> Any:
+        """The wrapped model's config (layer count and hidden size checks)."""
+        return getattr(self.model, "config", None)
+
+    @property
     def device(self) -> torch.device:
         return self.embedding_weight.device
 
