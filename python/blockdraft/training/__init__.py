@@ -1,0 +1,29 @@
+"""Training DFlash drafters: corpora, the recipe (objective + loop), evaluation, the built-in pair."""
+
+from __future__ import annotations
+
+from blockdraft.training.recipe import (
+    DrafterTrainConfig,
+    TrainResult,
+    block_attention_mask,
+    block_loss,
+    default_gamma,
+    drafter_config_dict,
+    loss_weights,
+    sample_anchors,
+    save_drafter,
+    train_drafter,
+)
+
+__all__ = [
+    "DrafterTrainConfig",
+    "TrainResult",
+    "block_attention_mask",
+    "block_loss",
+    "default_gamma",
+    "drafter_config_dict",
+    "loss_weights",
+    "sample_anchors",
+    "save_drafter",
+    "train_drafter",
+]

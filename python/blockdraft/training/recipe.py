@@ -1,0 +1,532 @@
+"""The DFlash drafter training recipe.
+
+The target is frozen. Per step, ``n`` token windows of length ``T`` go through the target once;
+the hidden states of the ``target_layer_ids`` layers are the drafter's context, and the target's
+greedy choices (teacher-forced on the window) are the labels. In every window ``A`` anchor
+positions are drawn; each anchor ``a`` makes one block: the clean token at ``a`` followed by
+``B - 1`` MASK tokens at positions ``a .. a + B - 1``. All ``A`` blocks of a window go through
+the drafter in one pass, with a boolean attention mask in which a block row sees
+
+* the context rows at positions strictly before its anchor (exactly what inference has: the
+  anchor is the last verified token, whose hidden state is not yet known), and
+* every row of its own block (bidirectional), and no row of any other block.
+
+Block row ``k`` (1..B-1) predicts the token at ``a + k`` through the target's ``lm_head``; the
+cross-entropy of row ``k`` is weighted by ``exp(-(k - 1) / gamma)``, since a draft token only
+counts when every earlier one was accepted. The target's embeddings and ``lm_head`` are shared
+and frozen; only the drafter's layers, ``fc`` and norms learn.
+
+Determinism: the drafter is initialised on the CPU from ``seed``; step ``s`` draws its windows
+and anchors from a generator seeded by ``(seed, s)``; so a run resumed from a checkpoint makes
+the same updates as one that never stopped (bit for bit on the CPU).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import re
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import save_file
+from torch import Tensor
+
+from blockdraft.config import DFLASH_ARCH, DrafterConfig, default_target_layer_ids
+from blockdraft.models import DFlashDrafter
+from blockdraft.training.data import sample_windows, step_generator
+
+log = logging.getLogger(__name__)
+
+LabelMode = Literal["target", "corpus"]
+# Published decay constants; other block sizes use B / 2.
+_GAMMAS = {16: 7.0, 10: 5.0, 8: 4.0}
+STATE_FILE = "training_state.pt"
+ARGS_FILE = "training_args.json"
+
+
+def default_gamma(block_size: int) -> float:
+    """The loss decay gamma for block size B (7 for 16, 5 for 10, 4 for 8, else B / 2)."""
+    return _GAMMAS.get(block_size, block_size / 2)
+
+
+def loss_weights(block_size: int, gamma: float | None = None) -> Tensor:
+    """``exp(-(k - 1) / gamma)`` for block rows k = 1..B-1: [B-1] fp32."""
+    g = default_gamma(block_size) if gamma is None else gamma
+    if g <= 0:
+        raise ValueError(f"gamma must be > 0, not {g}")
+    k = torch.arange(1, block_size, dtype=torch.float32)
+    return torch.exp(-(k - 1) / g)
+
+
+def sample_anchors(n: int, length: int, num_anchors: int, block_size: int, gen: torch.Generator) -> Tensor:
+    """Distinct sorted anchor positions in ``[1, length - block_size]`` per window: [n, A] int64.
+
+    Position 0 is never an anchor (a block needs at least one context row before it), and the
+    last anchor leaves room for a whole block inside the window.
+    """
+    span = length - block_size
+    if span < 1:
+        raise ValueError(f"window length {length} is too short for blocks of {block_size}")
+    a = min(num_anchors, span)
+    rows = [torch.randperm(span, generator=gen)[:a].sort().values + 1 for _ in range(n)]
+    return torch.stack(rows)
+
+
+def block_attention_mask(anchors: Tensor, length: int, block_size: int) -> Tensor:
+    """Which keys each block row may see: [n, A*B, T + A*B] bool.
+
+    Keys are the ``T`` context rows (positions 0..T-1) followed by the ``A*B`` block rows; row
+    ``i`` of block ``j`` sees context positions ``< anchors[:, j]`` and the rows of block ``j``.
+    """
+    n, a = anchors.shape
+    device = anchors.device
+    row_anchor = anchors.repeat_interleave(block_size, dim=1)
+    ctx_visible = torch.arange(length, device=device)[None, None, :] < row_anchor[:, :, None]
+    block_of = torch.arange(a, device=device).repeat_interleave(block_size)
+    own_block = (block_of[:, None] == block_of[None, :]).expand(n, -1, -1)
+    return torch.cat((ctx_visible, own_block), dim=2)
+
+
+@dataclass
+class StepStats:
+    """What one training step measured: weighted loss, per-row accuracy [B-1], and the greedy
+    acceptance length estimate (mean over blocks of 1 + the number of leading correct rows)."""
+
+    loss: float
+    row_accuracy: list[float]
+    tau: float
+
+
+def block_loss(
+    drafter: DFlashDrafter,
+    ctx_rows: Tensor,
+    tokens: Tensor,
+    labels: Tensor,
+    anchors: Tensor,
+    embed_weight: Tensor,
+    head_weight: Tensor,
+    weights: Tensor,
+) -> tuple[Tensor, Tensor]:
+    """The recipe's loss for ``n`` windows.
+
+    Args:
+        ctx_rows: [n, T, k*H] target hidden states of the chosen layers.
+        tokens: [n, T] the window's tokens (anchors take theirs from here).
+        labels: [n, T] the token each position should hold (``-100`` where unknown).
+        anchors: [n, A] from :func:`sample_anchors`.
+        embed_weight: [V_in, H] the target's input embeddings (frozen).
+        head_weight: [V, H] the target's ``lm_head`` (frozen).
+        weights: [B-1] per-row loss weights.
+    Returns:
+        (scalar loss, [n, A, B-1] bool: draft row k equals its label).
+    """
+    c = drafter.config
+    if c.mask_token_id is None:
+        raise ValueError("the drafter config has no mask_token_id")
+    n, length = tokens.shape
+    a = anchors.shape[1]
+    b = c.block_size
+    dev = tokens.device
+    offsets = torch.arange(b, device=dev)
+    positions = anchors[:, :, None] + offsets  # [n, A, B]
+    block_ids = torch.full((n, a, b), c.mask_token_id, dtype=torch.int64, device=dev)
+    block_ids[:, :, 0] = tokens.gather(1, anchors)
+    embeds = F.embedding(block_ids.reshape(n, a * b), embed_weight)
+
+    fused = drafter.fuse_context(ctx_rows)  # [n, T, H]
+    ctx_pos = torch.arange(length, device=dev).repeat(n)
+    ctx_kv = drafter.context_kv(fused.reshape(n * length, -1), ctx_pos)
+    visible = block_attention_mask(anchors, length, b)[:, None]  # [n, 1, R, T+R]
+    group = c.num_heads // c.num_kv_heads
+    scale = c.head_dim**-0.5
+
+    def attend(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        ck, cv = ctx_kv[layer]
+        keys = torch.cat((ck.reshape(n, length, c.num_kv_heads, c.head_dim).to(k.dtype), k), dim=1)
+        values = torch.cat((cv.reshape(n, length, c.num_kv_heads, c.head_dim).to(v.dtype), v), dim=1)
+        # Norm weights promote q/k to fp32 under autocast; attend in one (the autocast) dtype.
+        dt = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else q.dtype
+        qh = q.transpose(1, 2).to(dt)
+        kh = keys.transpose(1, 2).repeat_interleave(group, dim=1).to(dt)
+        vh = values.transpose(1, 2).repeat_interleave(group, dim=1).to(dt)
+        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=visible, scale=scale)
+        return out.transpose(1, 2)
+
+    hidden = drafter.forward_block(embeds, positions.reshape(n, a * b), attend)
+    hidden = hidden.reshape(n, a, b, -1)[:, :, 1:]
+    logits = drafter.logits(hidden, head_weight).float()  # [n, A, B-1, V]
+    target = labels.gather(1, positions[:, :, 1:].reshape(n, -1)).reshape(n, a, b - 1)
+    ce = F.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]), target.reshape(-1), reduction="none", ignore_index=-100
+    ).reshape(n, a, b - 1)
+    valid = (target != -100).float()
+    w = weights.to(dev)
+    loss = (ce * w * valid).sum() / (w * valid).sum().clamp_min(1e-6)
+    correct = (logits.argmax(-1) == target) & (target != -100)
+    return loss, correct
+
+
+def target_features(
+    target: Any, tokens: Tensor, layer_ids: tuple[int, ...], label_mode: LabelMode
+) -> tuple[Tensor, Tensor]:
+    """One frozen target pass: (ctx rows [n, T, k*H], labels [n, T]).
+
+    Layer id ``i`` is ``hidden_states[i + 1]``. With ``label_mode="target"`` the label of
+    position ``p`` is the target's greedy choice after ``tokens[:, :p]``; with ``"corpus"`` it is
+    ``tokens[:, p]``. Position 0 has no label from the target (``-100``).
+    """
+    with torch.no_grad():
+        out = target(
+            input_ids=tokens,
+            output_hidden_states=True,
+            use_cache=False,
+            logits_to_keep=0 if label_mode == "target" else 1,
+        )
+        hs = out.hidden_states
+        ctx = torch.cat([hs[i + 1] for i in layer_ids], dim=-1)
+        if label_mode == "corpus":
+            return ctx, tokens.clone()
+        labels = torch.full_like(tokens, -100)
+        labels[:, 1:] = out.logits[:, :-1].argmax(-1)
+        return ctx, labels
+
+
+# ---------------------------------------------------------------- drafter shape and checkpoints
+
+
+def drafter_config_dict(
+    target_config: Any,
+    *,
+    num_layers: int,
+    block_size: int,
+    mask_token_id: int,
+    target_layer_ids: list[int] | None = None,
+    intermediate_size: int | None = None,
+) -> dict[str, Any]:
+    """A z-lab ``config.json`` object for a drafter of ``target_config``'s hidden size.
+
+    Heads, head dim, RoPE, norm epsilon and (by default) the MLP width follow the target; the
+    result loads with :func:`blockdraft.load_drafter` and ``dflash.DFlashDraftModel``.
+    """
+    tc = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
+    num_target = int(tc.num_hidden_layers)
+    ids = list(target_layer_ids) if target_layer_ids else default_target_layer_ids(num_target, num_layers)
+    hidden = int(tc.hidden_size)
+    heads = int(tc.num_attention_heads)
+    rope_params = getattr(tc, "rope_parameters", None)
+    theta = None
+    if isinstance(rope_params, dict):
+        theta = rope_params.get("rope_theta")
+        if rope_params.get("rope_type", "default") != "default":
+            raise ValueError(f"target RoPE {rope_params} is not supported by the recipe (default RoPE only)")
+    theta = float(theta or getattr(tc, "rope_theta", None) or 10000.0)
+    vocab = int(tc.vocab_size)
+    return {
+        "architectures": [DFLASH_ARCH],
+        "model_type": "qwen3",
+        "hidden_size": hidden,
+        "num_hidden_layers": num_layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(getattr(tc, "num_key_value_heads", None) or heads),
+        "head_dim": int(getattr(tc, "head_dim", None) or hidden // heads),
+        "intermediate_size": int(intermediate_size or tc.intermediate_size),
+        "vocab_size": vocab,
+        "rms_norm_eps": float(getattr(tc, "rms_norm_eps", 1e-6)),
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "max_position_embeddings": int(getattr(tc, "max_position_embeddings", 4096)),
+        "rope_theta": theta,
+        "rope_parameters": {"rope_type": "default", "rope_theta": theta},
+        "tie_word_embeddings": False,
+        "use_sliding_window": False,
+        "layer_types": ["full_attention"] * num_layers,
+        "num_target_layers": num_target,
+        "block_size": block_size,
+        "dflash_config": {
+            "block_size": block_size,
+            "mask_token_id": mask_token_id,
+            "target_layer_ids": ids,
+        },
+    }
+
+
+def new_drafter(raw_config: dict[str, Any], seed: int) -> DFlashDrafter:
+    """A freshly initialised fp32 drafter on the CPU (``nn.Linear`` default init, norms at 1)."""
+    config = DrafterConfig.from_dict(raw_config)
+    if config.is_dflash2:
+        raise ValueError("the recipe trains DFlash drafters only (not DFlash2)")
+    torch.manual_seed(seed)
+    drafter = DFlashDrafter(config, device="cpu", dtype=torch.float32)
+    for module in drafter.modules():
+        if isinstance(module, torch.nn.Linear):
+            torch.nn.init.normal_(module.weight, std=0.02)
+    return drafter
+
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def save_drafter(drafter: DFlashDrafter, raw_config: dict[str, Any], out: Path, dtype: str = "bfloat16") -> Path:
+    """Write ``out/config.json`` + ``out/model.safetensors`` (z-lab format) in ``dtype``."""
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = dict(raw_config)
+    cfg["dtype"] = dtype
+    cfg["torch_dtype"] = dtype
+    (out / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    tensors = {k: v.detach().to("cpu", _DTYPES[dtype]).contiguous() for k, v in drafter.state_dict().items()}
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
+# ---------------------------------------------------------------- the training loop
+
+
+@dataclass
+class DrafterTrainConfig:
+    """Everything that defines a drafter training run (saved beside its checkpoints).
+
+    Attributes:
+        num_layers / block_size / mask_token_id / target_layer_ids: the drafter's shape
+            (``target_layer_ids`` empty: the default rule).
+        seq_len: window length T; num_seqs: windows per step n; num_anchors: blocks per window A.
+        steps: optimizer steps (upper bound when ``time_budget_s`` is set).
+        time_budget_s: when > 0, after ``calibrate_steps`` steps the run is shortened so that it
+            ends within this many seconds (the chosen step count is logged and saved).
+        lr, warmup_steps, weight_decay, grad_clip: AdamW with linear warm-up, then cosine decay
+            to ``min_lr_ratio * lr``.
+        label_mode: ``"target"`` (the target's greedy choices) or ``"corpus"`` (the tokens).
+        gamma: loss decay (``None``: :func:`default_gamma`).
+        save_every: steps between checkpoints (0: only at the end); keep: checkpoints kept.
+        save_dtype: dtype of the exported drafter.
+    """
+
+    num_layers: int = 1
+    block_size: int = 16
+    mask_token_id: int = -1
+    target_layer_ids: list[int] = field(default_factory=list)
+    intermediate_size: int | None = None
+    seq_len: int = 512
+    num_seqs: int = 16
+    num_anchors: int = 64
+    steps: int = 1000
+    time_budget_s: float = 0.0
+    calibrate_steps: int = 20
+    lr: float = 6e-4
+    warmup_steps: int = 50
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.01
+    grad_clip: float = 1.0
+    label_mode: LabelMode = "target"
+    gamma: float | None = None
+    seed: int = 0
+    save_every: int = 0
+    keep: int = 2
+    save_dtype: str = "bfloat16"
+    log_every: int = 50
+
+
+def lr_at(step: int, total: int, cfg: DrafterTrainConfig) -> float:
+    """Learning rate of (0-based) ``step`` out of ``total``."""
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    span = max(1, total - cfg.warmup_steps)
+    progress = min(1.0, (step - cfg.warmup_steps) / span)
+    floor = cfg.min_lr_ratio
+    return cfg.lr * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+@dataclass
+class TrainResult:
+    """Where the drafter went and what the run did."""
+
+    drafter_dir: Path
+    steps: int
+    seconds: float
+    context_tokens: int
+    final_loss: float
+    final_tau: float
+    history: list[dict[str, float]]
+
+
+def _checkpoints(out: Path) -> list[tuple[int, Path]]:
+    found = []
+    for p in (out / "checkpoints").glob("step-*"):
+        m = re.fullmatch(r"step-(\d+)", p.name)
+        if m and (p / STATE_FILE).is_file():
+            found.append((int(m.group(1)), p))
+    return sorted(found)
+
+
+def train_drafter(
+    target: Any,
+    stream: Tensor,
+    cfg: DrafterTrainConfig,
+    out: Path,
+    *,
+    resume: bool = False,
+    progress: bool = True,
+    on_step: Callable[[int, StepStats], None] | None = None,
+) -> TrainResult:
+    """Train a drafter for the frozen ``target`` on windows of ``stream`` [N] int64.
+
+    The target runs in its own dtype on its device; on CUDA the drafter keeps fp32 master
+    weights and computes under bf16 autocast. Checkpoints go to ``out/checkpoints/step-N``
+    (every ``save_every`` steps), the final drafter to ``out/drafter`` (z-lab format).
+
+    Args:
+        resume: continue from the newest checkpoint under ``out`` (its saved config must agree
+            with ``cfg`` on everything but ``steps``/``time_budget_s``/``save_every``).
+    Raises:
+        ValueError: a bad shape, mask token outside the embeddings, or a config mismatch on
+            resume.
+    """
+    from tqdm import tqdm  # type: ignore[import-untyped]
+
+    device = next(target.parameters()).device
+    target.eval()
+    target.requires_grad_(False)
+    embed_weight = target.get_input_embeddings().weight
+    head = getattr(target, "lm_head", None)
+    if head is None:
+        head = target.get_output_embeddings()
+    head_weight = head.weight
+    if not 0 <= cfg.mask_token_id < embed_weight.shape[0]:
+        raise ValueError(
+            f"mask_token_id {cfg.mask_token_id} is outside the target's embeddings ({embed_weight.shape[0]} rows)"
+        )
+    raw = drafter_config_dict(
+        target.config,
+        num_layers=cfg.num_layers,
+        block_size=cfg.block_size,
+        mask_token_id=cfg.mask_token_id,
+        target_layer_ids=cfg.target_layer_ids or None,
+        intermediate_size=cfg.intermediate_size,
+    )
+    layer_ids = tuple(raw["dflash_config"]["target_layer_ids"])
+    drafter = new_drafter(raw, cfg.seed).to(device)
+    drafter.train()
+    decay = [p for p in drafter.parameters() if p.dim() > 1]
+    no_decay = [p for p in drafter.parameters() if p.dim() <= 1]
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=cfg.lr,
+        betas=(0.9, 0.95),
+    )
+    weights = loss_weights(cfg.block_size, cfg.gamma).to(device)
+    out.mkdir(parents=True, exist_ok=True)
+    volatile = {"steps", "time_budget_s", "save_every", "keep", "log_every"}
+    fixed = {k: v for k, v in asdict(cfg).items() if k not in volatile}
+    start, total = 0, cfg.steps
+    history: list[dict[str, float]] = []
+    if resume:
+        ckpts = _checkpoints(out)
+        if not ckpts:
+            raise ValueError(f"--resume: no checkpoint under {out / 'checkpoints'}")
+        step, path = ckpts[-1]
+        saved = json.loads((path / ARGS_FILE).read_text(encoding="utf-8"))
+        diff = {k for k in fixed if saved.get(k) != fixed[k]}
+        if diff:
+            raise ValueError(f"--resume: checkpoint {path} was made with different settings: {sorted(diff)}")
+        state = torch.load(path / STATE_FILE, map_location=device, weights_only=True)
+        drafter.load_state_dict(state["drafter"])
+        opt.load_state_dict(state["optimizer"])
+        start, total = int(state["step"]), int(state["total"])
+        history = list(state.get("history", []))
+        log.info("resumed from %s at step %d of %d", path, start, total)
+    (out / ARGS_FILE).write_text(json.dumps(asdict(cfg), indent=2) + "\n", encoding="utf-8")
+
+    use_amp = device.type == "cuda"
+    stream = stream.to("cpu")
+    tau_ema = loss_ema = float("nan")
+    t0 = time.perf_counter()
+    bar = tqdm(total=total, initial=start, disable=not progress, unit="step", dynamic_ncols=True)
+    step = start
+    last = StepStats(float("nan"), [], float("nan"))
+    calibrated = start >= cfg.calibrate_steps or cfg.time_budget_s <= 0
+    try:
+        while step < total:
+            gen = step_generator(cfg.seed, step)
+            tokens = sample_windows(stream, cfg.num_seqs, cfg.seq_len, gen)
+            anchors = sample_anchors(cfg.num_seqs, cfg.seq_len, cfg.num_anchors, cfg.block_size, gen)
+            tokens, anchors = tokens.to(device), anchors.to(device)
+            for group in opt.param_groups:
+                group["lr"] = lr_at(step, total, cfg)
+            ctx, labels = target_features(target, tokens, layer_ids, cfg.label_mode)
+            with torch.autocast(device_type="cuda", dtype=torch.bfloat16, enabled=use_amp):
+                loss, correct = block_loss(
+                    drafter, ctx, tokens, labels, anchors, embed_weight, head_weight, weights
+                )
+            opt.zero_grad(set_to_none=True)
+            loss.backward()  # type: ignore[no-untyped-call]
+            if cfg.grad_clip > 0:
+                torch.nn.utils.clip_grad_norm_(drafter.parameters(), cfg.grad_clip)
+            opt.step()
+            step += 1
+            if step % cfg.log_every == 0 or step == total or step == start + 1:
+                lv = float(loss.detach())
+                acc = correct.float().mean(dim=(0, 1)).tolist()
+                tau = float(correct.long().cumprod(dim=-1).sum(-1).float().mean()) + 1.0
+                last = StepStats(lv, acc, tau)
+                tau_ema = tau if math.isnan(tau_ema) else 0.8 * tau_ema + 0.2 * tau
+                loss_ema = lv if math.isnan(loss_ema) else 0.8 * loss_ema + 0.2 * lv
+                history.append({"step": float(step), "loss": lv, "tau": tau})
+                bar.set_postfix(loss=f"{loss_ema:.3f}", tau=f"{tau_ema:.2f}")
+                if on_step is not None:
+                    on_step(step, last)
+            bar.update(1)
+            if not calibrated and step - start >= cfg.calibrate_steps:
+                if device.type == "cuda":
+                    torch.cuda.synchronize()
+                per_step = (time.perf_counter() - t0) / (step - start)
+                fit = int(cfg.time_budget_s / per_step)
+                if fit < total:
+                    total = max(step + 1, fit)
+                    bar.total = total
+                    log.info("time budget %.0f s at %.1f ms/step: training %d steps", cfg.time_budget_s,
+                             per_step * 1000, total)
+                calibrated = True
+            if cfg.save_every and step % cfg.save_every == 0 and step < total:
+                _save_checkpoint(out, step, total, drafter, opt, cfg, history)
+    finally:
+        bar.close()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - t0
+    drafter.eval()
+    drafter_dir = save_drafter(drafter, raw, out / "drafter", cfg.save_dtype)
+    _save_checkpoint(out, step, total, drafter, opt, cfg, history)
+    ctx_tokens = (step - start) * cfg.num_seqs * cfg.seq_len
+    log.info(
+        "trained %d steps in %.1f s (%.2f s per 1M context tokens); loss %.3f, tau estimate %.2f -> %s",
+        step - start, seconds, seconds / max(1, ctx_tokens) * 1e6, last.loss, last.tau, drafter_dir,
+    )
+    return TrainResult(drafter_dir, step, seconds, ctx_tokens, last.loss, last.tau, history)
+
+
+def _save_checkpoint(
+    out: Path,
+    step: int,
+    total: int,
+    drafter: DFlashDrafter,
+    opt: torch.optim.Optimizer,
+    cfg: DrafterTrainConfig,
+    history: list[dict[str, float]],
+) -> None:
+    path = out / "checkpoints" / f"step-{step}"
+    path.mkdir(parents=True, exist_ok=True)
+    state = {"drafter": drafter.state_dict(), "optimizer": opt.state_dict(), "step": step, "total": total,
+             "history": history}
+    torch.save(state, path / STATE_FILE)
+    (path / ARGS_FILE).write_text(json.dumps(asdict(cfg), indent=2) + "\n", encoding="utf-8")
+    for _, old in _checkpoints(out)[: -max(1, cfg.keep)]:
+        for f in old.iterdir():
+            f.unlink()
+        old.rmdir()
