@@ -3,6 +3,7 @@
 Subcommands:
     generate  speculative generation with a target + DFlash drafter (or a built-in demo pair).
     demo      walk the Rust core through a sequence's lifecycle (pool, window, slide, free).
+    bench     proposer latency, batching, memory, host overhead, reference and end-to-end cost.
 """
 
 from __future__ import annotations
@@ -292,6 +293,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks"
     )
     gen.set_defaults(func=_generate)
+    bench = sub.add_parser("bench", help="benchmark the proposer on random weights (see docs/BENCHMARKS.md)")
+    from blockdraft.bench import add_arguments, main_from_args
+
+    add_arguments(bench)
+    bench.set_defaults(func=main_from_args)
     return parser
 
 

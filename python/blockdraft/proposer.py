@@ -36,6 +36,7 @@ from blockdraft._core import (
     InvalidStateError,
     PrecomputePlan,
 )
+from blockdraft.graphs import GraphMode, GraphRunner, resolve_mode
 from blockdraft.levers import Levers, read_levers
 
 log = logging.getLogger(__name__)
@@ -219,6 +220,10 @@ class DFlashProposer:
         dtype: K/V cache and accumulator dtype (default: the drafter's dtype).
         pool: share an existing :class:`~blockdraft.BlockPool` (its sizes win).
         batched_path: allow the batched ``propose_batch`` path at all.
+        graphs: the steady-state draft forward (greedy DFlash, no grammar mask) through
+            :mod:`blockdraft.graphs`: ``"auto"`` captures CUDA graphs per batch-size bucket on
+            CUDA and runs the plain path elsewhere; ``"capture"``, ``"static"`` (the graph
+            path's buffers, run eagerly) or ``"off"`` force one.
 
     Raises:
         ConfigError: a bad lever, backend, or a drafter that does not fit the target.
@@ -240,6 +245,7 @@ class DFlashProposer:
         dtype: torch.dtype | None = None,
         pool: BlockPool | None = None,
         batched_path: bool = True,
+        graphs: GraphMode = "auto",
     ) -> None:
         if max_seq_len < 1:
             raise ValueError(f"max_seq_len must be >= 1, not {max_seq_len}")
@@ -342,6 +348,10 @@ class DFlashProposer:
         self._rope_scale = float(getattr(rope, "attention_scaling", 1.0))
         self._scale = float(_cfg(cfg, "attn_scale", default=self.head_dim**-0.5))
         self._layer_window, self._layer_causal = self._layer_attention_kinds()
+        graph_mode = resolve_mode(graphs, self.device)
+        self._graphs: GraphRunner | None = (
+            GraphRunner(self, graph_mode) if graph_mode is not None else None
+        )
 
     # ------------------------------------------------------------------ set-up helpers
 
@@ -731,6 +741,22 @@ class DFlashProposer:
             self.slot_pos,
         )
 
+    def _graph_bands(
+        self, runner: GraphRunner, preps: Sequence[_Prep], got: Tensor, take: int
+    ) -> list[list[int]]:
+        """Bands from the graph path's drafts ``got`` [n, B-1]; confirms the plans."""
+        n = len(preps)
+        rows = got[:, :take].tolist()
+        band = [x for p, r in zip(preps, rows) for x in (p.token, *r)]
+        bands = _core.split_bands(band, n, take + 1, True, take)
+        if bands is None:
+            raise RuntimeError(f"the drafter forward returned fewer than {n * self.gamma} rows")
+        devs = runner.device_tables(n)
+        for p, dev in zip(preps, devs):
+            p.state.ctx.confirm_precompute(p.plan)
+            p.state.block_table_dev = dev
+        return bands
+
     @torch.no_grad()
     def _draft(self, preps: Sequence[_Prep], take: int, mask: Tensor | None) -> list[list[int]]:
         """Store outstanding ctx K/V, run one drafter forward, pick drafts, confirm the plans.
@@ -739,6 +765,11 @@ class DFlashProposer:
         still outstanding (the caller aborts them).
         """
         self._store_ctx_kv([(p.state, p.plan) for p in preps])
+        runner = self._graphs
+        if runner is not None and mask is None and not self._selector and runner.accepts(len(preps)):
+            got = runner.draft(preps)
+            if got is not None:
+                return self._graph_bands(runner, preps, got, take)
         n, b = len(preps), self.gamma
         tables = [p.state.ctx.block_table + list(p.plan.new_blocks) for p in preps]
         width = max(1, max(len(t) for t in tables))

@@ -1,0 +1,260 @@
+"""CUDA-graph replay of the proposer's steady-state draft forward.
+
+After the ctx K/V precompute (variable length, stays eager), one proposal is a fixed sequence of
+kernels whose shapes depend only on the number of sequences ``n``: embed the block, the drafter
+layers with paged block attention, the target ``lm_head`` on rows 1..B-1 and argmax. This module
+captures that sequence once per batch-size bucket and replays it; per call only the metadata
+changes, written in place into one static buffer per bucket::
+
+    meta [bucket, 3 + W] int64 on the device:
+        column 0: ctx rows with K/V (the plan's row_end), 1: anchor token, 2: anchor position,
+        columns 3..3+W: the block table (W = ceil(ceiling / block_size) entries, zero padded)
+
+The host keeps a pinned mirror of ``meta`` and rewrites only what changed: per row the three
+scalars, plus the blocks a precompute plan appended (a row's whole table is re-read from the
+core only when the row holds another state or its table changed in some other way, e.g. after
+a slide). One host-to-device copy per call moves it. Rows past ``n`` (bucket padding) have no
+context and their drafts are ignored.
+
+Attention splits are derived from ``W`` (shapes only), so a graph stays valid for every context
+length up to the window ceiling. ``mode="static"`` runs the same buffers eagerly on any device:
+the CPU tests use it to check that the bookkeeping gives the drafts of the plain path.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+from torch import Tensor
+from torch.nn import functional as F
+
+if TYPE_CHECKING:
+    from blockdraft.proposer import DFlashProposer
+
+log = logging.getLogger(__name__)
+
+GraphMode = Literal["auto", "capture", "static", "off"]
+
+_META = 3  # scalar columns in front of the block table
+
+
+def default_buckets(max_batch: int) -> list[int]:
+    """Powers of two below ``max_batch``, and ``max_batch`` itself."""
+    out = [1]
+    while out[-1] * 2 < max_batch:
+        out.append(out[-1] * 2)
+    if out[-1] != max_batch:
+        out.append(max_batch)
+    return out
+
+
+class _Bucket:
+    """Static buffers (and, when capturing, the graph) for up to ``size`` sequences."""
+
+    def __init__(self, size: int, width: int, device: torch.device, pin: bool, mask_id: int):
+        self.size = size
+        self.host = torch.zeros((size, _META + width), dtype=torch.int64, pin_memory=pin)
+        self.host_np = self.host.numpy()
+        self.host_np[:, 1] = mask_id
+        self.dev = torch.zeros((size, _META + width), dtype=torch.int64, device=device)
+        # Which state each row mirrors, and how many of its blocks the row holds.
+        self.owners: list[object | None] = [None] * size
+        self.lens = [0] * size
+        self.graph: Any = None
+        self.out: Tensor | None = None
+
+
+class GraphRunner:
+    """Static-buffer draft forward for a :class:`~blockdraft.DFlashProposer` (greedy DFlash).
+
+    Args:
+        prop: the proposer (its drafter, target parts, caches and kernels are used in place).
+        mode: ``"capture"`` records a CUDA graph per bucket on first use and replays it;
+            ``"static"`` runs the same buffers eagerly (any device).
+        buckets: batch sizes with their own buffers (default: :func:`default_buckets`).
+    """
+
+    def __init__(
+        self,
+        prop: DFlashProposer,
+        mode: Literal["capture", "static"],
+        buckets: Sequence[int] | None = None,
+    ) -> None:
+        self.prop = prop
+        self.mode = mode
+        self.width = max(1, math.ceil(prop.ceiling / prop.kv_block_size))
+        self.buckets = sorted(set(buckets or default_buckets(prop.max_batch)))
+        self._slots: dict[int, _Bucket] = {}
+        self._pool: Any = None
+        self.captures = 0
+        self.replays = 0
+        self.disabled: str | None = None
+
+    # ------------------------------------------------------------------ public
+
+    def bucket_for(self, n: int) -> int | None:
+        """The smallest bucket holding ``n`` sequences, or ``None``."""
+        for b in self.buckets:
+            if b >= n:
+                return b
+        return None
+
+    def accepts(self, n: int) -> bool:
+        return self.disabled is None and self.bucket_for(n) is not None
+
+    def device_tables(self, n: int) -> list[Tensor]:
+        """The block tables of the last call's first ``n`` rows on the device, each
+        ``[num_blocks]`` int32 (one copy for all rows, then views)."""
+        bucket = self._slots[self.bucket_for(n) or n]
+        tables = bucket.dev[:n, _META:].to(torch.int32)
+        return [tables[i, : bucket.lens[i]] for i in range(n)]
+
+    @torch.no_grad()
+    def draft(self, preps: Sequence[Any]) -> Tensor | None:
+        """Drafts ``[n, B-1]`` int64 on the device for the prepared sequences, or ``None`` when
+        this call must take the plain path (a table wider than the graphs' width).
+
+        ``preps`` are the proposer's ``_Prep`` records; their precompute plans are outstanding
+        (the K/V of every row up to ``plan.row_end`` is already in the paged cache).
+        """
+        n = len(preps)
+        size = self.bucket_for(n)
+        if size is None or self.disabled is not None:
+            return None
+        bucket = self._slots.get(size)
+        if bucket is None:
+            bucket = _Bucket(
+                size, self.width, self.prop.device, self.mode == "capture", self.prop.mask_token_id
+            )
+            self._slots[size] = bucket
+        if not self._fill(bucket, preps):
+            return None
+        bucket.dev.copy_(bucket.host, non_blocking=True)
+        if self.mode == "static":
+            return self._forward(bucket.dev)[:n]
+        if bucket.graph is None:
+            try:
+                self._capture(bucket)
+            except Exception as exc:  # noqa: BLE001 - fall back to the plain path for good
+                self.disabled = f"CUDA graph capture failed: {exc}"
+                log.warning("DFlash proposer: %s; using the eager path", self.disabled)
+                bucket.graph = None
+                torch.cuda.synchronize(self.prop.device)
+                return None
+        bucket.graph.replay()
+        self.replays += 1
+        assert bucket.out is not None
+        return bucket.out[:n]
+
+    # ------------------------------------------------------------------ internals
+
+    def _fill(self, bucket: _Bucket, preps: Sequence[Any]) -> bool:
+        arr = bucket.host_np
+        width = self.width
+        for i, p in enumerate(preps):
+            state = p.state
+            ctx = state.ctx
+            held = ctx.num_blocks
+            if bucket.owners[i] is not state or bucket.lens[i] != held:
+                table = ctx.block_table
+                if len(table) > width:
+                    bucket.owners[i] = None
+                    return False
+                arr[i, _META : _META + len(table)] = table
+                bucket.owners[i] = state
+                bucket.lens[i] = len(table)
+            new = p.plan.new_blocks
+            if new:
+                start = bucket.lens[i]
+                if start + len(new) > width:
+                    bucket.owners[i] = None
+                    return False
+                arr[i, _META + start : _META + start + len(new)] = new
+                # Mirrors the table as it is once the plan is confirmed; an aborted plan shows
+                # up next call as a length mismatch and the row is re-read.
+                bucket.lens[i] = start + len(new)
+            arr[i, 0] = p.plan.row_end
+            arr[i, 1] = p.token
+            arr[i, 2] = p.position
+        for i in range(len(preps), bucket.size):
+            if bucket.owners[i] is not None or arr[i, 0] != 0:
+                arr[i, 0] = 0
+                arr[i, 1] = self.prop.mask_token_id
+                arr[i, 2] = 0
+                bucket.owners[i] = None
+        return True
+
+    def _forward(self, meta: Tensor) -> Tensor:
+        """meta [m, 3 + W] -> drafts [m, B-1] int64 (the plain path's math, fixed shapes)."""
+        prop = self.prop
+        m, b = meta.shape[0], prop.gamma
+        ctx_lens = meta[:, 0].to(torch.int32)
+        anchors = meta[:, 1]
+        starts = meta[:, 2]
+        block_tables = meta[:, _META:].to(torch.int32)
+        ids = torch.full((m, b), prop.mask_token_id, dtype=torch.int64, device=meta.device)
+        ids[:, 0] = anchors
+        q_pos = starts[:, None] + torch.arange(b, dtype=torch.int64, device=meta.device)[None, :]
+        embeds = F.embedding(ids, prop._embed).to(prop.dtype)
+
+        def attend(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+            out: Tensor = prop._ops.block_attention(
+                q,
+                k,
+                v,
+                prop.k_cache[layer],
+                prop.v_cache[layer],
+                block_tables,
+                ctx_lens,
+                q_pos,
+                prop.slot_pos,
+                scale=prop._scale,
+                sliding_window=prop._layer_window[layer],
+                causal_block=prop._layer_causal[layer],
+            )
+            return out
+
+        hidden = prop.drafter.forward_block(embeds, q_pos, attend)  # [m, B, H]
+        rows = hidden[:, 1:].reshape(m * (b - 1), prop.hidden_size)
+        logits = prop.drafter.logits(rows, prop._lm_head)  # [m*(B-1), V]
+        picked: Tensor = prop._ops.masked_argmax(logits, None).view(m, b - 1)
+        return picked
+
+    def _capture(self, bucket: _Bucket) -> None:
+        device = self.prop.device
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        # Warm up on a side stream (Triton compiles, cuBLAS picks its kernels), then record.
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                self._forward(bucket.dev)
+        torch.cuda.current_stream(device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            out = self._forward(bucket.dev)
+        bucket.graph = graph
+        bucket.out = out
+        self.captures += 1
+        log.debug("DFlash proposer: captured a CUDA graph for %d sequences", bucket.size)
+
+
+def resolve_mode(mode: str, device: torch.device) -> Literal["capture", "static"] | None:
+    """``"auto"``: capture on CUDA, nothing elsewhere; ``"off"``: nothing."""
+    if mode not in ("auto", "capture", "static", "off"):
+        raise ValueError(f"graphs must be 'auto', 'capture', 'static' or 'off', not {mode!r}")
+    if mode == "off":
+        return None
+    if mode == "auto":
+        return "capture" if device.type == "cuda" else None
+    if mode == "capture" and device.type != "cuda":
+        raise ValueError("graphs='capture' needs a CUDA device")
+    return "static" if mode == "static" else "capture"
+
+
+__all__ = ["GraphMode", "GraphRunner", "default_buckets", "resolve_mode"]

@@ -1,0 +1,193 @@
+"""The benchmark tool on the tiny shape (CPU) and the CUDA-graph path's bookkeeping.
+
+The graph path (``graphs="static"``: the captured path's buffers run eagerly) must give the
+plain path's drafts through batch-size changes, bucket padding, slides and aborted plans.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from tinypair import drafter_config, tiny_drafter, tiny_target
+
+from blockdraft import DFlashProposer
+from blockdraft import bench as bd_bench
+from blockdraft.cli import main as cli_main
+from blockdraft.graphs import default_buckets, resolve_mode
+
+
+def _drive(mode: str, budget: int, seed: int) -> tuple[list[Any], list[list[int]]]:
+    """A scripted run over 4 sequences: batches of 1..4 in changing order, 1..3 new rows per
+    step; returns every proposal and each state's final device block table."""
+    target = tiny_target()
+    drafter = tiny_drafter(drafter_config(block=4, layers=2))
+    prop = DFlashProposer(
+        drafter, target, max_seq_len=200, num_blocks=80, kv_block_size=4, max_batch=4, graphs=mode
+    )
+    gen = torch.Generator().manual_seed(seed)
+    rows = torch.randn(400, 64, generator=gen)
+    states = [prop.alloc_state_for(budget) for _ in range(4)]
+    pos = [9, 14, 6, 21]
+    for i, st in enumerate(states):
+        prop.commit_ctx(st, rows[: pos[i]], range(pos[i]))
+    order = torch.randperm(400, generator=gen).tolist()
+    got: list[Any] = []
+    for step in range(24):
+        n = 1 + step % 4
+        idx = sorted({order[(step * 4 + j) % 400] % 4 for j in range(n)})
+        toks = [(step * 7 + i) % 60 for i in idx]
+        if len(idx) == 1:
+            got.append([prop.propose(states[idx[0]], toks[0], pos[idx[0]], 3)])
+        else:
+            got.append(prop.propose_batch([states[i] for i in idx], toks, [pos[i] for i in idx], 3))
+        for i in idx:
+            prop.after_verify(states[i], 0)
+            k = 1 + (step + i) % 3
+            prop.commit_ctx(states[i], rows[pos[i] : pos[i] + k], range(pos[i], pos[i] + k))
+            pos[i] += k
+    tables = []
+    for st in states:
+        assert st.block_table_dev is None or st.block_table_dev.tolist() == st.block_table or (
+            st.ctx_committed < st.ctx_len
+        )
+        tables.append(st.block_table)
+        prop.free_state(st)
+    assert prop.pool.num_free == prop.pool.num_blocks
+    return got, tables
+
+
+@pytest.mark.parametrize("budget", [60, 12])  # 12: windows of 17 rows, so the windows slide
+def test_static_graph_path_gives_the_plain_drafts(budget: int) -> None:
+    plain, _ = _drive("off", budget, seed=budget)
+    static, _ = _drive("static", budget, seed=budget)
+    assert static == plain
+    assert any(len(batch) > 1 for batch in plain)
+
+
+def test_static_graph_path_after_an_aborted_plan_rereads_the_table() -> None:
+    target = tiny_target()
+    drafter = tiny_drafter(drafter_config(block=4))
+    prop = DFlashProposer(
+        drafter, target, max_seq_len=64, num_blocks=40, kv_block_size=4, max_batch=2, graphs="static"
+    )
+    plain = DFlashProposer(
+        drafter, target, max_seq_len=64, num_blocks=40, kv_block_size=4, max_batch=2, graphs="off"
+    )
+    rows = torch.randn(30, 64, generator=torch.Generator().manual_seed(3))
+    outs = []
+    for p in (prop, plain):
+        st = p.alloc_state()
+        p.commit_ctx(st, rows[:10], range(10))
+        first = p.propose(st, 5, 10, 3)
+        p.after_verify(st, 0)
+        p.commit_ctx(st, rows[10:17], range(10, 17))
+        # A failing forward aborts the plan: its new blocks go back to the pool.
+        runner = p._graphs
+        boom = RuntimeError("injected")
+        original = p.drafter.forward_block
+
+        def fail(*a: Any, **k: Any) -> Any:
+            raise boom
+
+        p.drafter.forward_block = fail  # type: ignore[method-assign]
+        with pytest.raises(RuntimeError, match="injected"):
+            p.propose(st, 6, 17, 3)
+        del p.drafter.forward_block
+        assert p.drafter.forward_block == original
+        second = p.propose(st, 6, 17, 3)
+        outs.append((first, second, st.block_table))
+        if runner is not None:
+            assert st.block_table_dev is not None
+            assert st.block_table_dev.tolist() == st.block_table
+        p.free_state(st)
+    assert outs[0] == outs[1]
+
+
+def test_graph_modes_and_buckets() -> None:
+    assert default_buckets(1) == [1]
+    assert default_buckets(16) == [1, 2, 4, 8, 16]
+    assert default_buckets(24) == [1, 2, 4, 8, 16, 24]
+    cpu = torch.device("cpu")
+    assert resolve_mode("auto", cpu) is None
+    assert resolve_mode("off", cpu) is None
+    assert resolve_mode("static", cpu) == "static"
+    with pytest.raises(ValueError, match="CUDA"):
+        resolve_mode("capture", cpu)
+    with pytest.raises(ValueError, match="graphs must be"):
+        resolve_mode("sometimes", cpu)
+
+
+def test_memory_report_matches_the_formula_to_the_byte() -> None:
+    shape = bd_bench.SHAPES["tiny"]
+    dtype = torch.float32
+    target = bd_bench.build_target(shape, torch.device("cpu"), dtype)
+    drafter = bd_bench.build_drafter(shape, torch.device("cpu"), dtype)
+    prop = bd_bench._make_proposer(drafter, target, shape, 37, 2, "off", 20)
+    st = prop.alloc_state()
+    prop.commit_ctx(st, torch.randn(37, shape.ctx_row_width), range(37))
+    prop.propose(st, 3, 37, shape.block_size - 1)
+    mem = bd_bench.state_memory(prop, st)
+    # Independent arithmetic: window x k x H x 4 bytes; ceil(37 / 16) blocks of 16 rows, each
+    # row L x (K, V) x Hkv x D x 4 bytes.
+    window = 37 + 20
+    assert mem["window"] == window == st.window
+    assert mem["acc_bytes"] == window * 2 * 64 * 4
+    assert mem["kv_bytes"] == math.ceil(37 / 16) * 16 * (2 * 2 * 2 * 16 * 4)
+    assert mem["blocks"] == 3 and mem["blocks_within_bound"] and mem["equal_to_formula"]
+    prop.free_state(st)
+
+
+def test_bench_tiny_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "b"
+    rc = cli_main(
+        [
+            "bench", "--shape", "tiny", "--contexts", "16", "--batches", "1,2", "--reps", "2",
+            "--warmup", "1", "--loop-reps", "1", "--e2e-steps", "2", "--out", str(out),
+            "--sections", "propose,reference,host,kernels,e2e",
+        ]
+    )
+    assert rc == 0, capsys.readouterr()
+    result = json.loads((out / "bench.json").read_text())
+    assert result["schema"] == bd_bench.SCHEMA_VERSION
+    assert result["errors"] == {}
+    assert result["shape"]["name"] == "tiny"
+    sec = result["sections"]
+    assert sorted(sec) == ["e2e", "host", "kernels", "propose", "reference"]
+    cells = {(r["context"], r["batch"]) for r in sec["propose"]}
+    assert cells == {(16, 1), (16, 2)}
+    for r in sec["propose"]:
+        for key in ("latency_ms", "loop_ms", "precompute_ms", "memory_per_seq", "speedup_vs_loop"):
+            assert key in r
+        assert r["latency_ms"]["n"] == 2 and r["latency_ms"]["median"] > 0
+        assert r["latency_ms"]["p90"] >= r["latency_ms"]["median"]
+        assert r["memory_per_seq"]["equal_to_formula"] and r["pool_check"]
+        assert set(r["precompute_ms"]) == {"rows_1", f"rows_{bd_bench.SHAPES['tiny'].block_size}"}
+    ref = sec["reference"]
+    assert [r["backend"] for r in ref] == ["default"] and ref[0]["forward_ms"]["median"] > 0
+    host = sec["host"]
+    assert host[-1]["kind"] == "core_bookkeeping" and host[-1]["us_per_seq_step"] > 0
+    assert {r["batch"] for r in host[:-1]} == {1, 2}
+    for r in host[:-1]:
+        assert r["profile_us_per_call"].get("rust_core", 0) > 0
+        assert r["profile_us_per_call"].get("blockdraft_python", 0) > 0
+    assert sec["kernels"] == []  # CUDA only
+    for r in sec["e2e"]:
+        assert r["blockdraft"]["ms_per_step"] > 0 and r["reference"]["ms_per_step"] > 0
+        assert r["blockdraft"]["steps"] >= 1 and r["reference"]["steps"] >= 1
+    md = (out / "bench.md").read_text()
+    assert "## Propose latency" in md and "## End to end" in md
+    assert md in capsys.readouterr().out
+
+
+def test_bench_rejects_bad_configs() -> None:
+    with pytest.raises(ValueError, match="unknown shape"):
+        bd_bench.run(bd_bench.BenchConfig(shape="qwen9"))
+    with pytest.raises(ValueError, match="unknown sections"):
+        bd_bench.run(bd_bench.BenchConfig(sections=["propose", "nope"]))
+    with pytest.raises(ValueError, match="positive"):
+        bd_bench.run(bd_bench.BenchConfig(batches=[0]))
