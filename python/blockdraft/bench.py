@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import cProfile
+import gc
 import json
 import logging
 import math
@@ -396,6 +397,14 @@ def _make_proposer(
         )
 
 
+def _release(prop: Any) -> None:
+    """Drop a proposer's graphs (they reference it back) and give its memory to the device."""
+    prop._graphs = None
+    gc.collect()
+    if prop.device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
 def _cell_times(
     fn: Callable[[], Any], before: Callable[[], None], reps: int, warmup: int, device: torch.device
 ) -> dict[str, float]:
@@ -475,9 +484,8 @@ def bench_propose(
                 out.append(rec)
         finally:
             seqs.free()
+            _release(prop)
             del seqs, prop
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
     return out
 
 
@@ -647,9 +655,8 @@ def bench_host(
         out.append(bench_core_bookkeeping(prop, shape, calls=2000))
     finally:
         seqs.free()
+        _release(prop)
         del seqs, prop
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
     return out
 
 
@@ -722,8 +729,8 @@ def bench_kernels(
             prop._graphs = runner
         finally:
             seqs.free()
+            _release(prop)
             del seqs, prop
-            torch.cuda.empty_cache()
     return out
 
 
@@ -806,6 +813,7 @@ def _e2e_blockdraft(
     _sync(device)
     res = engine.generate([prompt], max_new_tokens=steps + 1)
     _sync(device)
+    _release(prop)
     st = res.stats
     n_steps = len(st.acceptance_lengths[0])
     decode_s = st.elapsed_s - st.ttft_s[0]
