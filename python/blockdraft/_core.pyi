@@ -8,7 +8,7 @@ according to the plans returned here.
 Users import these names from :mod:`blockdraft`, never from ``blockdraft._core``.
 """
 
-from typing import Final, final
+from typing import Final, NoReturn, final
 
 __version__: Final[str]
 
@@ -87,7 +87,8 @@ class BlockPool:
     """
 
     def __new__(cls, num_blocks: int, block_size: int) -> BlockPool:
-        """Raises ``ValueError`` when ``num_blocks < 1`` or ``block_size < 1``."""
+        """Raises ``ValueError`` when ``num_blocks < 1`` or ``block_size < 1``, or when the
+        bookkeeping of ``num_blocks`` blocks cannot be allocated (never an abort)."""
 
     @property
     def num_blocks(self) -> int: ...
@@ -347,4 +348,11 @@ def split_bands(
 
     Raises:
         ValueError: ``n < 1``, ``block < 1`` or ``draft_cap < 1``.
+    """
+
+def _panic_for_tests(pool: BlockPool | None = None) -> NoReturn:
+    """Panic inside the extension (tests only): raises pyo3's ``PanicException``.
+
+    With ``pool``, the panic happens while the pool's lock is held; every later call on that pool
+    (or on a state drawing from it) raises ``InvalidStateError`` ("poisoned").
     """

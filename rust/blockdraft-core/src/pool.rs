@@ -28,7 +28,8 @@ impl BlockPool {
     /// A pool with every block free. Fresh allocations come out in increasing id order.
     ///
     /// # Errors
-    /// [`Error::InvalidArgument`] when `num_blocks` or `block_size` is 0.
+    /// [`Error::InvalidArgument`] when `num_blocks` or `block_size` is 0, or the pool's bookkeeping
+    /// for `num_blocks` cannot be allocated.
     pub fn new(num_blocks: usize, block_size: usize) -> Result<Self> {
         if num_blocks == 0 {
             return Err(Error::invalid_argument("num_blocks", "must be >= 1, got 0"));
@@ -36,12 +37,28 @@ impl BlockPool {
         if block_size == 0 {
             return Err(Error::invalid_argument("block_size", "must be >= 1, got 0"));
         }
+        // Reserve fallibly: an absurd `num_blocks` must be an error, not an abort of the process
+        // (an infallible allocation failure aborts; a capacity overflow panics).
+        let words = num_blocks.div_ceil(WORD_BITS);
+        let (mut free, mut allocated, mut scratch) = (Vec::new(), Vec::new(), Vec::new());
+        if free.try_reserve_exact(num_blocks).is_err()
+            || allocated.try_reserve_exact(words).is_err()
+            || scratch.try_reserve_exact(words).is_err()
+        {
+            return Err(Error::invalid_argument(
+                "num_blocks",
+                format!("{num_blocks} blocks do not fit in memory"),
+            ));
+        }
+        free.extend((0..num_blocks).rev());
+        allocated.resize(words, 0);
+        scratch.resize(words, 0);
         Ok(Self {
             block_size,
             num_blocks,
-            free: (0..num_blocks).rev().collect(),
-            allocated: vec![0; num_blocks.div_ceil(WORD_BITS)],
-            scratch: vec![0; num_blocks.div_ceil(WORD_BITS)],
+            free,
+            allocated,
+            scratch,
             next_state_id: 1,
         })
     }

@@ -753,6 +753,23 @@ impl PyContextState {
     }
 }
 
+/// Panic inside the extension: the test that a Rust panic reaches Python as an exception
+/// (pyo3's `PanicException`) and never aborts the interpreter. With `pool`, the panic happens
+/// while that pool's lock is held, so the test can check that a poisoned lock turns every later
+/// call into `InvalidStateError`. For tests only; it never returns.
+#[pyfunction]
+#[pyo3(name = "_panic_for_tests", signature = (pool=None))]
+fn panic_for_tests(py: Python<'_>, pool: Option<&Bound<'_, PyBlockPool>>) {
+    let Some(pool) = pool else {
+        panic!("blockdraft._core._panic_for_tests");
+    };
+    let shared = Arc::clone(&pool.get().pool);
+    py.detach(move || {
+        let _guard = shared.lock();
+        panic!("blockdraft._core._panic_for_tests (pool lock held)");
+    });
+}
+
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let py = m.py();
@@ -780,5 +797,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(propose_batch_max, m)?)?;
     m.add_function(wrap_pyfunction!(batch_decline_reason, m)?)?;
     m.add_function(wrap_pyfunction!(split_bands, m)?)?;
+    m.add_function(wrap_pyfunction!(panic_for_tests, m)?)?;
     Ok(())
 }
