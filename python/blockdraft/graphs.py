@@ -229,7 +229,7 @@ class GraphRunner:
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         # Warm up on a side stream (Triton compiles, cuBLAS picks its kernels), then record.
-        side = torch.cuda.Stream(device)
+        side = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):
             for _ in range(2):
