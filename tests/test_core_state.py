@@ -345,3 +345,15 @@ def test_appends_and_slides_match_reference(
         check_world(pool, [state])
     state.free()
     assert pool.num_free == pool.num_blocks
+
+
+def test_last_position_tracks_the_newest_row_through_slides() -> None:
+    pool = BlockPool(8, 4)
+    state = ContextState(pool, 4)
+    assert state.last_position is None
+    for positions in ([2, 5], [6], [7, 9, 11]):  # the last append slides the window
+        plan = state.plan_append(positions)
+        state.apply_append(plan)
+        assert state.last_position == state.ctx_positions[-1] == positions[-1]
+    state.free()
+    assert state.last_position is None

@@ -210,6 +210,11 @@ class ContextState:
     @property
     def ctx_positions(self) -> list[int]: ...
     @property
+    def last_position(self) -> int | None:
+        """Position of the newest context row (``None`` while empty); O(1), unlike
+        ``ctx_positions[-1]``, which copies the whole list."""
+
+    @property
     def block_table(self) -> list[int]: ...
     @property
     def num_blocks(self) -> int:

@@ -673,10 +673,10 @@ class DFlashProposer:
         if position >= 2**62:
             # Draft positions (position + B) must fit the int64 position tensors.
             raise ValueError(f"position must be < 2**62, not {position}")
-        if state.ctx_len and position <= state.ctx_positions[-1]:
+        last = state.ctx.last_position
+        if last is not None and position <= last:
             raise ValueError(
-                f"position {position} is not after the last context position "
-                f"{state.ctx_positions[-1]}"
+                f"position {position} is not after the last context position {last}"
             )
 
     def _bitmask(self, mask: Tensor | Sequence[int], rows: int) -> Tensor:

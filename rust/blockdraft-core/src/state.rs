@@ -162,6 +162,11 @@ impl ContextState {
     pub fn ctx_positions(&self) -> &[i64] {
         &self.ctx_positions
     }
+    /// Position of the newest context row (`None` while the context is empty).
+    #[must_use]
+    pub fn last_position(&self) -> Option<i64> {
+        self.ctx_positions.last().copied()
+    }
     #[must_use]
     pub fn block_table(&self) -> &[usize] {
         &self.block_table

@@ -615,6 +615,10 @@ impl PyContextState {
         self.read(|s| s.ctx_positions().to_vec())
     }
     #[getter]
+    fn last_position(&self) -> PyResult<Option<i64>> {
+        self.read(core::ContextState::last_position)
+    }
+    #[getter]
     fn block_table(&self) -> PyResult<Vec<usize>> {
         self.read(|s| s.block_table().to_vec())
     }
