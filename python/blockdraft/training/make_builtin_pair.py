@@ -44,7 +44,7 @@ from blockdraft.training.data import (
     train_bpe_tokenizer,
 )
 from blockdraft.training.evaluate import EvalReport, evaluate_drafter
-from blockdraft.training.recipe import DrafterTrainConfig, train_drafter
+from blockdraft.training.recipe import BudgetCalibrator, DrafterTrainConfig, train_drafter
 
 log = logging.getLogger("blockdraft.make_builtin_pair")
 
@@ -77,7 +77,7 @@ class Preset:
     eval_new_tokens: int
     heldout_every: int = 40
     test_prompts: int = 4
-    extra: dict[str, Any] = field(default_factory=dict)
+    per_block: dict[int, dict[str, Any]] = field(default_factory=dict)
 
 
 PRESETS: dict[str, Preset] = {
@@ -88,6 +88,7 @@ PRESETS: dict[str, Preset] = {
         drafter_layers=2, target_layer_ids=[1, 3, 5],
         drafter=dict(seq_len=512, num_seqs=32, num_anchors=64, steps=8000, lr=1e-3, warmup_steps=100,
                      log_every=100),
+        per_block={8: dict(num_seqs=64, num_anchors=128)},
         drafter_budget_s=140, b16_budget_s=100,
         eval_prompts=16, eval_prompt_tokens=64, eval_new_tokens=128,
     ),
@@ -132,9 +133,11 @@ def train_target(model: Any, stream: torch.Tensor, p: Preset, device: torch.devi
     rest = [q for q in model.parameters() if q.dim() <= 1]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}],
                             lr=p.target_lr, betas=(0.9, 0.95))
-    total, warmup, calibrate = p.target_steps, min(100, p.target_steps // 10 + 1), 20
+    total, warmup = p.target_steps, min(100, p.target_steps // 10 + 1)
     use_amp = device.type == "cuda"
     t0 = time.perf_counter()
+    calibrator = BudgetCalibrator(p.target_budget_s, 20, device, t0)
+    settled = p.target_budget_s <= 0
     step, loss_v = 0, float("nan")
     bar = tqdm(total=total, unit="step", dynamic_ncols=True, desc="target")
     while step < total:
@@ -154,12 +157,9 @@ def train_target(model: Any, stream: torch.Tensor, p: Preset, device: torch.devi
         if step % 50 == 0 or step == total:
             loss_v = float(loss.detach())
             bar.set_postfix(loss=f"{loss_v:.3f}")
-        if step == calibrate and p.target_budget_s > 0:
-            _sync(device)
-            per_step = (time.perf_counter() - t0) / step
-            total = max(step + 1, min(total, int(p.target_budget_s / per_step)))
+        if not settled:
+            total, settled = calibrator.check(step, step, total)
             bar.total = total
-            log.info("target: %.1f ms/step, training %d steps", per_step * 1000, total)
     bar.close()
     _sync(device)
     seconds = time.perf_counter() - t0
@@ -194,7 +194,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--deadline-s", type=float, default=0.0, help="wall-clock limit of the whole build (0: none)")
-    ap.add_argument("--skip-b16", action="store_true", help="train only the B = 8 drafter")
+    ap.add_argument("--blocks", default="8,16", help="drafter block sizes to train (default 8,16)")
+    ap.add_argument("--reuse-target", type=Path, default=None,
+                    help="take the target and tokenizer from this directory instead of training them")
+    ap.add_argument("--target-steps", type=int, default=0, help="fixed target steps (no time budget)")
+    ap.add_argument("--drafter-budget-s", type=float, default=0.0, help="override the first drafter's time budget")
+    ap.add_argument("--drafter-steps", default="", help="fixed drafter steps per block, e.g. 8:4000,16:2861")
     args = ap.parse_args(argv)
     start = time.perf_counter()
     out: Path = args.out
@@ -221,6 +226,13 @@ def main(argv: list[str] | None = None) -> int:
     def left() -> float:
         return math.inf if args.deadline_s <= 0 else args.deadline_s - (time.perf_counter() - start)
 
+    if args.target_steps > 0:
+        p = dataclasses.replace(p, target_steps=args.target_steps, target_budget_s=0.0)
+    if args.drafter_budget_s > 0:
+        p = dataclasses.replace(p, drafter_budget_s=args.drafter_budget_s)
+    fixed_steps = {int(k): int(v) for k, v in (kv.split(":") for kv in args.drafter_steps.split(",") if kv)}
+    blocks = [int(b) for b in args.blocks.split(",") if b]
+
     # ---- corpus and tokenizer
     t = time.perf_counter()
     files = collect_python_sources(max_chars=p.corpus_chars)
@@ -233,7 +245,12 @@ def main(argv: list[str] | None = None) -> int:
             break
         tok_texts.append(text)
         size += len(text)
-    tokenizer = train_bpe_tokenizer(tok_texts, p.vocab)
+    if args.reuse_target is not None:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(args.reuse_target)
+    else:
+        tokenizer = train_bpe_tokenizer(tok_texts, p.vocab)
     eos_id = tokenizer.convert_tokens_to_ids(EOS_TOKEN)
     mask_id = tokenizer.convert_tokens_to_ids(MASK_TOKEN)
     stream = encode_stream(train_texts, tokenizer, eos_id)
@@ -248,19 +265,16 @@ def main(argv: list[str] | None = None) -> int:
     save_report()
 
     # ---- target
-    model = build_target(p, eos_id, args.seed)
-    report["target"] = {"params": _params(model), "config": {
-        "hidden": p.hidden, "layers": p.layers, "heads": p.heads, "kv_heads": p.kv_heads,
-        "intermediate": p.intermediate, "vocab": p.vocab, "tied_embeddings": True}}
-    report["target"].update(train_target(model, stream, p, device, args.seed))
-    report["target"]["heldout_loss"] = heldout_loss(model, held_stream, p.target_seq_len, device)
-    log.info("target: %s", report["target"])
     target_dir = pair / "target"
-    model.to(torch.bfloat16).save_pretrained(target_dir)
-    tokenizer.save_pretrained(target_dir)
-    report["target"]["mb"] = _dir_mb(target_dir)
+    if args.reuse_target is not None:
+        shutil.copytree(args.reuse_target, target_dir)
+        earlier = args.reuse_target.parent / "build_report.json"
+        report["target"] = {"reused_from": str(args.reuse_target)}
+        if earlier.is_file():
+            report["target"].update(json.loads(earlier.read_text(encoding="utf-8")).get("target", {}))
+    else:
+        train_and_save_target(p, args.seed, eos_id, stream, held_stream, device, tokenizer, target_dir, report)
     save_report()
-    del model
 
     from transformers import AutoModelForCausalLM
 
@@ -272,19 +286,21 @@ def main(argv: list[str] | None = None) -> int:
 
     # ---- drafters
     report["drafters"] = {}
-    for block, budget in ((8, p.drafter_budget_s), (16, p.b16_budget_s)):
-        if block == 16 and args.skip_b16:
-            break
+    for block in blocks:
+        budget = p.drafter_budget_s if block == blocks[0] else p.b16_budget_s
         reserve = 60.0 if device.type == "cuda" else 0.0
-        if block == 16 and p.b16_budget_s > 0:
+        if block != blocks[0] and budget > 0:
             budget = min(budget, left() - reserve)
             if budget < 30:
-                log.info("skipping the B=16 drafter: %.0f s left", left())
-                report["drafters"]["b16"] = {"skipped": f"{left():.0f} s left before the deadline"}
+                log.info("skipping the B=%d drafter: %.0f s left", block, left())
+                report["drafters"][f"b{block}"] = {"skipped": f"{left():.0f} s left before the deadline"}
                 break
+        settings = {**p.drafter, **p.per_block.get(block, {})}
+        if block in fixed_steps:
+            settings["steps"], budget = fixed_steps[block], 0.0
         cfg = DrafterTrainConfig(num_layers=p.drafter_layers, block_size=block, mask_token_id=mask_id,
                                  target_layer_ids=list(p.target_layer_ids), time_budget_s=budget,
-                                 seed=args.seed, **p.drafter)
+                                 seed=args.seed, **settings)
         res = train_drafter(target, stream, cfg, work / f"drafter-b{block}")
         dest = pair / f"drafter-b{block}"
         shutil.copytree(res.drafter_dir, dest)
@@ -304,6 +320,21 @@ def main(argv: list[str] | None = None) -> int:
     write_model_card(pair, report)
     log.info("pair written to %s (%.1f MB) in %.0f s", pair, _dir_mb(pair), report["total_seconds"])
     return 0
+
+
+def train_and_save_target(p: Preset, seed: int, eos_id: int, stream: torch.Tensor, held_stream: torch.Tensor,
+                          device: torch.device, tokenizer: Any, target_dir: Path, report: dict[str, Any]) -> None:
+    """Train the target from scratch and save it (bf16) with its tokenizer to ``target_dir``."""
+    model = build_target(p, eos_id, seed)
+    report["target"] = {"params": _params(model), "config": {
+        "hidden": p.hidden, "layers": p.layers, "heads": p.heads, "kv_heads": p.kv_heads,
+        "intermediate": p.intermediate, "vocab": p.vocab, "tied_embeddings": True}}
+    report["target"].update(train_target(model, stream, p, device, seed))
+    report["target"]["heldout_loss"] = heldout_loss(model, held_stream, p.target_seq_len, device)
+    log.info("target: %s", report["target"])
+    model.to(torch.bfloat16).save_pretrained(target_dir)
+    tokenizer.save_pretrained(target_dir)
+    report["target"]["mb"] = _dir_mb(target_dir)
 
 
 def held_prompts(held: list[SourceFile], tokenizer: Any, p: Preset) -> dict[str, Any]:

@@ -356,6 +356,38 @@ class TrainResult:
     history: list[dict[str, float]]
 
 
+class BudgetCalibrator:
+    """Fits a run's step count to a time budget.
+
+    The first ``n`` steps are not timed (CUDA context, allocator growth, kernel autotuning make
+    them slow); the next ``n`` give the time per step, and the remaining budget is divided by it.
+    """
+
+    def __init__(self, budget_s: float, n: int, device: torch.device, t0: float) -> None:
+        self.budget_s, self.n, self.device, self.t0 = budget_s, max(1, n), device, t0
+        self.mark: float | None = None
+
+    def _now(self) -> float:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
+    def check(self, done: int, step: int, total: int) -> tuple[int, bool]:
+        """After ``done`` steps of this run (global ``step``): (total steps, whether settled)."""
+        if done == self.n:
+            self.mark = self._now()
+        if done < 2 * self.n or self.mark is None:
+            return total, False
+        now = self._now()
+        per_step = (now - self.mark) / self.n
+        remaining = self.budget_s - (now - self.t0)
+        fit = step + max(1, int(remaining / per_step))
+        if fit < total:
+            total = fit
+        log.info("time budget %.0f s at %.1f ms/step: %d steps in all", self.budget_s, per_step * 1000, total)
+        return total, True
+
+
 def _checkpoints(out: Path) -> list[tuple[int, Path]]:
     found = []
     for p in (out / "checkpoints").glob("step-*"):
@@ -451,6 +483,7 @@ def train_drafter(
     step = start
     last = StepStats(float("nan"), [], float("nan"))
     calibrated = start >= cfg.calibrate_steps or cfg.time_budget_s <= 0
+    calibrator = BudgetCalibrator(cfg.time_budget_s, cfg.calibrate_steps, device, t0)
     try:
         while step < total:
             gen = step_generator(cfg.seed, step)
@@ -482,17 +515,9 @@ def train_drafter(
                 if on_step is not None:
                     on_step(step, last)
             bar.update(1)
-            if not calibrated and step - start >= cfg.calibrate_steps:
-                if device.type == "cuda":
-                    torch.cuda.synchronize()
-                per_step = (time.perf_counter() - t0) / (step - start)
-                fit = int(cfg.time_budget_s / per_step)
-                if fit < total:
-                    total = max(step + 1, fit)
-                    bar.total = total
-                    log.info("time budget %.0f s at %.1f ms/step: training %d steps", cfg.time_budget_s,
-                             per_step * 1000, total)
-                calibrated = True
+            if not calibrated:
+                total, calibrated = calibrator.check(step - start, step, total)
+                bar.total = total
             if cfg.save_every and step % cfg.save_every == 0 and step < total:
                 _save_checkpoint(out, step, total, drafter, opt, cfg, history)
     finally:

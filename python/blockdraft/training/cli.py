@@ -1,0 +1,176 @@
+"""``blockdraft train-drafter`` and ``blockdraft eval-drafter`` (wired into :mod:`blockdraft.cli`)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("blockdraft.cli")
+
+
+def _ids(text: str | None) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()] if text else []
+
+
+def _device(name: str | None) -> Any:
+    from blockdraft.cli import _pick_device
+
+    return _pick_device(name)
+
+
+def _load_target(path: str, device: Any, dtype: Any) -> tuple[Any, Any]:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    from blockdraft.cli import CliError
+
+    hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]
+    root = Path(path)
+    if not (root / "config.json").is_file():
+        raise CliError(f"--target {path}: no config.json (expected a Hugging Face model directory)")
+    tokenizer = AutoTokenizer.from_pretrained(str(root))
+    target = AutoModelForCausalLM.from_pretrained(str(root), dtype=dtype).to(device).eval()
+    return target, tokenizer
+
+
+def resolve_mask_token(target: Any, tokenizer: Any, requested: int | None, out: Path) -> tuple[int, Path | None]:
+    """The MASK id: ``requested``, else the tokenizer's mask token, else a new ``<|mask|>``.
+
+    A new token grows the target's embeddings (its row starts at the mean embedding) and the
+    grown target + tokenizer are saved to ``out/target``, which is then the target to serve
+    with. Returns (mask id, the new target directory or ``None``).
+    """
+    if requested is not None:
+        return requested, None
+    existing = getattr(tokenizer, "mask_token_id", None)
+    if isinstance(existing, int):
+        return existing, None
+    from blockdraft.training.data import MASK_TOKEN
+
+    tokenizer.add_special_tokens({"mask_token": MASK_TOKEN})
+    target.resize_token_embeddings(len(tokenizer), mean_resizing=True)
+    new_dir = out / "target"
+    target.save_pretrained(new_dir)
+    tokenizer.save_pretrained(new_dir)
+    mask = int(tokenizer.mask_token_id)
+    log.warning("target has no mask token: added %s as id %d; serve with the grown target in %s",
+                MASK_TOKEN, mask, new_dir)
+    return mask, new_dir
+
+
+def _train(args: argparse.Namespace) -> int:
+    import torch
+
+    from blockdraft.training.data import encode_stream, load_texts
+    from blockdraft.training.recipe import DrafterTrainConfig, train_drafter
+
+    device = _device(args.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    target, tokenizer = _load_target(args.target, device, dtype)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    mask, grown = resolve_mask_token(target, tokenizer, args.mask_token_id, out)
+    texts = load_texts(args.corpus)
+    eos = getattr(tokenizer, "eos_token_id", None)
+    stream = encode_stream(texts, tokenizer, eos if isinstance(eos, int) else None)
+    print(f"corpus: {len(texts)} documents, {stream.numel()} tokens")
+    cfg = DrafterTrainConfig(
+        num_layers=args.layers, block_size=args.block_size, mask_token_id=mask,
+        target_layer_ids=_ids(args.target_layer_ids), intermediate_size=args.intermediate_size,
+        seq_len=args.seq_len, num_seqs=args.num_seqs, num_anchors=args.num_anchors, steps=args.steps,
+        time_budget_s=args.time_budget, lr=args.lr, warmup_steps=args.warmup, label_mode=args.labels,
+        gamma=args.gamma, seed=args.seed, save_every=args.save_every, save_dtype=args.save_dtype,
+        log_every=args.log_every,
+    )
+    res = train_drafter(target, stream, cfg, out, resume=args.resume, progress=not args.no_progress)
+    print(f"drafter: {res.drafter_dir} ({res.steps} steps, {res.seconds:.0f} s, "
+          f"loss {res.final_loss:.3f}, tau estimate {res.final_tau:.2f})")
+    if grown is not None:
+        print(f"target with the added mask token: {grown}")
+    return 0
+
+
+def _eval(args: argparse.Namespace) -> int:
+    import torch
+
+    from blockdraft.checkpoint import load_drafter
+    from blockdraft.cli import CliError
+    from blockdraft.training.data import load_texts
+    from blockdraft.training.evaluate import evaluate_drafter, heldout_prompts
+
+    device = _device(args.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    if (args.target is None) != (args.drafter is None):
+        raise CliError("give both --target DIR and --drafter DIR (or neither for the built-in pair)")
+    if args.target is None:
+        from blockdraft import pretrained
+
+        target, drafter, tokenizer = pretrained.builtin_pair(device=device, dtype=dtype, block_size=args.block_size)
+        prompts = pretrained.heldout_prompts()[: args.num_prompts] if args.texts is None else None
+    else:
+        target, tokenizer = _load_target(args.target, device, dtype)
+        drafter = load_drafter(args.drafter, device=device, dtype=dtype)
+        prompts = None
+    if prompts is None:
+        if args.texts is None:
+            raise CliError("--texts PATH (held-out texts: a directory or JSONL) is needed with --target")
+        prompts = heldout_prompts(load_texts(args.texts), tokenizer, args.num_prompts, args.prompt_tokens)
+    eos = getattr(tokenizer, "eos_token_id", None)
+    temps = [float(t) for t in args.temperatures.split(",") if t.strip()]
+    report = evaluate_drafter(
+        target, drafter, prompts, max_new_tokens=args.max_new_tokens, temperatures=temps,
+        compare_target=not args.no_compare, stop_token_ids=[eos] if isinstance(eos, int) else [],
+        seed=args.seed, backend=args.backend,
+    )
+    for line in report.lines():
+        print(line)
+    return 0
+
+
+def add_training_commands(sub: Any) -> None:
+    """Add ``train-drafter`` and ``eval-drafter`` to the CLI's subparsers."""
+    tr = sub.add_parser("train-drafter", help="train a DFlash drafter for a target model")
+    tr.add_argument("--target", required=True, help="target model directory (HF format, frozen)")
+    tr.add_argument("--corpus", required=True, help="directory of text files or a JSONL of {'text': ...}")
+    tr.add_argument("--out", required=True, help="output directory (drafter/ and checkpoints/)")
+    tr.add_argument("--layers", type=int, default=1, help="drafter decoder layers")
+    tr.add_argument("--block-size", type=int, default=16, help="B: anchor + B-1 masks")
+    tr.add_argument("--target-layer-ids", default=None, help="e.g. 1,9,17 (default: the DFlash rule)")
+    tr.add_argument("--mask-token-id", type=int, default=None,
+                    help="default: the tokenizer's mask token, else a new <|mask|> token")
+    tr.add_argument("--intermediate-size", type=int, default=None, help="drafter MLP width (default: target's)")
+    tr.add_argument("--seq-len", type=int, default=512, help="tokens per training window")
+    tr.add_argument("--num-seqs", type=int, default=16, help="windows per step")
+    tr.add_argument("--num-anchors", type=int, default=64, help="blocks per window")
+    tr.add_argument("--steps", type=int, default=1000)
+    tr.add_argument("--time-budget", type=float, default=0.0, help="seconds; fits the step count to it")
+    tr.add_argument("--lr", type=float, default=6e-4)
+    tr.add_argument("--warmup", type=int, default=50)
+    tr.add_argument("--labels", choices=("target", "corpus"), default="target",
+                    help="train on the target's greedy choices (default) or on the corpus tokens")
+    tr.add_argument("--gamma", type=float, default=None, help="loss decay (default 7/5/4 for B=16/10/8)")
+    tr.add_argument("--seed", type=int, default=0)
+    tr.add_argument("--save-every", type=int, default=500, help="checkpoint interval in steps (0: end only)")
+    tr.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --out")
+    tr.add_argument("--save-dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16")
+    tr.add_argument("--log-every", type=int, default=50)
+    tr.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: auto)")
+    tr.add_argument("--no-progress", action="store_true")
+    tr.set_defaults(func=_train)
+
+    ev = sub.add_parser("eval-drafter", help="tau (greedy, T=1) and speed on held-out texts")
+    ev.add_argument("--target", default=None, help="target directory (default: the built-in pair)")
+    ev.add_argument("--drafter", default=None, help="drafter directory")
+    ev.add_argument("--block-size", type=int, default=8, help="built-in drafter to use (8 or 16)")
+    ev.add_argument("--texts", default=None, help="held-out texts: a directory or JSONL")
+    ev.add_argument("--num-prompts", type=int, default=8)
+    ev.add_argument("--prompt-tokens", type=int, default=64)
+    ev.add_argument("--max-new-tokens", type=int, default=64)
+    ev.add_argument("--temperatures", default="0,1", help="comma-separated; 0 = greedy")
+    ev.add_argument("--no-compare", action="store_true", help="skip the target-only comparison")
+    ev.add_argument("--backend", choices=("auto", "torch", "triton"), default="auto")
+    ev.add_argument("--seed", type=int, default=0)
+    ev.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: auto)")
+    ev.set_defaults(func=_eval)

@@ -1,0 +1,213 @@
+"""The drafter training recipe on CPU with a tiny random target: the block mask, the loss
+weights, labels, determinism, resume, and checkpoints that load in blockdraft and in dflash."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+from tinypair import tiny_target
+
+import blockdraft
+from blockdraft.training.data import sample_windows, step_generator
+from blockdraft.training.recipe import (
+    DrafterTrainConfig,
+    block_attention_mask,
+    block_loss,
+    drafter_config_dict,
+    loss_weights,
+    new_drafter,
+    sample_anchors,
+    target_features,
+    train_drafter,
+)
+
+VOCAB = 64
+MASK = VOCAB - 1
+
+
+def _stream(n: int = 4000, seed: int = 0) -> torch.Tensor:
+    # A learnable stream: runs of a rising sequence with random restarts.
+    gen = torch.Generator().manual_seed(seed)
+    starts = torch.randint(0, 40, (n // 8,), generator=gen)
+    return torch.cat([torch.arange(int(s), int(s) + 8) % (VOCAB - 2) for s in starts])
+
+
+def _cfg(**kw: Any) -> DrafterTrainConfig:
+    base: dict[str, Any] = dict(num_layers=1, block_size=4, mask_token_id=MASK, seq_len=24, num_seqs=2,
+                                num_anchors=4, steps=6, warmup_steps=2, lr=3e-3, save_dtype="float32",
+                                log_every=1, calibrate_steps=2)
+    base.update(kw)
+    return DrafterTrainConfig(**base)
+
+
+@pytest.mark.parametrize(("block", "gamma"), [(8, 4.0), (10, 5.0), (16, 7.0)])
+def test_loss_weights_follow_the_published_decay(block: int, gamma: float) -> None:
+    w = loss_weights(block)
+    assert w.shape == (block - 1,)
+    for k in range(1, block):
+        assert math.isclose(float(w[k - 1]), math.exp(-(k - 1) / gamma), rel_tol=1e-6)
+    assert torch.equal(loss_weights(block, 2.0), torch.exp(-torch.arange(block - 1, dtype=torch.float32) / 2.0))
+
+
+def test_block_mask_sees_strictly_earlier_context_and_only_its_own_block() -> None:
+    gen = torch.Generator().manual_seed(3)
+    length, b = 20, 4
+    anchors = sample_anchors(3, length, 5, b, gen)
+    assert anchors.min() >= 1 and anchors.max() <= length - b
+    mask = block_attention_mask(anchors, length, b)
+    n, a = anchors.shape
+    assert mask.shape == (n, a * b, length + a * b)
+    for i in range(n):
+        for row in range(a * b):
+            blk, anchor = row // b, int(anchors[i, row // b])
+            for key in range(length):
+                assert bool(mask[i, row, key]) == (key < anchor)
+            for key in range(a * b):
+                assert bool(mask[i, row, length + key]) == (key // b == blk)
+
+
+def _one_block_loss(drafter: Any, ctx: torch.Tensor, tokens: torch.Tensor, labels: torch.Tensor,
+                    anchors: torch.Tensor, target: Any, keep: int) -> torch.Tensor:
+    """The recipe's loss counting only block ``keep`` of window 0 (other labels ignored)."""
+    b = drafter.config.block_size
+    only = torch.full_like(labels, -100)
+    a = int(anchors[0, keep])
+    only[0, a + 1 : a + b] = labels[0, a + 1 : a + b]
+    emb = target.get_input_embeddings().weight
+    loss, _ = block_loss(drafter, ctx, tokens, only, anchors, emb, target.lm_head.weight, loss_weights(b))
+    return loss
+
+
+def test_each_block_equals_the_inference_forward_and_ignores_the_rest() -> None:
+    """Block j of the one-pass training forward = the drafter's inference path given only the
+    context before its anchor; later context and other blocks never change it."""
+    torch.manual_seed(0)
+    target = tiny_target(vocab=VOCAB)
+    raw = drafter_config_dict(target.config, num_layers=2, block_size=4, mask_token_id=MASK)
+    drafter = new_drafter(raw, seed=1)
+    tokens = _stream()[:16][None]
+    anchors = torch.tensor([[2, 6, 11]])
+    ctx, labels = target_features(target, tokens, drafter.config.target_layer_ids, "target")
+    emb, head = target.get_input_embeddings().weight, target.lm_head.weight
+    b = 4
+    w = loss_weights(b)
+    for j in range(3):
+        a = int(anchors[0, j])
+        got = _one_block_loss(drafter, ctx, tokens, labels, anchors, target, j)
+        block = torch.tensor([int(tokens[0, a])] + [MASK] * (b - 1))
+        hidden = drafter.reference_forward(ctx[0, :a], torch.arange(a), F.embedding(block, emb),
+                                           torch.arange(a, a + b))
+        logits = drafter.logits(hidden[1:], head)
+        ce = F.cross_entropy(logits, labels[0, a + 1 : a + b], reduction="none")
+        want = (ce * w).sum() / w.sum()
+        assert torch.allclose(got, want, rtol=1e-5, atol=1e-6), (j, got, want)
+
+        later = ctx.clone()
+        later[0, a:] = torch.randn_like(later[0, a:])
+        others = tokens.clone()
+        for k in range(3):
+            if k != j:
+                others[0, int(anchors[0, k])] = (others[0, int(anchors[0, k])] + 7) % (VOCAB - 2)
+        assert torch.equal(_one_block_loss(drafter, later, others, labels, anchors, target, j), got)
+        earlier = ctx.clone()
+        earlier[0, a - 1] += 1.0
+        assert not torch.equal(_one_block_loss(drafter, earlier, tokens, labels, anchors, target, j), got)
+
+
+def test_labels_are_target_greedy_choices_or_corpus_tokens() -> None:
+    target = tiny_target(vocab=VOCAB)
+    tokens = _stream()[:12][None]
+    ctx, labels = target_features(target, tokens, (0, 2), "target")
+    with torch.no_grad():
+        out = target(input_ids=tokens, output_hidden_states=True)
+    assert torch.equal(labels[0, 1:], out.logits[0, :-1].argmax(-1))
+    assert int(labels[0, 0]) == -100
+    assert torch.equal(ctx, torch.cat([out.hidden_states[1], out.hidden_states[3]], dim=-1))
+    _, corpus = target_features(target, tokens, (0, 2), "corpus")
+    assert torch.equal(corpus, tokens)
+
+
+def _weights(path: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(path / "drafter" / "model.safetensors"))
+
+
+def test_same_seed_same_drafter_and_other_seed_differs(tmp_path: Path) -> None:
+    target, stream = tiny_target(vocab=VOCAB), _stream()
+    runs = [train_drafter(target, stream, _cfg(seed=s), tmp_path / f"r{i}", progress=False)
+            for i, s in enumerate((5, 5, 6))]
+    a, b, c = (_weights(tmp_path / f"r{i}") for i in range(3))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert any(not torch.equal(a[k], c[k]) for k in a)
+    assert runs[0].history == runs[1].history
+
+
+def test_resume_equals_uninterrupted(tmp_path: Path) -> None:
+    target, stream = tiny_target(vocab=VOCAB), _stream()
+    train_drafter(target, stream, _cfg(steps=8), tmp_path / "straight", progress=False)
+
+    def crash(step: int, _stats: Any) -> None:
+        if step == 6:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        train_drafter(target, stream, _cfg(steps=8, save_every=4), tmp_path / "broken", progress=False,
+                      on_step=crash)
+    assert not (tmp_path / "broken" / "drafter").exists()
+    res = train_drafter(target, stream, _cfg(steps=8, save_every=4), tmp_path / "broken", resume=True,
+                        progress=False)
+    assert res.steps == 8
+    a, b = _weights(tmp_path / "straight"), _weights(tmp_path / "broken")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    with pytest.raises(ValueError, match="different settings"):
+        train_drafter(target, stream, _cfg(steps=8, lr=1e-2), tmp_path / "broken", resume=True, progress=False)
+
+
+def test_training_learns_and_the_checkpoint_loads_in_blockdraft_and_dflash(tmp_path: Path) -> None:
+    from dflash.model import DFlashDraftModel
+
+    target, stream = tiny_target(vocab=VOCAB), _stream()
+    with torch.no_grad():
+        # A random head of std 0.02 gives logits too flat to learn through in a few steps.
+        target.lm_head.weight.mul_(30.0)
+    # Corpus labels on a rising stream: the continuation is a function of the anchor, learnable fast.
+    res = train_drafter(target, stream, _cfg(steps=40, num_seqs=4, num_anchors=6, log_every=10, lr=1e-2,
+                                             label_mode="corpus"), tmp_path, progress=False)
+    assert res.history[-1]["loss"] < res.history[0]["loss"] - 1.0
+    cfg = json.loads((res.drafter_dir / "config.json").read_text())
+    assert cfg["architectures"] == ["DFlashDraftModel"] and cfg["dflash_config"]["mask_token_id"] == MASK
+
+    mine = blockdraft.load_drafter(res.drafter_dir)
+    ref = DFlashDraftModel.from_pretrained(str(res.drafter_dir), dtype=torch.float32).eval()
+    assert ref.block_size == 4 and ref.mask_token_id == MASK
+    assert list(ref.target_layer_ids) == list(mine.config.target_layer_ids)
+    c = mine.config
+    ctx = torch.randn(1, 9, c.num_context_layers * c.hidden_size)
+    emb = torch.randn(1, 4, c.hidden_size)
+    pos = torch.arange(0, 13)[None]
+    with torch.no_grad():
+        want = ref(position_ids=pos, noise_embedding=emb, target_hidden=ctx)[0]
+        got = mine.reference_forward(ctx[0], pos[0, :9], emb[0], pos[0, 9:])
+    assert torch.allclose(got, want, rtol=1e-4, atol=1e-4)
+
+    # The speculative loop with the trained drafter reproduces the target's greedy output.
+    prompt = _stream(seed=9)[:10].tolist()
+    out = blockdraft.generate(target, mine, [prompt], max_new_tokens=20)
+    with torch.no_grad():
+        ref_out = target.generate(torch.tensor([prompt]), max_new_tokens=20, do_sample=False,
+                                  pad_token_id=0)[0, 10:].tolist()
+    assert out.tokens[0] == ref_out
+
+
+def test_windows_and_anchors_depend_only_on_seed_and_step() -> None:
+    stream = _stream()
+    a = sample_windows(stream, 3, 16, step_generator(1, 7))
+    b = sample_windows(stream, 3, 16, step_generator(1, 7))
+    c = sample_windows(stream, 3, 16, step_generator(1, 8))
+    assert torch.equal(a, b) and not torch.equal(a, c)
