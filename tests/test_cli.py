@@ -47,7 +47,9 @@ def _save_pair(root: Path, drafter_hidden: int = HIDDEN) -> tuple[Path, Path]:
     return tdir, ddir
 
 
-def test_demo_pair_runs_and_says_random(capsys: pytest.CaptureFixture[str]) -> None:
+def test_demo_pair_runs_and_says_random(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    # The random demo pair is the fallback when the built-in trained pair is not installed.
+    monkeypatch.setattr("blockdraft.pretrained.available", lambda block_size=8: False)
     rc = main(["generate", "hello", "--max-new-tokens", "6", "--compare", "--device", "cpu"])
     out = capsys.readouterr().out
     assert rc == 0

@@ -1,7 +1,9 @@
 """The ``blockdraft`` command line.
 
 Subcommands:
-    generate  speculative generation with a target + DFlash drafter (or a built-in demo pair).
+    generate  speculative generation with a target + DFlash drafter (default: the built-in pair).
+    train-drafter  train a DFlash drafter for a target (blockdraft.training's recipe).
+    eval-drafter   tau and speed of a target + drafter on held-out texts.
     demo      walk the Rust core through a sequence's lifecycle (pool, window, slide, free).
     bench     proposer latency, batching, memory, host overhead, reference and end-to-end cost.
 """
@@ -156,13 +158,21 @@ def _load_pair(args: argparse.Namespace, device: Any) -> tuple[Any, Any, Any, st
 
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     if args.target is None and args.drafter is None:
+        from blockdraft import pretrained
+
+        if pretrained.available():
+            from transformers.utils import logging as hf_logging
+
+            hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]
+            target, drafter, tokenizer = pretrained.builtin_pair(device=device, dtype=dtype)
+            return target, drafter, tokenizer, "built-in trained pair (Python code model + B=8 DFlash drafter)"
         target, drafter = build_demo_pair(device=device, dtype=dtype)
         return (
             target,
             drafter,
             _ByteTokenizer(),
-            "built-in demo pair with RANDOM weights (output is noise; pass --target/--drafter "
-            "for a real pair)",
+            "built-in trained pair not installed; using the demo pair with RANDOM weights "
+            "(output is noise; pass --target/--drafter for a real pair)",
         )
     if args.target is None or args.drafter is None:
         raise CliError("give both --target DIR and --drafter DIR (or neither for the demo pair)")
@@ -298,6 +308,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_arguments(bench)
     bench.set_defaults(func=main_from_args)
+    from blockdraft.training.cli import add_training_commands
+
+    add_training_commands(sub)
     return parser
 
 
