@@ -70,7 +70,8 @@ def builtin_pair(
     dev = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
     dt = dtype or (torch.bfloat16 if dev.type == "cuda" else torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(str(TARGET_DIR))
-    target = AutoModelForCausalLM.from_pretrained(str(TARGET_DIR), dtype=dt).to(dev).eval()
+    model: Any = AutoModelForCausalLM.from_pretrained(str(TARGET_DIR), dtype=dt)
+    target = model.to(dev).eval()
     drafter = load_drafter(drafter_dir(block_size), device=dev, dtype=dt)
     log.info("built-in pair: target %s, drafter B=%d, %s on %s", TARGET_DIR, block_size, dt, dev)
     return target, drafter, tokenizer

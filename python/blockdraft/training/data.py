@@ -140,7 +140,8 @@ def split_heldout(files: Sequence[SourceFile], every: int) -> tuple[list[SourceF
     modulo ``every``; the choice depends only on the file's content."""
     if every < 2:
         raise ValueError(f"every must be >= 2, not {every}")
-    train, held = [], []
+    train: list[SourceFile] = []
+    held: list[SourceFile] = []
     for f in files:
         (held if int(f.digest[:12], 16) % every == 0 else train).append(f)
     return train, held
@@ -162,7 +163,7 @@ def train_bpe_tokenizer(texts: Iterable[str], vocab_size: int) -> Any:
         show_progress=False,
     )
     tok.train_from_iterator(texts, trainer=trainer)
-    return PreTrainedTokenizerFast(
+    return PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]
         tokenizer_object=tok, eos_token=EOS_TOKEN, pad_token=EOS_TOKEN, mask_token=MASK_TOKEN
     )
 

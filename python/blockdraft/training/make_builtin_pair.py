@@ -248,11 +248,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.reuse_target is not None:
         from transformers import AutoTokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(args.reuse_target)
+        tokenizer: Any = AutoTokenizer.from_pretrained(args.reuse_target)
     else:
         tokenizer = train_bpe_tokenizer(tok_texts, p.vocab)
-    eos_id = tokenizer.convert_tokens_to_ids(EOS_TOKEN)
-    mask_id = tokenizer.convert_tokens_to_ids(MASK_TOKEN)
+    eos_id = int(tokenizer.convert_tokens_to_ids(EOS_TOKEN))
+    mask_id = int(tokenizer.convert_tokens_to_ids(MASK_TOKEN))
     stream = encode_stream(train_texts, tokenizer, eos_id)
     held_stream = encode_stream([f.text for f in held_files], tokenizer, eos_id)
     report["corpus"] = {
@@ -279,7 +279,8 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import AutoModelForCausalLM
 
     run_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=run_dtype).to(device).eval()
+    loaded: Any = AutoModelForCausalLM.from_pretrained(target_dir, dtype=run_dtype)
+    target = loaded.to(device).eval()
 
     prompts = held_prompts(held_files, tokenizer, p)
     (pair / "heldout_prompts.json").write_text(json.dumps(prompts, indent=1) + "\n", encoding="utf-8")
