@@ -211,3 +211,31 @@ def test_windows_and_anchors_depend_only_on_seed_and_step() -> None:
     b = sample_windows(stream, 3, 16, step_generator(1, 7))
     c = sample_windows(stream, 3, 16, step_generator(1, 8))
     assert torch.equal(a, b) and not torch.equal(a, c)
+
+
+def test_cli_train_drafter_adds_a_mask_token_and_resumes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from blockdraft.cli import main
+
+    tdir = tmp_path / "target"
+    tiny_target(vocab=VOCAB).save_pretrained(tdir)
+    tok = Tokenizer(models.WordLevel(vocab={f"w{i}": i for i in range(VOCAB)}, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="w0").save_pretrained(tdir)
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text("".join(json.dumps({"text": " ".join(f"w{(s + i) % 60}" for i in range(40))}) + "\n"
+                              for s in range(10)))
+    out = tmp_path / "run"
+    args = ["train-drafter", "--target", str(tdir), "--corpus", str(corpus), "--out", str(out),
+            "--block-size", "4", "--seq-len", "16", "--num-seqs", "2", "--num-anchors", "3",
+            "--steps", "4", "--save-every", "2", "--device", "cpu", "--no-progress"]
+    assert main(args) == 0
+    drafter = blockdraft.load_drafter(out / "drafter")
+    assert drafter.config.mask_token_id == VOCAB  # a new row after the 64 existing tokens
+    grown = json.loads((out / "target" / "config.json").read_text())
+    assert grown["vocab_size"] == VOCAB + 1
+    # Resuming against the grown target (now with its mask token) continues the saved run.
+    resume = [a if a != str(tdir) else str(out / "target") for a in args] + ["--resume"]
+    assert main(resume) == 0
