@@ -1,0 +1,175 @@
+"""A fused view of a DFlash drafter for the proposer's graph path (same math, fewer kernels).
+
+:class:`FastDrafter` is built from a :class:`~blockdraft.models.DFlashDrafter`'s weights and
+leaves the drafter untouched (the drafter stays the reference). Per layer it runs four GEMMs
+instead of seven — ``q/k/v`` stacked into one weight ``[(Hq+2Hkv)*D, H]``, ``gate/up`` into
+one ``[2I, H]``, then ``o`` and ``down`` — and three fused elementwise steps instead of ~40 small
+kernels: q/k RMSNorm + RoPE (+ the v split) in one launch, residual add + RMSNorm in one launch
+(the next sub-block's input norm, or the final norm, fused into the previous residual add), and
+SwiGLU's ``silu(gate) * up`` in one launch.
+
+With ``backend="triton"`` the fused steps are the kernels of
+:mod:`blockdraft.models.fused_kernels` (fp32 math, one rounding); with ``"torch"`` they are the
+reference's own functions, so on the CPU the result equals ``DFlashDrafter.forward_block`` up to
+GEMM summation order. The stacked weights are copies: about ``L x (Hq+2Hkv)*D x H + L x 2I x H``
+extra elements (1.25 GB at qwen3-8b drafter shapes in bf16).
+
+DFlash2 drafters (convolutions around the sub-blocks) have no fused view: :meth:`from_drafter`
+returns ``None`` for them and for any drafter that is not a :class:`DFlashDrafter`.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from torch import Tensor
+from torch.nn import functional as F
+
+from blockdraft.models.drafter import AttendFn, DFlashDrafter
+from blockdraft.models.layers import rms_norm
+from blockdraft.models.rope import apply_rope
+
+FastBackend = Literal["torch", "triton"]
+
+
+class FastDrafter:
+    """Stacked-weight, fused-elementwise forward of a DFlash drafter's block rows.
+
+    Attributes:
+        qkv_weight: per layer ``[(Hq+2Hkv)*D, H]`` (q rows, then k, then v).
+        qkv_bias: per layer ``[(Hq+2Hkv)*D]`` or ``None``.
+        gate_up_weight: per layer ``[2I, H]`` (gate rows, then up).
+    """
+
+    def __init__(self, drafter: DFlashDrafter, backend: FastBackend) -> None:
+        c = drafter.config
+        self.drafter = drafter
+        self.config = c
+        self.backend: FastBackend = backend
+        self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
+        self.qkv_weight: list[Tensor] = []
+        self.qkv_bias: list[Tensor | None] = []
+        self.o_proj: list[tuple[Tensor, Tensor | None]] = []
+        self.gate_up_weight: list[Tensor] = []
+        self.down_weight: list[Tensor] = []
+        self.q_norm: list[Tensor] = []
+        self.k_norm: list[Tensor] = []
+        self.in_norm: list[Tensor] = []
+        self.post_norm: list[Tensor] = []
+        with torch.no_grad():
+            for i in range(c.num_layers):
+                layer = drafter._layer(i)
+                a = layer.self_attn
+                self.qkv_weight.append(
+                    torch.cat((a.q_proj.weight, a.k_proj.weight, a.v_proj.weight), 0).contiguous()
+                )
+                biases = (a.q_proj.bias, a.k_proj.bias, a.v_proj.bias)
+                self.qkv_bias.append(
+                    torch.cat([b for b in biases if b is not None], 0)
+                    if all(b is not None for b in biases)
+                    else None
+                )
+                self.o_proj.append((a.o_proj.weight, a.o_proj.bias))
+                mlp = layer.mlp
+                self.gate_up_weight.append(
+                    torch.cat((mlp.gate_proj.weight, mlp.up_proj.weight), 0).contiguous()
+                )
+                self.down_weight.append(mlp.down_proj.weight)
+                self.q_norm.append(a.q_norm.weight)
+                self.k_norm.append(a.k_norm.weight)
+                self.in_norm.append(layer.input_layernorm.weight)
+                self.post_norm.append(layer.post_attention_layernorm.weight)
+        self.final_norm = drafter.norm.weight
+        self.eps = float(c.rms_norm_eps)
+        self.inv_freq = drafter.rope.inv_freq.to(drafter.device, torch.float32)
+        self.rope_scale = float(drafter.rope.attention_scaling)
+        self._kernels = None
+        if backend == "triton":
+            from blockdraft.models import fused_kernels
+
+            self._kernels = fused_kernels
+
+    @classmethod
+    def from_drafter(cls, drafter: object, backend: FastBackend) -> FastDrafter | None:
+        """The fused view, or ``None`` where there is none (DFlash2, foreign drafters)."""
+        if not isinstance(drafter, DFlashDrafter) or drafter.config.is_dflash2:
+            return None
+        if any(drafter._layer(i).attention_conv is not None for i in range(drafter.config.num_layers)):
+            return None
+        return cls(drafter, backend)
+
+    # ---- fused steps (Triton or the reference's torch functions) ---------------------------
+
+    def add_rms_norm(self, h: Tensor, y: Tensor | None, weight: Tensor) -> tuple[Tensor, Tensor]:
+        """``(h + y, rms_norm(h + y) * weight)`` over [M, H] (``y=None``: no add)."""
+        if self._kernels is not None:
+            out: tuple[Tensor, Tensor] = self._kernels.add_rms_norm(h, y, weight, self.eps)
+            return out
+        if y is not None:
+            h = h + y
+        return h, rms_norm(h, weight, self.eps)
+
+    def qk_norm_rope(
+        self, qkv: Tensor, positions: Tensor, layer: int, cos_sin: tuple[Tensor, Tensor] | None
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """``qkv [M, (Hq+2Hkv)*D]``, ``positions [M]`` -> q [M,Hq,D], k, v [M,Hkv,D]."""
+        hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
+        if self._kernels is not None:
+            out: tuple[Tensor, Tensor, Tensor] = self._kernels.qk_norm_rope(
+                qkv, positions, self.q_norm[layer], self.k_norm[layer], self.inv_freq,
+                self.rope_scale, self.eps, hq, hkv,
+            )
+            return out
+        assert cos_sin is not None
+        cos, sin = cos_sin
+        m = qkv.shape[0]
+        q = rms_norm(qkv[:, : hq * d].reshape(m, hq, d), self.q_norm[layer], self.eps)
+        k = rms_norm(qkv[:, hq * d : (hq + hkv) * d].reshape(m, hkv, d), self.k_norm[layer], self.eps)
+        v = qkv[:, (hq + hkv) * d :].reshape(m, hkv, d)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def silu_mul(self, gate_up: Tensor) -> Tensor:
+        """``[M, 2I]`` -> ``silu(gate) * up`` [M, I]."""
+        if self._kernels is not None:
+            out: Tensor = self._kernels.silu_mul(gate_up)
+            return out
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+    # ---- forwards ---------------------------------------------------------------------------
+
+    def fuse_context(self, ctx_rows: Tensor) -> Tensor:
+        """``hidden_norm(fc(ctx_rows))``: [R, k*H] -> [R, H] (the reference's math)."""
+        d = self.drafter
+        fused = F.linear(ctx_rows.to(d.fc.weight.dtype), d.fc.weight)
+        return self.add_rms_norm(fused, None, d.hidden_norm.weight)[1]
+
+    def forward_block(self, embeds: Tensor, positions: Tensor, attend: AttendFn) -> Tensor:
+        """Same contract as :meth:`DFlashDrafter.forward_block`: embeds [n, B, H] raw target
+        embeddings, positions [n, B] int64 -> [n, B, H] rows after the final norm."""
+        c = self.config
+        n, b, size = embeds.shape
+        m = n * b
+        hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
+        h = (embeds.to(self.drafter.dtype) * c.input_embedding_scale).reshape(m, size)
+        flat_pos = positions.reshape(m)
+        cos_sin = None
+        if self._kernels is None:
+            cos, sin = self.drafter.rope.cos_sin(flat_pos, h.dtype)
+            cos_sin = (cos, sin)
+        h, x = self.add_rms_norm(h, None, self.in_norm[0])
+        for i in range(c.num_layers):
+            qkv = F.linear(x, self.qkv_weight[i], self.qkv_bias[i])
+            q, k, v = self.qk_norm_rope(qkv, flat_pos, i, cos_sin)
+            o = attend(i, q.view(n, b, hq, d), k.view(n, b, hkv, d), v.view(n, b, hkv, d))
+            w_o, b_o = self.o_proj[i]
+            y = F.linear(o.reshape(m, hq * d), w_o, b_o)
+            h, x = self.add_rms_norm(h, y, self.post_norm[i])
+            y = F.linear(self.silu_mul(F.linear(x, self.gate_up_weight[i])), self.down_weight[i])
+            nxt = self.in_norm[i + 1] if i + 1 < c.num_layers else self.final_norm
+            h, x = self.add_rms_norm(h, y, nxt)
+        return x.view(n, b, size)
+
+
+__all__ = ["FastDrafter", "FastBackend"]

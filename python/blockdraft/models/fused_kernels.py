@@ -1,0 +1,185 @@
+# Triton ships no type information and @triton.jit kernels take untyped tensor/pointer
+# arguments; the host launchers below are fully annotated.
+# mypy: disable-error-code="import-untyped,untyped-decorator,no-untyped-def"
+"""Triton kernels of :mod:`blockdraft.models.fast`: the elementwise work around the GEMMs.
+
+Each replaces a chain of small torch kernels of the reference layer (RMSNorm as pow/mean/rsqrt/
+mul, RoPE as cat/neg/mul/add, the residual add, SwiGLU's silu and mul) by one launch. Math in
+fp32, one rounding to the output dtype at the end. Imported only where Triton is available;
+:mod:`blockdraft.models.fast` has the torch equivalents.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+def _pow2(x: int) -> int:
+    return 1 << max(0, (int(x) - 1).bit_length())
+
+
+@triton.jit(do_not_specialize=["num_rows"])
+def _add_rms_norm_kernel(
+    h_ptr,  # [M, H] residual stream (read)
+    y_ptr,  # [M, H] branch output (read; ignored when HAS_Y is false)
+    w_ptr,  # [H]
+    h_out_ptr,  # [M, H] h + y (written when HAS_Y)
+    x_out_ptr,  # [M, H] rms_norm(h + y) * w
+    num_rows,
+    eps,
+    SIZE: tl.constexpr,
+    BLOCK: tl.constexpr,
+    HAS_Y: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < SIZE
+    base = row * SIZE
+    h = tl.load(h_ptr + base + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_Y:
+        y = tl.load(y_ptr + base + cols, mask=mask, other=0.0).to(tl.float32)
+        # The residual stream is kept in the activation dtype, as in the reference.
+        h = (h + y).to(h_out_ptr.dtype.element_ty)
+        tl.store(h_out_ptr + base + cols, h, mask=mask)
+        h = h.to(tl.float32)
+    var = tl.sum(h * h, axis=0) / SIZE
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    x = h * (1.0 / tl.sqrt(var + eps)) * w
+    tl.store(x_out_ptr + base + cols, x.to(x_out_ptr.dtype.element_ty), mask=mask)
+
+
+def add_rms_norm(
+    h: torch.Tensor, y: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``h [M, H]`` (+ ``y [M, H]``) -> ``(h + y, rms_norm(h + y) * weight)``, each [M, H]."""
+    rows, size = h.shape
+    h = h.contiguous()
+    h_out = torch.empty_like(h) if y is not None else h
+    x_out = torch.empty_like(h)
+    if rows:
+        _add_rms_norm_kernel[(rows,)](
+            h, y.contiguous() if y is not None else h, weight, h_out, x_out, rows, float(eps),
+            SIZE=size, BLOCK=_pow2(size), HAS_Y=y is not None, num_warps=8 if size >= 2048 else 4,
+        )
+    return h_out, x_out
+
+
+@triton.jit
+def _norm_rope(x1, x2, w_ptr, pos_at, inv_freq_ptr, dims, dmask, rope_scale, eps,
+               HEAD_DIM: tl.constexpr):
+    """RMSNorm over one head (halves x1, x2, fp32), then rotate-half RoPE at ``*pos_at``."""
+    half: tl.constexpr = HEAD_DIM // 2
+    var = (tl.sum(x1 * x1, axis=0) + tl.sum(x2 * x2, axis=0)) / HEAD_DIM
+    rstd = 1.0 / tl.sqrt(var + eps)
+    w1 = tl.load(w_ptr + dims, mask=dmask, other=0.0).to(tl.float32)
+    w2 = tl.load(w_ptr + half + dims, mask=dmask, other=0.0).to(tl.float32)
+    x1 = x1 * rstd * w1
+    x2 = x2 * rstd * w2
+    angle = tl.load(pos_at).to(tl.float32) * tl.load(inv_freq_ptr + dims, mask=dmask, other=0.0)
+    cos = tl.cos(angle) * rope_scale
+    sin = tl.sin(angle) * rope_scale
+    return x1 * cos - x2 * sin, x2 * cos + x1 * sin
+
+
+@triton.jit(do_not_specialize=["num_rows"])
+def _qk_norm_rope_kernel(
+    qkv_ptr,  # [M, (Hq + 2*Hkv) * D]
+    pos_ptr,  # [M] int64
+    wq_ptr,  # [D]
+    wk_ptr,  # [D]
+    inv_freq_ptr,  # [D/2] fp32
+    q_ptr,  # [M, Hq, D]
+    k_ptr,  # [M, Hkv, D]
+    v_ptr,  # [M, Hkv, D]
+    num_rows,
+    rope_scale,
+    eps,
+    HQ: tl.constexpr,
+    HKV: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    half: tl.constexpr = HEAD_DIM // 2
+    dims = tl.arange(0, BLOCK_HALF)
+    dmask = dims < half
+    width: tl.constexpr = (HQ + 2 * HKV) * HEAD_DIM
+    src = qkv_ptr + row * width + head * HEAD_DIM
+    x1 = tl.load(src + dims, mask=dmask, other=0.0).to(tl.float32)
+    x2 = tl.load(src + half + dims, mask=dmask, other=0.0).to(tl.float32)
+    if head >= HQ + HKV:
+        dst = v_ptr + (row * HKV + (head - HQ - HKV)) * HEAD_DIM
+        tl.store(dst + dims, x1.to(v_ptr.dtype.element_ty), mask=dmask)
+        tl.store(dst + half + dims, x2.to(v_ptr.dtype.element_ty), mask=dmask)
+    elif head < HQ:
+        o1, o2 = _norm_rope(x1, x2, wq_ptr, pos_ptr + row, inv_freq_ptr, dims, dmask,
+                            rope_scale, eps, HEAD_DIM)
+        dst = q_ptr + (row * HQ + head) * HEAD_DIM
+        tl.store(dst + dims, o1.to(q_ptr.dtype.element_ty), mask=dmask)
+        tl.store(dst + half + dims, o2.to(q_ptr.dtype.element_ty), mask=dmask)
+    else:
+        o1, o2 = _norm_rope(x1, x2, wk_ptr, pos_ptr + row, inv_freq_ptr, dims, dmask,
+                            rope_scale, eps, HEAD_DIM)
+        dst = k_ptr + (row * HKV + (head - HQ)) * HEAD_DIM
+        tl.store(dst + dims, o1.to(k_ptr.dtype.element_ty), mask=dmask)
+        tl.store(dst + half + dims, o2.to(k_ptr.dtype.element_ty), mask=dmask)
+
+
+def qk_norm_rope(
+    qkv: torch.Tensor,
+    positions: torch.Tensor,
+    q_norm_w: torch.Tensor,
+    k_norm_w: torch.Tensor,
+    inv_freq: torch.Tensor,
+    rope_scale: float,
+    eps: float,
+    num_heads: int,
+    num_kv_heads: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``qkv [M, (Hq+2Hkv)*D]``, ``positions [M]`` int64 -> q [M, Hq, D], k, v [M, Hkv, D]."""
+    rows = qkv.shape[0]
+    head_dim = qkv.shape[1] // (num_heads + 2 * num_kv_heads)
+    qkv = qkv.contiguous()
+    q = qkv.new_empty((rows, num_heads, head_dim))
+    k = qkv.new_empty((rows, num_kv_heads, head_dim))
+    v = qkv.new_empty((rows, num_kv_heads, head_dim))
+    if rows:
+        _qk_norm_rope_kernel[(rows, num_heads + 2 * num_kv_heads)](
+            qkv, positions.contiguous(), q_norm_w, k_norm_w, inv_freq, q, k, v, rows,
+            float(rope_scale), float(eps), HQ=num_heads, HKV=num_kv_heads, HEAD_DIM=head_dim,
+            BLOCK_HALF=_pow2(head_dim // 2), num_warps=1,
+        )
+    return q, k, v
+
+
+@triton.jit(do_not_specialize=["num_rows"])
+def _silu_mul_kernel(gu_ptr, out_ptr, num_rows, INNER: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < INNER
+    g = tl.load(gu_ptr + row * (2 * INNER) + cols, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(gu_ptr + row * (2 * INNER) + INNER + cols, mask=mask, other=0.0).to(tl.float32)
+    # The reference rounds silu(g) and up(x) to the activation dtype before the product.
+    a = (g / (1.0 + tl.exp(-g))).to(out_ptr.dtype.element_ty).to(tl.float32)
+    u = u.to(out_ptr.dtype.element_ty).to(tl.float32)
+    tl.store(out_ptr + row * INNER + cols, (a * u).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """``[M, 2I]`` (gate then up) -> ``silu(gate) * up`` [M, I]."""
+    rows, width = gate_up.shape
+    inner = width // 2
+    gate_up = gate_up.contiguous()
+    out = gate_up.new_empty((rows, inner))
+    block = 1024
+    if rows:
+        _silu_mul_kernel[(rows, triton.cdiv(inner, block))](
+            gate_up, out, rows, INNER=inner, BLOCK=block, num_warps=4
+        )
+    return out
+
+
+__all__ = ["add_rms_norm", "qk_norm_rope", "silu_mul"]
