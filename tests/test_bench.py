@@ -95,9 +95,15 @@ def test_static_graph_path_after_an_aborted_plan_rereads_the_table() -> None:
             raise boom
 
         p.drafter.forward_block = fail  # type: ignore[method-assign]
+        # The graph path drafts through the drafter's fused view (same math, stacked weights).
+        fast = runner.fast if runner is not None else None
+        if fast is not None:
+            fast.forward_block = fail  # type: ignore[method-assign]
         with pytest.raises(RuntimeError, match="injected"):
             p.propose(st, 6, 17, 3)
         del p.drafter.forward_block
+        if fast is not None:
+            del fast.forward_block
         assert p.drafter.forward_block == original
         second = p.propose(st, 6, 17, 3)
         outs.append((first, second, st.block_table))

@@ -8,10 +8,13 @@ runs the same buffers eagerly) must draft exactly what the plain path drafts.
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
-from tinypair import drafter_config, tiny_drafter
+from tinypair import drafter_config, tiny_drafter, tiny_target
 
+from blockdraft import DFlashProposer
 from blockdraft.kernels import triton_available
 from blockdraft.models.attention import ReferenceAttend
 from blockdraft.models.fast import FastDrafter
@@ -51,3 +54,77 @@ def test_dflash2_drafters_have_no_fused_view() -> None:
     drafter = DFlash2Drafter(cfg, device="cpu", dtype=torch.float32)
     assert FastDrafter.from_drafter(drafter, "torch") is None
     assert FastDrafter.from_drafter(object(), "torch") is None
+
+
+def _steps(prop: DFlashProposer, eager_calls: list[int]) -> list[list[list[int]]]:
+    """3 sequences: a long first commit (stored eagerly), then 1..4 rows per step (staged)."""
+    original = prop._store_ctx_kv
+
+    def counting(items: Any) -> None:
+        eager_calls.append(len(items))
+        original(items)
+
+    prop._store_ctx_kv = counting  # type: ignore[method-assign]
+    rows = torch.randn(200, 64, generator=torch.Generator().manual_seed(5))
+    states = [prop.alloc_state_for(80) for _ in range(3)]
+    pos = [11, 5, 17]
+    for i, st in enumerate(states):
+        prop.commit_ctx(st, rows[: pos[i]], range(pos[i]))
+    out = []
+    for step in range(8):
+        idx = [0, 1, 2] if step % 2 else [step % 3]
+        toks = [(step * 5 + i) % 60 for i in idx]
+        if len(idx) == 1:
+            out.append([prop.propose(states[idx[0]], toks[0], pos[idx[0]], 3)])
+        else:
+            got = prop.propose_batch([states[i] for i in idx], toks, [pos[i] for i in idx], 3)
+            assert got is not None
+            out.append(got)
+        for i in idx:
+            prop.after_verify(states[i], 0)
+            k = 1 + (step + i) % 4  # 1..B rows: the steady state's accepted + 1
+            prop.commit_ctx(states[i], rows[pos[i] : pos[i] + k], range(pos[i], pos[i] + k))
+            pos[i] += k
+    for st in states:
+        prop.free_state(st)
+    return out
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_precompute_in_the_graph_gives_the_plain_drafts(backend: str) -> None:
+    target = tiny_target()
+    drafter = tiny_drafter(drafter_config(block=4, layers=2))
+
+    def make(graphs: str, be: str) -> DFlashProposer:
+        return DFlashProposer(drafter, target, max_seq_len=120, num_blocks=90, kv_block_size=4,
+                              max_batch=4, graphs=graphs, backend=be)  # type: ignore[arg-type]
+
+    plain_eager: list[int] = []
+    plain = _steps(make("off", "torch"), plain_eager)
+    static_prop = make("static", backend)
+    graph_eager: list[int] = []
+    graph = _steps(static_prop, graph_eager)
+    assert graph == plain
+    runner = static_prop._graphs
+    assert runner is not None and runner.fast is not None
+    # The plain path stores every call eagerly; the graph path only the long first plans (one
+    # per sequence), the steady-state rows are stored by the (captured) forward.
+    assert len(plain_eager) == 8
+    assert sum(graph_eager) == 3
+    # The last call (step 7, n=3 -> bucket 4) staged 3 + 3 + 4 rows (commits of steps 5 and 6).
+    assert runner._slots[4].staged == 10
+
+
+def test_quick_bench_runs_on_the_tiny_shape() -> None:
+    from blockdraft import bench as bd_bench
+
+    shape = bd_bench.SHAPES["tiny"]
+    cpu = torch.device("cpu")
+    target = bd_bench.build_target(shape, cpu, torch.float32)
+    drafter = bd_bench.build_drafter(shape, cpu, torch.float32)
+    recs = bd_bench.bench_quick(shape, drafter, target, cpu, cells=[(32, 1), (32, 2)], reps=2,
+                                warmup=1)
+    assert [(r["context"], r["batch"]) for r in recs] == [(32, 1), (32, 2)]
+    assert all(r["latency_ms"]["median"] > 0 for r in recs)
+    table = bd_bench.quick_markdown(recs)
+    assert table.count("\n") == 4 and "| 32 | 2 |" in table

@@ -1,14 +1,25 @@
 """CUDA-graph replay of the proposer's steady-state draft forward.
 
-After the ctx K/V precompute (variable length, stays eager), one proposal is a fixed sequence of
-kernels whose shapes depend only on the number of sequences ``n``: embed the block, the drafter
-layers with paged block attention, the target ``lm_head`` on rows 1..B-1 and argmax. This module
-captures that sequence once per batch-size bucket and replays it; per call only the metadata
-changes, written in place into one static buffer per bucket::
+In the steady state one proposal is a fixed sequence of kernels whose shapes depend only on the
+number of sequences ``n``: the ctx K/V precompute of the rows committed since the last call
+(``fc`` + ``hidden_norm`` + one K/V GEMM for every layer + the paged store, over ``bucket x B``
+staged rows), embed the block, the drafter layers with paged block attention, the target
+``lm_head`` on rows 1..B-1 and argmax. This module captures that sequence once per batch-size
+bucket and replays it; per call only the metadata and the staged ctx rows change, written in
+place into static buffers per bucket::
 
-    meta [bucket, 3 + W] int64 on the device:
+    meta [bucket, 3 + W + 2B] int64 on the device:
         column 0: ctx rows with K/V (the plan's row_end), 1: anchor token, 2: anchor position,
-        columns 3..3+W: the block table (W = ceil(ceiling / block_size) entries, zero padded)
+        columns 3..3+W: the block table (W = ceil(ceiling / block_size) entries, zero padded),
+        then B positions and B slots of the staged ctx rows (staged row j is meta row j // B,
+        entry j % B; unused entries have slot PAD_SLOT = -1, which the store skips)
+    stage [bucket * B, k*H]: the accumulator rows of the outstanding plans, packed in order
+        (one copy launch per call: ``torch.cat(..., out=stage)``)
+
+A sequence commits ``accepted + 1`` (1..B) rows per step, so its plan always fits its B staged
+rows; a longer plan (a prefill, a first call) has its K/V stored eagerly before the replay.
+The drafter layers run through :class:`~blockdraft.models.fast.FastDrafter` (stacked weights,
+fused elementwise kernels) when the drafter has that view.
 
 The host keeps a pinned mirror of ``meta`` and rewrites only what changed: per row the three
 scalars, plus the blocks a precompute plan appended (a row's whole table is re-read from the
@@ -31,6 +42,9 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 from torch import Tensor
 from torch.nn import functional as F
+
+from blockdraft import faults
+from blockdraft.models.fast import FastDrafter
 
 if TYPE_CHECKING:
     from blockdraft.proposer import DFlashProposer
@@ -55,12 +69,26 @@ def default_buckets(max_batch: int) -> list[int]:
 class _Bucket:
     """Static buffers (and, when capturing, the graph) for up to ``size`` sequences."""
 
-    def __init__(self, size: int, width: int, device: torch.device, pin: bool, mask_id: int):
+    def __init__(
+        self,
+        size: int,
+        width: int,
+        gamma: int,
+        row_width: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        pin: bool,
+        mask_id: int,
+    ):
         self.size = size
-        self.host = torch.zeros((size, _META + width), dtype=torch.int64, pin_memory=pin)
+        cols = _META + width + 2 * gamma
+        self.host = torch.zeros((size, cols), dtype=torch.int64, pin_memory=pin)
         self.host_np = self.host.numpy()
         self.host_np[:, 1] = mask_id
-        self.dev = torch.zeros((size, _META + width), dtype=torch.int64, device=device)
+        self.host_np[:, _META + width + gamma :] = -1  # no staged rows: every slot is PAD_SLOT
+        self.dev = torch.zeros((size, cols), dtype=torch.int64, device=device)
+        self.stage = torch.zeros((size * gamma, row_width), dtype=dtype, device=device)
+        self.staged = 0  # staged rows of the last call (their slots need resetting)
         # Which state each row mirrors, and how many of its blocks the row holds.
         self.owners: list[object | None] = [None] * size
         self.lens = [0] * size
@@ -93,6 +121,11 @@ class GraphRunner:
         self.captures = 0
         self.replays = 0
         self.disabled: str | None = None
+        self.gamma = prop.gamma
+        self._pos_col = _META + self.width
+        self._slot_col = _META + self.width + self.gamma
+        # The fused view of the drafter (stacked weights); None keeps the drafter's own forward.
+        self.fast: FastDrafter | None = FastDrafter.from_drafter(prop.drafter, prop.backend)
 
     # ------------------------------------------------------------------ public
 
@@ -110,7 +143,7 @@ class GraphRunner:
         """The block tables of the last call's first ``n`` rows on the device, each
         ``[num_blocks]`` int32 (one copy for all rows, then views)."""
         bucket = self._slots[self.bucket_for(n) or n]
-        tables = bucket.dev[:n, _META:].to(torch.int32)
+        tables = bucket.dev[:n, _META : _META + self.width].to(torch.int32)
         return [tables[i, : bucket.lens[i]] for i in range(n)]
 
     @torch.no_grad()
@@ -119,7 +152,9 @@ class GraphRunner:
         this call must take the plain path (a table wider than the graphs' width).
 
         ``preps`` are the proposer's ``_Prep`` records; their precompute plans are outstanding
-        (the K/V of every row up to ``plan.row_end`` is already in the paged cache).
+        and their K/V is not stored yet: when this returns drafts it has stored it (plans of at
+        most B rows inside the graph, longer ones eagerly first); when it returns ``None`` it
+        has stored nothing and the caller stores and drafts on the plain path.
         """
         n = len(preps)
         size = self.bucket_for(n)
@@ -127,15 +162,18 @@ class GraphRunner:
             return None
         bucket = self._slots.get(size)
         if bucket is None:
+            prop = self.prop
             bucket = _Bucket(
-                size, self.width, self.prop.device, self.mode == "capture", self.prop.mask_token_id
+                size, self.width, self.gamma, prop.ctx_row_width, prop.dtype, prop.device,
+                self.mode == "capture", prop.mask_token_id,
             )
             self._slots[size] = bucket
         if not self._fill(bucket, preps):
             return None
+        self._stage(bucket, preps)
         bucket.dev.copy_(bucket.host, non_blocking=True)
         if self.mode == "static":
-            return self._forward(bucket.dev)[:n]
+            return self._forward(bucket.dev, bucket.stage)[:n]
         if bucket.graph is None:
             try:
                 self._capture(bucket)
@@ -152,6 +190,40 @@ class GraphRunner:
 
     # ------------------------------------------------------------------ internals
 
+    def _stage(self, bucket: _Bucket, preps: Sequence[Any]) -> None:
+        """Positions/slots of the plans' new ctx rows into ``meta``, their accumulator rows into
+        ``stage``; plans longer than B rows are stored eagerly here instead."""
+        arr = bucket.host_np
+        b, pc, sc = self.gamma, self._pos_col, self._slot_col
+        if bucket.staged:
+            arr[:, sc : sc + b] = -1
+        rows: list[Tensor] = []
+        eager: list[tuple[Any, Any]] = []
+        j = 0
+        for p in preps:
+            plan = p.plan
+            start, end = plan.row_start, plan.row_end
+            count = end - start
+            if count <= 0:
+                continue
+            if count > b:
+                eager.append((p.state, plan))
+                continue
+            for pos, slot in zip(plan.positions, plan.slots):
+                arr[j // b, pc + j % b] = pos
+                arr[j // b, sc + j % b] = slot
+                j += 1
+            rows.append(p.state.acc[start:end])
+        bucket.staged = j
+        if eager:
+            self.prop._store_ctx_kv(eager)
+        if rows and faults._ACTIVE is not None:
+            faults.hit("kv_cache")
+        if len(rows) > 1:
+            torch.cat(rows, 0, out=bucket.stage[:j])
+        elif rows:
+            bucket.stage[:j].copy_(rows[0])
+
     def _fill(self, bucket: _Bucket, preps: Sequence[Any]) -> bool:
         arr = bucket.host_np
         width = self.width
@@ -167,7 +239,8 @@ class GraphRunner:
                 arr[i, _META : _META + len(table)] = table
                 bucket.owners[i] = state
                 bucket.lens[i] = len(table)
-            new = p.plan.new_blocks
+            plan = p.plan
+            new = plan.new_blocks
             if new:
                 start = bucket.lens[i]
                 if start + len(new) > width:
@@ -177,7 +250,7 @@ class GraphRunner:
                 # Mirrors the table as it is once the plan is confirmed; an aborted plan shows
                 # up next call as a length mismatch and the row is re-read.
                 bucket.lens[i] = start + len(new)
-            arr[i, 0] = p.plan.row_end
+            arr[i, 0] = plan.row_end
             arr[i, 1] = p.token
             arr[i, 2] = p.position
         for i in range(len(preps), bucket.size):
@@ -188,14 +261,33 @@ class GraphRunner:
                 bucket.owners[i] = None
         return True
 
-    def _forward(self, meta: Tensor) -> Tensor:
-        """meta [m, 3 + W] -> drafts [m, B-1] int64 (the plain path's math, fixed shapes)."""
+    def _forward(self, meta: Tensor, stage: Tensor) -> Tensor:
+        """meta [m, 3 + W + 2B], stage [m*B, k*H] -> drafts [m, B-1] int64 (the plain path's
+        math, fixed shapes): the staged rows' ctx K/V into the paged cache, then the draft."""
         prop = self.prop
         m, b = meta.shape[0], prop.gamma
+        fast = self.fast
+        pc, sc = self._pos_col, self._slot_col
+        ctx_fused = (fast.fuse_context if fast is not None else prop.drafter.fuse_context)(stage)
+        kv = F.linear(ctx_fused, prop._kv_weight, prop._kv_bias).view(
+            m * b, prop.num_layers, 2, prop.num_kv_heads, prop.head_dim
+        )
+        prop._ops.ctx_kv_store(
+            kv,
+            meta[:, pc : pc + b].reshape(-1),
+            meta[:, sc : sc + b].reshape(-1),
+            prop._k_norm_w,
+            prop._inv_freq,
+            prop._rope_scale,
+            prop.eps,
+            prop._k_all,
+            prop._v_all,
+            prop.slot_pos,
+        )
         ctx_lens = meta[:, 0].to(torch.int32)
         anchors = meta[:, 1]
         starts = meta[:, 2]
-        block_tables = meta[:, _META:].to(torch.int32)
+        block_tables = meta[:, _META : _META + self.width].to(torch.int32)
         ids = torch.full((m, b), prop.mask_token_id, dtype=torch.int64, device=meta.device)
         ids[:, 0] = anchors
         q_pos = starts[:, None] + torch.arange(b, dtype=torch.int64, device=meta.device)[None, :]
@@ -218,7 +310,8 @@ class GraphRunner:
             )
             return out
 
-        hidden = prop.drafter.forward_block(embeds, q_pos, attend)  # [m, B, H]
+        forward_block = fast.forward_block if fast is not None else prop.drafter.forward_block
+        hidden = forward_block(embeds, q_pos, attend)  # [m, B, H]
         rows = hidden[:, 1:].reshape(m * (b - 1), prop.hidden_size)
         logits = prop.drafter.logits(rows, prop._lm_head)  # [m*(B-1), V]
         picked: Tensor = prop._ops.masked_argmax(logits, None).view(m, b - 1)
@@ -233,11 +326,11 @@ class GraphRunner:
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):
             for _ in range(2):
-                self._forward(bucket.dev)
+                self._forward(bucket.dev, bucket.stage)
         torch.cuda.current_stream(device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
-            out = self._forward(bucket.dev)
+            out = self._forward(bucket.dev, bucket.stage)
         bucket.graph = graph
         bucket.out = out
         self.captures += 1

@@ -736,8 +736,8 @@ class DFlashProposer:
             self._inv_freq,
             self._rope_scale,
             self.eps,
-            self.k_cache,
-            self.v_cache,
+            self._k_all,  # every layer in one launch
+            self._v_all,
             self.slot_pos,
         )
 
@@ -764,12 +764,14 @@ class DFlashProposer:
         Returns ``len(preps)`` lists of ``take`` drafts. Raises on any failure with every plan
         still outstanding (the caller aborts them).
         """
-        self._store_ctx_kv([(p.state, p.plan) for p in preps])
         runner = self._graphs
         if runner is not None and mask is None and not self._selector and runner.accepts(len(preps)):
+            # The graph path stores the outstanding ctx K/V itself (inside the graph when every
+            # plan has at most B rows); None means it stored nothing.
             got = runner.draft(preps)
             if got is not None:
                 return self._graph_bands(runner, preps, got, take)
+        self._store_ctx_kv([(p.state, p.plan) for p in preps])
         n, b = len(preps), self.gamma
         tables = [p.state.ctx.block_table + list(p.plan.new_blocks) for p in preps]
         width = max(1, max(len(t) for t in tables))
