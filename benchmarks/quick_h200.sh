@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# Quick check of the issue-6 propose targets on one CUDA GPU (< 60 s with the model build):
+#   OUT=/some/dir bash benchmarks/quick_h200.sh
+# Random qwen3-8b pair in bf16; propose n=1 at 4K and 16K, propose_batch n=32 at 4K, median of
+# REPS timed calls (CUDA events, each call preceded by one committed ctx row), graphs on, then
+# the plain path (no graphs) on the same states. Prints one table; writes $OUT/quick.json and
+# $OUT/quick.md. Needs blockdraft importable (wheel or `maturin develop`).
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$root"
+OUT="${OUT:-$root/bench-out}"
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 OUT REPS="${REPS:-20}"
+"${PYTHON:-python3}" - <<'PY'
+import json, logging, os, time
+from pathlib import Path
+
+import torch
+
+from blockdraft import bench
+
+logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+device, dtype = torch.device("cuda"), torch.bfloat16
+shape = bench.SHAPES["qwen3-8b"]
+t0 = time.perf_counter()
+with torch.inference_mode():
+    target = bench.build_target(shape, device, dtype, 0)
+    drafter = bench.build_drafter(shape, device, dtype, 1)
+    torch.cuda.synchronize(device)
+    build_s = time.perf_counter() - t0
+    records = bench.bench_quick(shape, drafter, target, device, reps=int(os.environ["REPS"]))
+result = {
+    "environment": bench.environment(device),
+    "shape": "qwen3-8b",
+    "dtype": "bf16",
+    "build_s": build_s,
+    "total_s": time.perf_counter() - t0,
+    "quick": records,
+}
+out = Path(os.environ["OUT"])
+(out / "quick.json").write_text(json.dumps(result, indent=2, default=str))
+table = bench.quick_markdown(records)
+(out / "quick.md").write_text(table)
+print(table)
+print(f"build {build_s:.1f} s, total {result['total_s']:.1f} s; wrote {out}/quick.json")
+PY
