@@ -490,6 +490,79 @@ def bench_propose(
     return out
 
 
+QUICK_CELLS: tuple[tuple[int, int], ...] = ((4096, 1), (16384, 1), (4096, 32))
+"""(context, batch) cells of :func:`bench_quick`: the issue-6 latency targets."""
+
+
+def bench_quick(
+    shape: Shape,
+    drafter: Any,
+    target: Any,
+    device: torch.device,
+    *,
+    cells: Sequence[tuple[int, int]] = QUICK_CELLS,
+    reps: int = 20,
+    warmup: int = 3,
+    seed: int = 0,
+) -> list[dict[str, Any]]:
+    """Propose latency (graphs on, then the plain path) for a few cells only, each with its
+    own proposer; one record per cell, as in the propose section (no loop or precompute)."""
+    out: list[dict[str, Any]] = []
+    grow = 2 * (reps + warmup) + 2 * shape.block_size + 64
+    for ctx, n in cells:
+        gen = torch.Generator(device=device).manual_seed(seed + ctx)
+        prop = _make_proposer(drafter, target, shape, ctx, n, "auto", grow)
+        seqs = _Seqs(prop, shape, ctx, n, gen)
+        idx = list(range(n))
+        try:
+            runner = prop._graphs
+            rec: dict[str, Any] = {"context": ctx, "batch": n}
+            rec["graph_mode"] = None if runner is None else runner.mode
+            rec["fused_drafter"] = runner is not None and runner.fast is not None
+            rec["latency_ms"] = _cell_times(
+                lambda: seqs.propose_batch(idx), lambda: seqs.advance(idx), reps, warmup, device
+            )
+            if runner is not None:
+                rec["graph_disabled"] = runner.disabled
+                rec["graph_replays"] = runner.replays
+                prop._graphs = None
+                try:
+                    rec["latency_plain_ms"] = _cell_times(
+                        lambda: seqs.propose_batch(idx), lambda: seqs.advance(idx), reps, warmup,
+                        device,
+                    )
+                finally:
+                    prop._graphs = runner
+            log.info("quick ctx %d n %d: %.3f ms (plain %s)", ctx, n, rec["latency_ms"]["median"],
+                     rec.get("latency_plain_ms", {}).get("median"))
+            out.append(rec)
+        finally:
+            seqs.free()
+            _release(prop)
+            del seqs, prop
+    return out
+
+
+def quick_markdown(records: Sequence[dict[str, Any]]) -> str:
+    """One table of :func:`bench_quick` records against the issue-6 targets."""
+    targets = {(4096, 1): 1.2, (16384, 1): 1.4, (4096, 32): 3.0}
+    lines = [
+        "| ctx | n | median ms | p90 ms | plain path ms | target ms | graph | fused drafter |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in records:
+        lat, plain = r["latency_ms"], r.get("latency_plain_ms", {})
+        graph = r.get("graph_mode") or "off"
+        if r.get("graph_disabled"):
+            graph = f"disabled: {r['graph_disabled']}"
+        lines.append(
+            f"| {r['context']} | {r['batch']} | {_f(lat['median'])} | {_f(lat['p90'])} | "
+            f"{_f(plain.get('median'))} | {_f(targets.get((r['context'], r['batch'])))} | "
+            f"{graph} | {'yes' if r.get('fused_drafter') else 'no'} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
 def _precompute_times(
     prop: Any, seqs: _Seqs, idx: Sequence[int], rows: int, cfg: BenchConfig, device: torch.device
 ) -> dict[str, float]:
