@@ -1,0 +1,111 @@
+"""Why the two issue-4 misses miss: host launch cost vs device time, and the split count.
+
+For block attention (n = 1 x 16K ctx, B = 16, 32/8 heads x 128, bf16) and masked argmax
+(512 x 151936 bf16 logits with a bitmask) it times, with ``do_bench`` medians:
+
+* ``eager``: the launcher as the proposer calls it (argument checks + launches per call);
+* ``graph``: the same call captured once in a CUDA graph and replayed (no host work);
+* ``splits=N``: graph replay with the split count forced, to see whether the shape-derived
+  heuristic leaves the GPU idle.
+
+If ``graph`` is far below ``eager``, the miss is host-side (launch) cost, which the proposer's
+CUDA-graph path already removes; if ``graph`` is still slow, it is the kernel.
+
+    cd kernels && python diagnose_misses.py --out $OUT
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+
+import torch
+
+from _lab import args, bench_ms, copy_bandwidth_gbs, import_kernels, record
+
+
+def graphed(fn: Callable[[], object]) -> Callable[[], None]:
+    """Capture ``fn`` (after a warm-up on a side stream) and return a replay closure."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
+def attention(copy_gbs: float, out: object) -> None:
+    K = import_kernels()
+    mod = importlib.import_module("blockdraft.kernels.block_attention")
+    n, ctx, B, hq, hkv, dim, page = 1, 16384, 16, 32, 8, 128, 16
+    dev = "cuda"
+    blocks = ctx // page
+    kc = torch.randn(blocks + 1, page, hkv, dim, dtype=torch.bfloat16, device=dev)
+    vc = torch.randn_like(kc)
+    tables = (torch.randperm(blocks, device=dev) + 1).view(1, blocks).to(torch.int32)
+    ctx_lens = torch.full((n,), ctx, dtype=torch.int32, device=dev)
+    q = torch.randn(n, B, hq, dim, dtype=torch.bfloat16, device=dev)
+    kb = torch.randn(n, B, hkv, dim, dtype=torch.bfloat16, device=dev)
+    vb = torch.randn_like(kb)
+    q_pos = (ctx + torch.arange(B, device=dev)).repeat(n, 1)
+    sp = torch.zeros((blocks + 1) * page, dtype=torch.int32, device=dev)
+    nbytes = n * ctx * hkv * dim * 2 * 2
+    o = torch.empty(n, B, hq, dim, dtype=torch.bfloat16, device=dev)
+
+    def call(splits: int | None = None) -> Callable[[], object]:
+        return lambda: mod.block_attention(
+            q, kb, vb, kc, vc, tables, ctx_lens, q_pos, sp, scale=dim**-0.5,
+            num_splits=splits, out=o,
+        )
+
+    rows = {
+        "eager": bench_ms(lambda: K.block_attention(q, kb, vb, kc, vc, tables, ctx_lens, q_pos,
+                                                    sp, scale=dim**-0.5, backend="triton")),
+        "graph": bench_ms(graphed(call())),
+    }
+    for s in (8, 16, 32, 64, 128):
+        rows[f"splits={s}"] = bench_ms(graphed(call(s)))
+    for name, ms in rows.items():
+        gbs = nbytes / (ms * 1e-3) / 1e9
+        record(out, {"kernel": "diagnose_attention_n1_16k", "variant": name, "ms": round(ms, 4),
+                     "gbs": round(gbs, 1), "copy_ratio": round(gbs / copy_gbs, 3)})
+
+
+def argmax(copy_gbs: float, out: object) -> None:
+    K = import_kernels()
+    mod = importlib.import_module("blockdraft.kernels.selection")
+    rows_n, vocab = 512, 151936
+    dev = "cuda"
+    logits = torch.randn(rows_n, vocab, dtype=torch.bfloat16, device=dev)
+    words = (vocab + 31) // 32
+    bits = torch.randint(-(2**31), 2**31 - 1, (rows_n, words), dtype=torch.int32, device=dev)
+    nbytes = logits.numel() * 2 + bits.numel() * 4
+    results = {
+        "eager": bench_ms(lambda: K.masked_argmax(logits, bits, backend="triton")),
+        "graph": bench_ms(graphed(lambda: mod.masked_argmax(logits, bits))),
+        "graph_nomask": bench_ms(graphed(lambda: mod.masked_argmax(logits, None))),
+        "torch_argmax": bench_ms(lambda: torch.argmax(logits, -1)),
+    }
+    for s in (1, 2, 4, 8):
+        results[f"splits={s}"] = bench_ms(graphed(lambda s=s: mod.masked_argmax(logits, bits,
+                                                                                num_splits=s)))
+    for name, ms in results.items():
+        gbs = nbytes / (ms * 1e-3) / 1e9
+        record(out, {"kernel": "diagnose_masked_argmax_512", "variant": name, "ms": round(ms, 4),
+                     "gbs": round(gbs, 1), "copy_ratio": round(gbs / copy_gbs, 3)})
+
+
+def main() -> None:
+    a = args()
+    copy = copy_bandwidth_gbs()
+    record(a.out, {"kernel": "copy_ceiling", "gbs": round(copy, 1)})
+    attention(copy, a.out)
+    argmax(copy, a.out)
+
+
+if __name__ == "__main__":
+    main()
