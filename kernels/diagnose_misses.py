@@ -39,8 +39,8 @@ def graphed(fn: Callable[[], object]) -> Callable[[], None]:
 
 
 def attention(copy_gbs: float, out: object) -> None:
-    K = import_kernels()
-    mod = importlib.import_module("blockdraft.kernels.block_attention")
+    import_kernels()
+    mod = importlib.import_module("blockdraft.kernels.paged_attention")
     n, ctx, B, hq, hkv, dim, page = 1, 16384, 16, 32, 8, 128, 16
     dev = "cuda"
     blocks = ctx // page
@@ -63,8 +63,8 @@ def attention(copy_gbs: float, out: object) -> None:
         )
 
     rows = {
-        "eager": bench_ms(lambda: K.block_attention(q, kb, vb, kc, vc, tables, ctx_lens, q_pos,
-                                                    sp, scale=dim**-0.5, backend="triton")),
+        "eager": bench_ms(lambda: mod.block_attention(q, kb, vb, kc, vc, tables, ctx_lens,
+                                                      q_pos, sp, scale=dim**-0.5)),
         "graph": bench_ms(graphed(call())),
     }
     for s in (8, 16, 32, 64, 128):

@@ -85,7 +85,7 @@ def case_attention(device: torch.device, dtype: torch.dtype, ctx_lens: list[int]
     if num_splits is None:
         got = run_attention(x, "triton", **kw)
     else:
-        ba = importlib.import_module("blockdraft.kernels.block_attention")
+        ba = importlib.import_module("blockdraft.kernels.paged_attention")
         got = ba.block_attention(
             x["q"], x["k_blk"], x["v_blk"], x["k_cache"], x["v_cache"], x["block_tables"],
             x["ctx_lens"], x["q_pos"], x["slot_pos"], scale=dim**-0.5,

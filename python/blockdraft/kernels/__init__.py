@@ -43,7 +43,7 @@ __all__ = [
     "triton_available",
 ]
 
-_TRITON_MODULES = ("kv_store", "block_attention", "accumulator", "selection", "dflash2")
+_TRITON_MODULES = ("kv_store", "paged_attention", "accumulator", "selection", "dflash2")
 _triton_mods: dict[str, ModuleType] = {}
 _triton_error: str | None = None
 
@@ -60,9 +60,6 @@ def _load_triton() -> str | None:
         _triton_mods.clear()
         _triton_error = f"triton kernels unavailable: {exc}"
         logger.info("%s; using the torch references", _triton_error)
-    # Importing submodule `block_attention` rebinds the package attribute of that name to the
-    # module; put the launcher back (reach the module with importlib.import_module).
-    globals()["block_attention"] = _block_attention_launcher
     return _triton_error
 
 
@@ -128,7 +125,7 @@ def block_attention(
 ) -> torch.Tensor:
     """q [n, B, Hq, D] over paged ctx K/V plus the block's k_blk/v_blk [n, B, Hkv, D]
     -> [n, B, Hq, D]. See ``reference.block_attention`` for the exact rule."""
-    mod = _kernel(backend, q.device, "block_attention")
+    mod = _kernel(backend, q.device, "paged_attention")
     if mod is None:
         return reference.block_attention(
             q, k_blk, v_blk, k_cache, v_cache, block_tables, ctx_lens, q_pos, slot_pos,
@@ -137,9 +134,6 @@ def block_attention(
         q, k_blk, v_blk, k_cache, v_cache, block_tables, ctx_lens, q_pos, slot_pos,
         scale=scale, sliding_window=sliding_window, causal_block=causal_block)
     return out
-
-
-_block_attention_launcher = block_attention
 
 
 def acc_append(

@@ -3,6 +3,7 @@ argument, raised before anything is launched or written."""
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Sequence
 
@@ -48,3 +49,16 @@ def next_pow2(x: int) -> int:
 def interpreting() -> bool:
     """Whether Triton runs kernels in its CPU interpreter (``TRITON_INTERPRET=1``)."""
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count_of(index: int) -> int:
+    return int(torch.cuda.get_device_properties(index).multi_processor_count)
+
+
+def sm_count(device: torch.device) -> int:
+    """Multiprocessors of ``device`` (4 off CUDA, for the interpreter); cached, since the
+    properties query would otherwise be host time on every decode step."""
+    if device.type != "cuda":
+        return 4
+    return _sm_count_of(device.index if device.index is not None else torch.cuda.current_device())

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._validate import FLOAT_DTYPES, check
+from ._validate import FLOAT_DTYPES, check, sm_count
 from .reference import sample_uniforms
 
 _BLOCK_V = 1024
@@ -113,12 +113,6 @@ def masked_scale_kernel(
     tl.store(out_ptr + row * vocab + ids, y, mask=in_range)
 
 
-def _sm_count(device: torch.device) -> int:
-    if device.type == "cuda":
-        return int(torch.cuda.get_device_properties(device).multi_processor_count)
-    return 4
-
-
 def _check_inputs(logits: torch.Tensor, bitmask: torch.Tensor | None) -> tuple[int, int, int]:
     check("logits", logits, shape=[None, None], dtypes=FLOAT_DTYPES, last_dim_contiguous=True)
     num_rows, vocab = logits.shape
@@ -143,7 +137,7 @@ def masked_argmax(
         return out
     tiles = max(1, triton.cdiv(vocab, _BLOCK_V))
     if num_splits is None:
-        num_splits = min(tiles, max(1, triton.cdiv(4 * _sm_count(logits.device), num_rows)))
+        num_splits = min(tiles, max(1, triton.cdiv(4 * sm_count(logits.device), num_rows)))
     if num_splits < 1:
         raise ValueError(f"num_splits: must be >= 1, got {num_splits}")
     chunk = triton.cdiv(tiles, num_splits) * _BLOCK_V
