@@ -190,6 +190,19 @@ def test_propose_batch_every_site_every_position(drafter: Any, target: Any, n: i
     assert points >= n + 5
 
 
+@pytest.mark.parametrize("n", [2, 5, 8])
+def test_graph_path_every_site_every_position(drafter: Any, target: Any, n: int) -> None:
+    """The CUDA-graph path's buffers (``graphs="static"``: the same staging, metadata and fused
+    forward, run eagerly on the CPU) under the same sweep: its K/V staging and forward sites
+    decline without touching the pool or any state."""
+
+    def act(w: World) -> Any:
+        return w.prop.propose_batch(w.states, w.anchors, w.positions, 3)
+
+    points = sweep(lambda: make_world(drafter, target, n, graphs="static"), act, declines=True)
+    assert points >= n + 2
+
+
 def test_propose_batch_without_batched_precompute(
     drafter: Any, target: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:

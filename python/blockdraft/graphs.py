@@ -171,6 +171,9 @@ class GraphRunner:
         if not self._fill(bucket, preps):
             return None
         self._stage(bucket, preps)
+        if faults._ACTIVE is not None:
+            # The graph replaces the eager forward: the same fault site covers it.
+            faults.hit("forward")
         bucket.dev.copy_(bucket.host, non_blocking=True)
         if self.mode == "static":
             return self._forward(bucket.dev, bucket.stage)[:n]
