@@ -227,7 +227,8 @@ class DFlashProposer:
 
     Raises:
         ConfigError: a bad lever, backend, or a drafter that does not fit the target.
-        ValueError: non-positive sizes.
+        ValueError: non-positive sizes, an unknown ``graphs`` mode, or ``graphs="capture"``
+            off CUDA.
     """
 
     def __init__(
