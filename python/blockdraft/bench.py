@@ -50,7 +50,6 @@ from types import SimpleNamespace
 from typing import Any
 
 import torch
-from torch import Tensor
 
 log = logging.getLogger(__name__)
 

@@ -175,7 +175,7 @@ def _load_pair(args: argparse.Namespace, device: Any) -> tuple[Any, Any, Any, st
             "(output is noise; pass --target/--drafter for a real pair)",
         )
     if args.target is None or args.drafter is None:
-        raise CliError("give both --target DIR and --drafter DIR (or neither for the demo pair)")
+        raise CliError("give both --target DIR and --drafter DIR (or neither for the built-in pair)")
     from pathlib import Path
 
     for flag, value in (("--target", args.target), ("--drafter", args.drafter)):

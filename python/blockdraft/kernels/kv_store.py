@@ -87,11 +87,6 @@ def ctx_kv_store_kernel(
     tl.store(slot_pos_ptr + slot, pos.to(tl.int32), mask=valid & (layer == 0))
 
 
-def _check_cache(name: str, t: torch.Tensor, like: torch.Tensor, dims: tuple[int, int]) -> None:
-    check(name, t, shape=[like.shape[0], like.shape[1], dims[0], dims[1]], device=like.device,
-          dtypes=[like.dtype], contiguous=True)
-
-
 def ctx_kv_store(
     kv: torch.Tensor,
     positions: torch.Tensor,
