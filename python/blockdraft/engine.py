@@ -480,12 +480,13 @@ def generate(
     block = 16
     # Enough blocks for every live sequence's whole window (one wave), and no more.
     per_seq = -(-(longest + gamma + 1) // block)
+    wave = min(len(prompts), 16)
     engine = SpeculativeEngine(
         target,
         drafter,
         max_seq_len=longest,
-        max_batch=max(1, min(len(prompts), 16)),
-        num_blocks=per_seq * max(1, min(len(prompts), 16)),
+        max_batch=wave,
+        num_blocks=per_seq * wave,
         kv_block_size=block,
     )
     return engine.generate(

@@ -742,6 +742,13 @@ class DFlashProposer:
             self.slot_pos,
         )
 
+    def _split_bands(self, band: list[int], n: int, take: int) -> list[list[int]]:
+        """``n`` rows of ``[anchor, take drafts]`` (flattened) -> each row's drafts."""
+        bands = _core.split_bands(band, n, take + 1, True, take)
+        if bands is None:
+            raise RuntimeError(f"the drafter forward returned fewer than {n * self.gamma} rows")
+        return bands
+
     def _graph_bands(
         self, runner: GraphRunner, preps: Sequence[_Prep], got: Tensor, take: int
     ) -> list[list[int]]:
@@ -749,9 +756,7 @@ class DFlashProposer:
         n = len(preps)
         rows = got[:, :take].tolist()
         band = [x for p, r in zip(preps, rows) for x in (p.token, *r)]
-        bands = _core.split_bands(band, n, take + 1, True, take)
-        if bands is None:
-            raise RuntimeError(f"the drafter forward returned fewer than {n * self.gamma} rows")
+        bands = self._split_bands(band, n, take)
         devs = runner.device_tables(n)
         for p, dev in zip(preps, devs):
             p.state.ctx.confirm_precompute(p.plan)
@@ -832,9 +837,7 @@ class DFlashProposer:
             picked = self._ops.masked_argmax(logits, bits).view(n, take)
         # Row 0 (the anchor) is never a draft; the core's band split drops it.
         band = torch.cat([anchors[:, None], picked], 1).reshape(-1).tolist()
-        bands = _core.split_bands(band, n, take + 1, True, take)
-        if bands is None:
-            raise RuntimeError(f"the drafter forward returned fewer than {n * b} rows")
+        bands = self._split_bands(band, n, take)
         # A row with no allowed token (-1 from masked_argmax) ends that sequence's drafts.
         bands = [d[: d.index(-1)] if -1 in d else d for d in bands]
         # The confirmed tables are `tables`; build them all first, so a failed allocation leaves
