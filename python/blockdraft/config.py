@@ -125,6 +125,7 @@ class DrafterConfig:
 
     @property
     def is_dflash2(self) -> bool:
+        """A DFlash2 drafter (dynamic convolutions and a candidate selector)."""
         return self.architecture == DFLASH2_ARCH
 
     @property

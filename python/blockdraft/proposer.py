@@ -129,6 +129,10 @@ class DFlashState:
             freed).
         block_table_dev: the block table on the device ``[num_blocks]`` int32 (``None`` until
             the first propose and after free).
+
+    The read-only properties (``window``, ``ctx_len``, ``ctx_committed``, ``ctx_positions``,
+    ``block_table``, ``seq_len``, ``prefill_done``, ``last_num_drafted``,
+    ``last_num_accepted``, ``freed``, ``owner``) are the same-named getters of ``ctx``.
     """
 
     __slots__ = ("acc", "block_table_dev", "ctx")

@@ -167,10 +167,12 @@ class TargetAdapter:
 
     @property
     def device(self) -> torch.device:
+        """The device of the target's input embeddings."""
         return self.embedding_weight.device
 
     @property
     def dtype(self) -> torch.dtype:
+        """The dtype of the target's input embeddings."""
         return self.embedding_weight.dtype
 
     @property
