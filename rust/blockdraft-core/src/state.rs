@@ -112,11 +112,21 @@ impl ContextState {
         if window == 0 {
             return Err(Error::invalid_argument("window", "must be >= 1, got 0"));
         }
-        Ok(Self {
-            id: pool.issue_state_id(),
+        Ok(Self::empty(
+            pool.issue_state_id(),
             owner,
             window,
-            block_size: pool.block_size(),
+            pool.block_size(),
+        ))
+    }
+
+    /// Every counter at its `alloc_state` value: the one definition of "fresh".
+    fn empty(id: u64, owner: u64, window: usize, block_size: usize) -> Self {
+        Self {
+            id,
+            owner,
+            window,
+            block_size,
             ctx_positions: Vec::new(),
             ctx_committed: 0,
             block_table: Vec::new(),
@@ -131,7 +141,7 @@ impl ContextState {
             version: 0,
             next_plan_id: 1,
             pending: None,
-        })
+        }
     }
 
     #[must_use]
@@ -546,24 +556,10 @@ impl ContextState {
     /// What a fresh state with this identity looks like after `free` (for the freed check).
     fn fresh_like(&self) -> Self {
         Self {
-            id: self.id,
-            owner: self.owner,
-            window: self.window,
-            block_size: self.block_size,
-            ctx_positions: Vec::new(),
-            ctx_committed: 0,
-            block_table: Vec::new(),
-            seq_len: 0,
-            prefill_done: false,
-            last_num_drafted: 0,
-            last_num_accepted: 0,
-            skip_next_decode_append: false,
-            ctx_count_drafter: 0,
-            max_ctx_count_drafter: 0,
             freed: true,
             version: self.version,
             next_plan_id: self.next_plan_id,
-            pending: None,
+            ..Self::empty(self.id, self.owner, self.window, self.block_size)
         }
     }
 
