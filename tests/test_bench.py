@@ -15,7 +15,7 @@ import pytest
 import torch
 from tinypair import drafter_config, tiny_drafter, tiny_target
 
-from blockdraft import DFlashProposer
+from blockdraft import ConfigError, DFlashProposer
 from blockdraft import bench as bd_bench
 from blockdraft.cli import main as cli_main
 from blockdraft.graphs import default_buckets, resolve_mode
@@ -122,9 +122,9 @@ def test_graph_modes_and_buckets() -> None:
     assert resolve_mode("auto", cpu) is None
     assert resolve_mode("off", cpu) is None
     assert resolve_mode("static", cpu) == "static"
-    with pytest.raises(ValueError, match="CUDA"):
+    with pytest.raises(ConfigError, match="CUDA"):
         resolve_mode("capture", cpu)
-    with pytest.raises(ValueError, match="graphs must be"):
+    with pytest.raises(ConfigError, match="graphs must be"):
         resolve_mode("sometimes", cpu)
 
 

@@ -44,6 +44,7 @@ from torch import Tensor
 from torch.nn import functional as F
 
 from blockdraft import faults
+from blockdraft._core import ConfigError
 from blockdraft.models.fast import FastDrafter
 
 if TYPE_CHECKING:
@@ -343,13 +344,13 @@ class GraphRunner:
 def resolve_mode(mode: str, device: torch.device) -> Literal["capture", "static"] | None:
     """``"auto"``: capture on CUDA, nothing elsewhere; ``"off"``: nothing."""
     if mode not in ("auto", "capture", "static", "off"):
-        raise ValueError(f"graphs must be 'auto', 'capture', 'static' or 'off', not {mode!r}")
+        raise ConfigError(f"graphs must be 'auto', 'capture', 'static' or 'off', not {mode!r}")
     if mode == "off":
         return None
     if mode == "auto":
         return "capture" if device.type == "cuda" else None
     if mode == "capture" and device.type != "cuda":
-        raise ValueError("graphs='capture' needs a CUDA device")
+        raise ConfigError("graphs='capture' needs a CUDA device")
     return "static" if mode == "static" else "capture"
 
 

@@ -230,9 +230,9 @@ class DFlashProposer:
             path's buffers, run eagerly) or ``"off"`` force one.
 
     Raises:
-        ConfigError: a bad lever, backend, or a drafter that does not fit the target.
-        ValueError: non-positive sizes, an unknown ``graphs`` mode, or ``graphs="capture"``
-            off CUDA.
+        ConfigError: a bad lever, backend or ``graphs`` mode (``"capture"`` off CUDA too), or
+            a drafter that does not fit the target.
+        ValueError: non-positive sizes.
     """
 
     def __init__(
