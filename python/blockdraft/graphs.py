@@ -272,47 +272,16 @@ class GraphRunner:
         m, b = meta.shape[0], prop.gamma
         fast = self.fast
         pc, sc = self._pos_col, self._slot_col
-        ctx_fused = (fast.fuse_context if fast is not None else prop.drafter.fuse_context)(stage)
-        kv = F.linear(ctx_fused, prop._kv_weight, prop._kv_bias).view(
-            m * b, prop.num_layers, 2, prop.num_kv_heads, prop.head_dim
-        )
-        prop._ops.ctx_kv_store(
-            kv,
+        prop._write_ctx_kv(
+            stage,
             meta[:, pc : pc + b].reshape(-1),
             meta[:, sc : sc + b].reshape(-1),
-            prop._k_norm_w,
-            prop._inv_freq,
-            prop._rope_scale,
-            prop.eps,
-            prop._k_all,
-            prop._v_all,
-            prop.slot_pos,
+            fast.fuse_context if fast is not None else prop.drafter.fuse_context,
         )
         ctx_lens = meta[:, 0].to(torch.int32)
-        anchors = meta[:, 1]
-        starts = meta[:, 2]
         block_tables = meta[:, _META : _META + self.width].to(torch.int32)
-        ids = torch.full((m, b), prop.mask_token_id, dtype=torch.int64, device=meta.device)
-        ids[:, 0] = anchors
-        q_pos = starts[:, None] + torch.arange(b, dtype=torch.int64, device=meta.device)[None, :]
-        embeds = F.embedding(ids, prop._embed).to(prop.dtype)
-
-        def attend(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-            out: Tensor = prop._ops.block_attention(
-                q,
-                k,
-                v,
-                prop.k_cache[layer],
-                prop.v_cache[layer],
-                block_tables,
-                ctx_lens,
-                q_pos,
-                prop.slot_pos,
-                scale=prop._scale,
-                sliding_window=prop._layer_window[layer],
-                causal_block=prop._layer_causal[layer],
-            )
-            return out
+        embeds, q_pos = prop._block_inputs(meta[:, 1], meta[:, 2])
+        attend = prop._paged_attend(block_tables, ctx_lens, q_pos, fault_hooks=False)
 
         forward_block = fast.forward_block if fast is not None else prop.drafter.forward_block
         hidden = forward_block(embeds, q_pos, attend)  # [m, B, H]

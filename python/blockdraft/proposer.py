@@ -20,7 +20,7 @@ import logging
 import math
 import operator
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -727,24 +727,72 @@ class DFlashProposer:
         if not rows:
             return
         ctx = torch.cat(rows, 0) if len(rows) > 1 else rows[0]
-        fused = self.drafter.fuse_context(ctx.to(self.dtype))
-        kv = F.linear(fused, self._kv_weight, self._kv_bias).view(
-            -1, self.num_layers, 2, self.num_kv_heads, self.head_dim
-        )
         if faults._ACTIVE is not None:
             faults.hit("kv_cache")
-        self._ops.ctx_kv_store(
-            kv,
+        self._write_ctx_kv(
+            ctx.to(self.dtype),
             torch.tensor(positions, dtype=torch.int64, device=self.device),
             torch.tensor(slots, dtype=torch.int64, device=self.device),
+            self.drafter.fuse_context,
+        )
+
+    def _write_ctx_kv(
+        self, ctx: Tensor, positions: Tensor, slots: Tensor, fuse: Callable[[Tensor], Tensor]
+    ) -> None:
+        """ctx rows ``[R, k*H]`` -> ``fuse`` (fc + hidden_norm) -> one GEMM for every layer's
+        K/V -> the paged store of all layers in one launch (``PAD_SLOT`` rows skipped)."""
+        kv = F.linear(fuse(ctx), self._kv_weight, self._kv_bias).view(
+            -1, self.num_layers, 2, self.num_kv_heads, self.head_dim
+        )
+        self._ops.ctx_kv_store(
+            kv,
+            positions,
+            slots,
             self._k_norm_w,
             self._inv_freq,
             self._rope_scale,
             self.eps,
-            self._k_all,  # every layer in one launch
+            self._k_all,
             self._v_all,
             self.slot_pos,
         )
+
+    def _block_inputs(self, anchors: Tensor, starts: Tensor) -> tuple[Tensor, Tensor]:
+        """Anchors and start positions ``[n]`` -> the blocks ``[anchor, MASK x (B-1)]`` embedded
+        with the target's table ``[n, B, H]`` and their positions ``[n, B]``."""
+        n, b = anchors.shape[0], self.gamma
+        ids = torch.full((n, b), self.mask_token_id, dtype=torch.int64, device=anchors.device)
+        ids[:, 0] = anchors
+        q_pos = starts[:, None] + torch.arange(b, dtype=torch.int64, device=anchors.device)[None, :]
+        # Raw target embeddings: forward_block applies input_embedding_scale itself.
+        return F.embedding(ids, self._embed).to(self.dtype), q_pos
+
+    def _paged_attend(
+        self, block_tables: Tensor, ctx_lens: Tensor, q_pos: Tensor, *, fault_hooks: bool = True
+    ) -> Callable[[int, Tensor, Tensor, Tensor], Tensor]:
+        """The drafter's ``attend``: block queries over each sequence's paged ctx K/V plus the
+        block's own K/V. ``fault_hooks=False`` for code captured in a CUDA graph, where a hook
+        would only run at capture time."""
+
+        def attend(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+            if fault_hooks and faults._ACTIVE is not None:
+                faults.hit("attention")
+            return self._ops.block_attention(
+                q,
+                k,
+                v,
+                self.k_cache[layer],
+                self.v_cache[layer],
+                block_tables,
+                ctx_lens,
+                q_pos,
+                self.slot_pos,
+                scale=self._scale,
+                sliding_window=self._layer_window[layer],
+                causal_block=self._layer_causal[layer],
+            )
+
+        return attend
 
     def _split_bands(self, band: list[int], n: int, take: int) -> list[list[int]]:
         """``n`` rows of ``[anchor, take drafts]`` (flattened) -> each row's drafts."""
@@ -782,7 +830,7 @@ class DFlashProposer:
             if got is not None:
                 return self._graph_bands(runner, preps, got, take)
         self._store_ctx_kv([(p.state, p.plan) for p in preps])
-        n, b = len(preps), self.gamma
+        n = len(preps)
         tables = [p.state.ctx.block_table + list(p.plan.new_blocks) for p in preps]
         width = max(1, max(len(t) for t in tables))
         if faults._ACTIVE is not None:
@@ -796,32 +844,9 @@ class DFlashProposer:
             [p.plan.row_end for p in preps], dtype=torch.int32, device=self.device
         )
         anchors = torch.tensor([p.token for p in preps], dtype=torch.int64, device=self.device)
-        ids = torch.full((n, b), self.mask_token_id, dtype=torch.int64, device=self.device)
-        ids[:, 0] = anchors
         starts = torch.tensor([p.position for p in preps], dtype=torch.int64, device=self.device)
-        q_pos = starts[:, None] + torch.arange(b, dtype=torch.int64, device=self.device)[None, :]
-        # Raw target embeddings: forward_block applies input_embedding_scale itself.
-        embeds = F.embedding(ids, self._embed).to(self.dtype)
-
-        def attend(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-            if faults._ACTIVE is not None:
-                faults.hit("attention")
-            out: Tensor = self._ops.block_attention(
-                q,
-                k,
-                v,
-                self.k_cache[layer],
-                self.v_cache[layer],
-                block_tables,
-                ctx_lens,
-                q_pos,
-                self.slot_pos,
-                scale=self._scale,
-                sliding_window=self._layer_window[layer],
-                causal_block=self._layer_causal[layer],
-            )
-            return out
-
+        embeds, q_pos = self._block_inputs(anchors, starts)
+        attend = self._paged_attend(block_tables, ctx_lens, q_pos)
         if faults._ACTIVE is not None:
             faults.hit("forward")
         hidden = self.drafter.forward_block(embeds, q_pos, attend)  # [n, B, H]
