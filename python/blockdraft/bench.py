@@ -1197,36 +1197,42 @@ def plot(result: dict[str, Any], out_dir: Path) -> list[Path]:
     if not recs:
         return []
     out_dir.mkdir(parents=True, exist_ok=True)
-    written: list[Path] = []
+    name = result["shape"]["name"]
+
+    def chart(series: dict[str, list[tuple[float, float]]], xlabel: str, ylabel: str,
+              title: str, file: str, log2_x: bool) -> Path:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for label, pts in series.items():
+            pts = sorted(pts)
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label)
+        if log2_x:
+            ax.set_xscale("log", base=2)
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(ylabel)
+        ax.set_title(f"{name}: {title}")
+        ax.legend()
+        path = out_dir / file
+        fig.tight_layout()
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
+        return path
+
     batches = sorted({r["batch"] for r in recs})
     contexts = sorted({r["context"] for r in recs})
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for n in batches:
-        pts = sorted((r["context"], r["latency_ms"]["median"]) for r in recs if r["batch"] == n)
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"n={n}")
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("context rows")
-    ax.set_ylabel("propose latency, median (ms)")
-    ax.set_title(f"{result['shape']['name']}: latency vs context")
-    ax.legend()
-    path = out_dir / "latency_vs_context.png"
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    written.append(path)
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for c in contexts:
-        pts = sorted((r["batch"], r["speedup_vs_loop"]) for r in recs if r["context"] == c)
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"ctx={c}")
-    ax.set_xlabel("batch size n")
-    ax.set_ylabel("speed-up of propose_batch over n x propose")
-    ax.set_title(f"{result['shape']['name']}: batching speed-up")
-    ax.legend()
-    path = out_dir / "speedup_vs_batch.png"
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    written.append(path)
+    written = [
+        chart(
+            {f"n={n}": [(r["context"], r["latency_ms"]["median"]) for r in recs if r["batch"] == n]
+             for n in batches},
+            "context rows", "propose latency, median (ms)", "latency vs context",
+            "latency_vs_context.png", log2_x=True,
+        ),
+        chart(
+            {f"ctx={c}": [(r["batch"], r["speedup_vs_loop"]) for r in recs if r["context"] == c]
+             for c in contexts},
+            "batch size n", "speed-up of propose_batch over n x propose", "batching speed-up",
+            "speedup_vs_batch.png", log2_x=False,
+        ),
+    ]
     return written
 
 
