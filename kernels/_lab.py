@@ -37,6 +37,7 @@ def import_kernels() -> types.ModuleType:
 def args() -> argparse.Namespace:
     p = argparse.ArgumentParser()
     p.add_argument("--out", type=Path, default=None, help="directory for bench.jsonl")
+    p.add_argument("--only", default=None, help="comma-separated parts of a script to run")
     return p.parse_args()
 
 

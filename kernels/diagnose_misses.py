@@ -76,35 +76,52 @@ def attention(copy_gbs: float, out: object) -> None:
 
 
 def argmax(copy_gbs: float, out: object) -> None:
+    """The launcher as shipped (eager and graph), torch.argmax, then a sweep of tile shapes
+    ``(mask words per tile, warps)`` x split counts, each replayed from a graph and checked
+    against the torch reference."""
     K = import_kernels()
     mod = importlib.import_module("blockdraft.kernels.selection")
-    rows_n, vocab = 512, 151936
+    vocab = 151936
     dev = "cuda"
-    logits = torch.randn(rows_n, vocab, dtype=torch.bfloat16, device=dev)
     words = (vocab + 31) // 32
-    bits = torch.randint(-(2**31), 2**31 - 1, (rows_n, words), dtype=torch.int32, device=dev)
-    nbytes = logits.numel() * 2 + bits.numel() * 4
-    results = {
-        "eager": bench_ms(lambda: K.masked_argmax(logits, bits, backend="triton")),
-        "graph": bench_ms(graphed(lambda: mod.masked_argmax(logits, bits))),
-        "graph_nomask": bench_ms(graphed(lambda: mod.masked_argmax(logits, None))),
-        "torch_argmax": bench_ms(lambda: torch.argmax(logits, -1)),
-    }
-    for s in (1, 2, 4, 8):
-        results[f"splits={s}"] = bench_ms(graphed(lambda s=s: mod.masked_argmax(logits, bits,
-                                                                                num_splits=s)))
-    for name, ms in results.items():
-        gbs = nbytes / (ms * 1e-3) / 1e9
-        record(out, {"kernel": "diagnose_masked_argmax_512", "variant": name, "ms": round(ms, 4),
-                     "gbs": round(gbs, 1), "copy_ratio": round(gbs / copy_gbs, 3)})
+    for rows_n in (512, 15):
+        logits = torch.randn(rows_n, vocab, dtype=torch.bfloat16, device=dev)
+        bits = torch.randint(-(2**31), 2**31 - 1, (rows_n, words), dtype=torch.int32, device=dev)
+        want = K.masked_argmax(logits, bits, backend="torch")
+        nbytes = logits.numel() * 2 + bits.numel() * 4
+        default = (mod.argmax_tile(rows_n, vocab), "default")
+        results = {
+            "eager": bench_ms(lambda: K.masked_argmax(logits, bits, backend="triton")),
+            "graph": bench_ms(graphed(lambda: mod.masked_argmax(logits, bits))),
+            "graph_nomask": bench_ms(graphed(lambda: mod.masked_argmax(logits, None))),
+            "torch_argmax_nomask": bench_ms(lambda: torch.argmax(logits, -1)),
+        }
+        assert torch.equal(mod.masked_argmax(logits, bits), want), default
+        for tile in ((32, 4), (64, 4), (64, 8), (128, 8), (256, 8), (128, 16)):
+            for s in (None, 1, 2, 4, 8):
+                if rows_n < 64 and s is not None and s < 8:
+                    continue
+                got = mod.masked_argmax(logits, bits, num_splits=s, tile=tile)
+                assert torch.equal(got, want), (tile, s)
+                fn = graphed(lambda s=s, tile=tile: mod.masked_argmax(
+                    logits, bits, num_splits=s, tile=tile))
+                results[f"tile={tile[0]}x32/{tile[1]}w splits={s or 'auto'}"] = bench_ms(fn)
+        for name, ms in results.items():
+            gbs = nbytes / (ms * 1e-3) / 1e9
+            record(out, {"kernel": f"diagnose_masked_argmax_{rows_n}", "variant": name,
+                         "ms": round(ms, 4), "gbs": round(gbs, 1),
+                         "copy_ratio": round(gbs / copy_gbs, 3)})
 
 
 def main() -> None:
     a = args()
     copy = copy_bandwidth_gbs()
     record(a.out, {"kernel": "copy_ceiling", "gbs": round(copy, 1)})
-    attention(copy, a.out)
-    argmax(copy, a.out)
+    which = a.only or "attention,argmax"
+    if "attention" in which:
+        attention(copy, a.out)
+    if "argmax" in which:
+        argmax(copy, a.out)
 
 
 if __name__ == "__main__":

@@ -53,7 +53,8 @@ def test_acc_slide_reference_semantics() -> None:
 
 
 def case_argmax(device: torch.device, dtype: torch.dtype, rows: int, vocab: int,
-                with_mask: bool, seed: int = 0, num_splits: int | None = None) -> None:
+                with_mask: bool, seed: int = 0, num_splits: int | None = None,
+                tile: tuple[int, int] | None = None) -> None:
     gen = torch.Generator().manual_seed(seed)
     # few distinct values: many exact ties, which must go to the lowest allowed id
     logits = torch.randint(-3, 4, (rows, vocab), generator=gen).to(dtype).to(device)
@@ -61,13 +62,13 @@ def case_argmax(device: torch.device, dtype: torch.dtype, rows: int, vocab: int,
     if bitmask is not None and rows > 2:
         bitmask[1] = 0  # nothing allowed -> -1
     want = K.masked_argmax(logits, bitmask, backend="torch")
-    if num_splits is None:
+    if num_splits is None and tile is None:
         got = K.masked_argmax(logits, bitmask, backend="triton")
     else:
         import importlib
 
         sel = importlib.import_module("blockdraft.kernels.selection")
-        got = sel.masked_argmax(logits, bitmask, num_splits=num_splits)
+        got = sel.masked_argmax(logits, bitmask, num_splits=num_splits, tile=tile)
     assert torch.equal(got, want)
     if bitmask is None:
         assert torch.equal(got, torch.argmax(logits.float(), dim=1))
@@ -84,6 +85,26 @@ def test_masked_argmax(rows: int, vocab: int, with_mask: bool) -> None:
 def test_masked_argmax_split_vocab(splits: int) -> None:
     need_triton(CPU)
     case_argmax(CPU, torch.float32, 5, 7000, True, num_splits=splits)
+
+
+@pytest.mark.parametrize("tile", [(1, 1), (2, 4), (16, 4), (128, 8)])
+@pytest.mark.parametrize(("vocab", "splits"), [(33, None), (4097, 2), (7000, None)])
+def test_masked_argmax_tiles(tile: tuple[int, int], vocab: int, splits: int | None) -> None:
+    """Every tile shape the kernel lab sweeps gives the reference's ids (ragged last tile,
+    a split boundary inside a mask word's range never happens: splits are whole tiles)."""
+    need_triton(CPU)
+    case_argmax(CPU, torch.float32, 4, vocab, True, seed=vocab, num_splits=splits, tile=tile)
+
+
+def test_masked_argmax_bad_tile() -> None:
+    import importlib
+
+    need_triton(CPU)
+    sel = importlib.import_module("blockdraft.kernels.selection")
+    with pytest.raises(ValueError, match="tile"):
+        sel.masked_argmax(torch.zeros(2, 40), None, tile=(3, 4))
+    with pytest.raises(ValueError, match="tile"):
+        sel.masked_argmax(torch.zeros(2, 40), None, tile=(4, 3))
 
 
 def test_bitmask_bit_order() -> None:

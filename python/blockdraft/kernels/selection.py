@@ -22,6 +22,7 @@ from .reference import sample_uniforms
 
 _BLOCK_V = 1024
 _NO_ID = tl.constexpr(1 << 62)  # "no allowed id seen yet"; larger than any vocabulary id
+_NO_ID32 = tl.constexpr(2**31 - 1)  # the same inside the partial kernel (ids are int32 there)
 
 
 @triton.jit
@@ -45,31 +46,43 @@ def masked_argmax_partial_kernel(
     num_words,
     s_row,
     NUM_SPLITS: tl.constexpr,
-    CHUNK: tl.constexpr,  # ids per split, a multiple of BLOCK_V (shape-derived)
+    CHUNK: tl.constexpr,  # ids per split, a multiple of BLOCK_W * 32 (shape-derived)
     HAS_MASK: tl.constexpr,
-    BLOCK_V: tl.constexpr,
+    BLOCK_W: tl.constexpr,  # bitmask words per tile: a tile is [BLOCK_W, 32] ids
 ):
+    # A tile is BLOCK_W mask words x their 32 ids: each word is loaded once and its bits are
+    # spread over its 32 ids in registers (no per-id gather of the mask).
     row = tl.program_id(0).to(tl.int64)
-    split = tl.program_id(1).to(tl.int64)
-    lanes = tl.arange(0, BLOCK_V).to(tl.int64)
-    best = tl.full([BLOCK_V], float("-inf"), tl.float32)
-    best_idx = tl.full([BLOCK_V], _NO_ID, tl.int64)
+    split = tl.program_id(1)
+    word = tl.arange(0, BLOCK_W)[:, None]  # [W, 1]
+    bit = tl.arange(0, 32)[None, :]  # [1, 32]
+    tile_ids = word * 32 + bit  # [W, 32] int32 (vocabularies are < 2^31 ids)
+    row_logits = logits_ptr + row * s_row
+    row_mask = bitmask_ptr + row * num_words
+    best = tl.full([BLOCK_W, 32], float("-inf"), tl.float32)
+    best_idx = tl.full([BLOCK_W, 32], _NO_ID32, tl.int32)
     first = split * CHUNK
-    for v0 in range(0, CHUNK, BLOCK_V):
-        ids = first + v0 + lanes
-        in_range = ids < vocab
-        x = tl.load(logits_ptr + row * s_row + ids, mask=in_range, other=float("-inf"))
-        x = x.to(tl.float32)
-        ok = _bits_allowed(bitmask_ptr, row, ids, in_range, num_words, HAS_MASK)
+    for v0 in range(0, CHUNK, BLOCK_W * 32):
+        base = first + v0
+        ids = base + tile_ids
+        ok = ids < vocab
+        x = tl.load(row_logits + ids, mask=ok, other=float("-inf")).to(tl.float32)
+        if HAS_MASK:
+            w = base // 32 + word
+            bits = tl.load(row_mask + w, mask=w < num_words, other=0)
+            ok = ok & (((bits >> bit) & 1) != 0)
         # per lane ids only grow, so a strict > keeps the lowest id among equal values
-        take = ok & ((x > best) | (best_idx == _NO_ID))
+        take = ok & ((x > best) | (best_idx == _NO_ID32))
         best = tl.where(take, x, best)
         best_idx = tl.where(take, ids, best_idx)
-    seen = best_idx != _NO_ID
-    top = tl.max(tl.where(seen, best, float("-inf")), axis=0)
-    idx = tl.min(tl.where(seen & (best == top), best_idx, _NO_ID), axis=0)
+    seen = best_idx != _NO_ID32
+    top = tl.max(tl.max(tl.where(seen, best, float("-inf")), axis=1), axis=0)
+    idx = tl.min(tl.min(tl.where(seen & (best == top), best_idx, _NO_ID32), axis=1), axis=0)
     tl.store(part_val_ptr + row * NUM_SPLITS + split, top)
-    tl.store(part_idx_ptr + row * NUM_SPLITS + split, idx)
+    tl.store(
+        part_idx_ptr + row * NUM_SPLITS + split,
+        tl.where(idx == _NO_ID32, _NO_ID, idx.to(tl.int64)),
+    )
 
 
 @triton.jit
@@ -123,32 +136,58 @@ def _check_inputs(logits: torch.Tensor, bitmask: torch.Tensor | None) -> tuple[i
     return num_rows, vocab, num_words
 
 
+def argmax_tile(num_rows: int, vocab: int) -> tuple[int, int]:
+    """``(mask words per tile, warps)`` of the argmax partial kernel: wide tiles (4096 ids, 16
+    per thread) keep enough loads in flight to stream the logits; small vocabularies get a
+    tile that is not mostly padding."""
+    if vocab <= 4096:
+        return 16, 4
+    return 128, 8
+
+
+def argmax_splits(num_rows: int, tiles: int, sms: int) -> int:
+    """Vocabulary splits per row (a function of shapes only, so CUDA-graph safe): about four
+    programs per SM in all, never more splits than tiles."""
+    return min(tiles, max(1, -(-4 * sms // num_rows)))
+
+
 def masked_argmax(
-    logits: torch.Tensor, bitmask: torch.Tensor | None, *, num_splits: int | None = None
+    logits: torch.Tensor,
+    bitmask: torch.Tensor | None,
+    *,
+    num_splits: int | None = None,
+    tile: tuple[int, int] | None = None,
 ) -> torch.Tensor:
     """Triton masked argmax; same contract as ``reference.masked_argmax``.
 
     logits [R, V] (last dim contiguous); bitmask [R, ceil(V/32)] int32 or None -> [R] int64.
-    ``num_splits`` overrides the shape-derived vocabulary split count.
+    ``num_splits`` overrides the shape-derived vocabulary split count and ``tile`` the
+    ``(mask words per tile, warps)`` of :func:`argmax_tile` (the kernel lab sweeps both).
     """
     num_rows, vocab, num_words = _check_inputs(logits, bitmask)
     out = torch.empty(num_rows, dtype=torch.int64, device=logits.device)
     if num_rows == 0:
         return out
-    tiles = max(1, triton.cdiv(vocab, _BLOCK_V))
+    if vocab >= 2**31 - 1:
+        raise ValueError(f"logits: a vocabulary of {vocab} ids does not fit int32 ids")
+    block_w, warps = argmax_tile(num_rows, vocab) if tile is None else tile
+    if block_w < 1 or block_w & (block_w - 1) or warps not in (1, 2, 4, 8, 16):
+        raise ValueError(f"tile: must be (power-of-two words, 1/2/4/8/16 warps), got {tile}")
+    tile_ids = block_w * 32
+    tiles = max(1, triton.cdiv(vocab, tile_ids))
     if num_splits is None:
-        num_splits = min(tiles, max(1, triton.cdiv(4 * sm_count(logits.device), num_rows)))
+        num_splits = argmax_splits(num_rows, tiles, sm_count(logits.device))
     if num_splits < 1:
         raise ValueError(f"num_splits: must be >= 1, got {num_splits}")
-    chunk = triton.cdiv(tiles, num_splits) * _BLOCK_V
+    chunk = triton.cdiv(tiles, num_splits) * tile_ids
     num_splits = max(1, triton.cdiv(vocab, chunk))
     part_val = torch.empty((num_rows, num_splits), dtype=torch.float32, device=logits.device)
     part_idx = torch.empty((num_rows, num_splits), dtype=torch.int64, device=logits.device)
     mask_arg = bitmask if bitmask is not None else part_idx
     masked_argmax_partial_kernel[(num_rows, num_splits)](
         logits, mask_arg, part_val, part_idx, num_rows, vocab, num_words, logits.stride(0),
-        NUM_SPLITS=num_splits, CHUNK=chunk, HAS_MASK=bitmask is not None, BLOCK_V=_BLOCK_V,
-        num_warps=4,
+        NUM_SPLITS=num_splits, CHUNK=chunk, HAS_MASK=bitmask is not None, BLOCK_W=block_w,
+        num_warps=warps,
     )
     masked_argmax_combine_kernel[(num_rows,)](
         part_val, part_idx, out, NUM_SPLITS=num_splits,
