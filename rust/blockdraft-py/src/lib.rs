@@ -174,7 +174,12 @@ fn i64_list_arg(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<Vec<i64>> {
     })?;
     let mut out = Vec::with_capacity(obj.len().unwrap_or(0));
     for (i, item) in items.enumerate() {
-        out.push(i64_arg(&item?, &format!("{name}[{i}]"))?);
+        let item = item?;
+        // The fast path formats nothing; the element's name is built only for an error.
+        match item.extract::<i64>() {
+            Ok(v) => out.push(v),
+            Err(_) => out.push(i64_arg(&item, &format!("{name}[{i}]"))?),
+        }
     }
     Ok(out)
 }
