@@ -181,6 +181,8 @@ def test_bench_tiny_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str
     for r in host[:-1]:
         assert r["profile_us_per_call"].get("rust_core", 0) > 0
         assert r["profile_us_per_call"].get("blockdraft_python", 0) > 0
+        # the unprofiled glue (graph-path bookkeeping, device work stubbed) is measured too
+        assert 0 < r["glue_us_per_seq"] <= r["glue_us_per_call"]
     assert sec["kernels"] == []  # CUDA only
     for r in sec["e2e"]:
         assert r["blockdraft"]["ms_per_step"] > 0 and r["reference"]["ms_per_step"] > 0

@@ -346,7 +346,9 @@ class _Seqs:
             self.next_pos[i] += 1
             self.tokens[i] = (self.tokens[i] * 31 + 7) % self.shape.vocab
 
-    def propose_batch(self, idx: Sequence[int]) -> list[list[int]]:
+    def propose_batch(self, idx: Sequence[int], verify: bool = True) -> list[list[int]]:
+        """One ``propose`` (n = 1) or ``propose_batch`` call; ``verify`` then records a verify
+        of 0 accepted drafts for each sequence."""
         b = self.shape.block_size - 1
         if len(idx) == 1:
             i = idx[0]
@@ -361,8 +363,9 @@ class _Seqs:
             if got is None:
                 raise RuntimeError(f"propose_batch declined {len(idx)} sequences")
             out = got
-        for i in idx:
-            self.prop.after_verify(self.states[i], 0)
+        if verify:
+            for i in idx:
+                self.prop.after_verify(self.states[i], 0)
         return out
 
     def propose_loop(self, idx: Sequence[int]) -> None:
@@ -683,7 +686,9 @@ def bench_host(
     batches = sorted({min(n, max(cfg.batches)) for n in cfg.profile_batches})
     calls = max(10, cfg.reps)
     grow = (calls + cfg.warmup + 4) * len(batches) + 64
-    prop = _make_proposer(drafter, target, shape, ctx, max(batches), "auto", grow)
+    # Off CUDA the graph path's bookkeeping runs eagerly ("static"): the same host work.
+    graphs = "auto" if device.type == "cuda" else "static"
+    prop = _make_proposer(drafter, target, shape, ctx, max(batches), graphs, grow)
     gen = torch.Generator(device=device).manual_seed(cfg.seed + 7)
     seqs = _Seqs(prop, shape, ctx, max(batches), gen)
     out: list[dict[str, Any]] = []
@@ -728,12 +733,44 @@ def bench_host(
                     ],
                 }
             )
+            out[-1].update(_host_glue(prop, seqs, idx, calls))
         out.append(bench_core_bookkeeping(prop, shape, calls=2000))
     finally:
         seqs.free()
         _release(prop)
         del seqs, prop
     return out
+
+
+def _host_glue(prop: Any, seqs: _Seqs, idx: list[int], calls: int) -> dict[str, Any]:
+    """blockdraft's own host work per call without the profiler: the same steady-state calls
+    with the device work (the graph replay) replaced by a ready answer, so what is timed is the
+    Python glue, the Rust core and the few small copies it launches (staging rows, metadata).
+    Only on the graph path (the steady state on CUDA); ``{}`` when the proposer has none."""
+    runner = prop._graphs
+    if runner is None:
+        return {}
+    n = len(idx)
+    ready = torch.zeros((n, prop.gamma - 1), dtype=torch.int64, device=prop.device)
+    real = runner._launch
+    runner._launch = lambda bucket, m: ready[:m]
+    try:
+        for _ in range(3):
+            seqs.advance(idx)
+            seqs.propose_batch(idx)
+        times = []
+        for _ in range(calls):
+            seqs.advance(idx)
+            _sync(prop.device)
+            t0 = time.perf_counter()
+            seqs.propose_batch(idx, verify=False)
+            times.append(time.perf_counter() - t0)
+            for i in idx:
+                prop.after_verify(seqs.states[i], 0)
+    finally:
+        runner._launch = real
+    per_call = statistics.median(times) * 1e6
+    return {"glue_us_per_call": per_call, "glue_us_per_seq": per_call / n}
 
 
 def bench_core_bookkeeping(prop: Any, shape: Shape, calls: int) -> dict[str, Any]:
@@ -766,29 +803,42 @@ def bench_core_bookkeeping(prop: Any, shape: Shape, calls: int) -> dict[str, Any
 def bench_kernels(
     cfg: BenchConfig, shape: Shape, drafter: Any, target: Any, device: torch.device
 ) -> list[dict[str, Any]]:
-    """Device time per kernel of batch-1 proposals (torch.profiler), graph and plain paths."""
+    """Device time per kernel (torch.profiler), graph and plain paths: batch-1 proposals at
+    every context, and ``propose_batch`` at the host profile's batch sizes and context.
+
+    Also per cell: the wall time of one call (the same calls, unprofiled) against the device
+    time, so the gap (host work the device waited for) is visible."""
     from torch.profiler import ProfilerActivity, profile
 
     if device.type != "cuda":
         return []
     out: list[dict[str, Any]] = []
     calls = 5
-    for ctx in cfg.contexts:
-        prop = _make_proposer(drafter, target, shape, ctx, 1, "auto", 4 * (calls + 4) + 64)
+    wide = cfg.profile_context or (cfg.contexts[1] if len(cfg.contexts) > 1 else cfg.contexts[0])
+    cells = [(ctx, 1) for ctx in cfg.contexts]
+    cells += [(wide, n) for n in sorted({min(n, max(cfg.batches)) for n in cfg.profile_batches})
+              if n > 1]
+    for ctx, n in cells:
+        prop = _make_proposer(drafter, target, shape, ctx, n, "auto", 4 * (calls + 8) + 64)
         gen = torch.Generator(device=device).manual_seed(cfg.seed + 3)
-        seqs = _Seqs(prop, shape, ctx, 1, gen)
+        seqs = _Seqs(prop, shape, ctx, n, gen)
+        idx = list(range(n))
         try:
             runner = prop._graphs
             for label in ("graph", "plain"):
                 if label == "plain":
                     prop._graphs = None
                 for _ in range(2):
-                    seqs.advance([0])
-                    seqs.propose_batch([0])
+                    seqs.advance(idx)
+                    seqs.propose_batch(idx)
+                wall = []
+                for _ in range(calls):
+                    seqs.advance(idx)
+                    wall.append(_time_ms(lambda: seqs.propose_batch(idx), device))
                 with profile(activities=[ProfilerActivity.CUDA]) as p:
                     for _ in range(calls):
-                        seqs.advance([0])
-                        seqs.propose_batch([0])
+                        seqs.advance(idx)
+                        seqs.propose_batch(idx)
                     _sync(device)
                 rows = []
                 total = 0.0
@@ -800,8 +850,10 @@ def bench_kernels(
                     rows.append({"kernel": evt.key[:90], "us_per_call": dev_us / calls,
                                  "launches_per_call": evt.count / calls})
                 rows.sort(key=lambda r: -float(r["us_per_call"]))
-                out.append({"context": ctx, "path": label, "device_us_per_call": total / calls,
-                            "kernels": rows[:20]})
+                out.append({"context": ctx, "batch": n, "path": label,
+                            "device_us_per_call": total / calls,
+                            "wall_us_per_call": statistics.median(wall) * 1e3,
+                            "kernels": rows[:25]})
             prop._graphs = runner
         finally:
             seqs.free()
@@ -1150,12 +1202,20 @@ def to_markdown(result: dict[str, Any]) -> str:
                 f"{_f(r['blockdraft_own_us_per_call'], 1)} µs = "
                 f"{_f(r['blockdraft_own_us_per_seq'], 2)} µs per sequence",
             ]
+            if "glue_us_per_seq" in r:
+                lines.append(
+                    f"  - unprofiled, device work stubbed out: {_f(r['glue_us_per_call'], 1)} µs "
+                    f"per call = **{_f(r['glue_us_per_seq'], 2)} µs per sequence** of blockdraft "
+                    "host work (Python glue + Rust core + its small copies)"
+                )
         lines.append("")
     if "kernels" in sec and sec["kernels"]:
-        lines += ["## Device time per kernel, batch 1 (µs per proposal, torch.profiler)", ""]
+        lines += ["## Device time per kernel (µs per call, torch.profiler)", ""]
         for r in sec["kernels"]:
             lines.append(
-                f"- ctx {r['context']}, {r['path']} path: {_f(r['device_us_per_call'], 1)} µs total; "
+                f"- ctx {r['context']}, n {r.get('batch', 1)}, {r['path']} path: "
+                f"{_f(r['device_us_per_call'], 1)} µs device, "
+                f"{_f(r.get('wall_us_per_call'), 1)} µs wall per call; "
                 + "; ".join(f"{k['kernel'][:60]} {_f(k['us_per_call'], 1)}" for k in r["kernels"][:8])
             )
         lines.append("")

@@ -140,14 +140,6 @@ class GraphRunner:
     def accepts(self, n: int) -> bool:
         return self.disabled is None and self.bucket_for(n) is not None
 
-    def device_tables(self, n: int) -> list[Tensor]:
-        """The block tables of the last call's first ``n`` rows on the device, each
-        ``[num_blocks]`` int32 (one copy for all rows, then views)."""
-        bucket = self._slots[self.bucket_for(n) or n]
-        tables = bucket.dev[:n, _META : _META + self.width].to(torch.int32)
-        return [tables[i, : bucket.lens[i]] for i in range(n)]
-
-    @torch.no_grad()
     def draft(self, preps: Sequence[Any]) -> Tensor | None:
         """Drafts ``[n, B-1]`` int64 on the device for the prepared sequences, or ``None`` when
         this call must take the plain path (a table wider than the graphs' width).
@@ -155,7 +147,8 @@ class GraphRunner:
         ``preps`` are the proposer's ``_Prep`` records; their precompute plans are outstanding
         and their K/V is not stored yet: when this returns drafts it has stored it (plans of at
         most B rows inside the graph, longer ones eagerly first); when it returns ``None`` it
-        has stored nothing and the caller stores and drafts on the plain path.
+        has stored nothing and the caller stores and drafts on the plain path. Call it under
+        ``torch.no_grad()`` (the proposer's ``_draft`` does).
         """
         n = len(preps)
         size = self.bucket_for(n)
@@ -176,6 +169,11 @@ class GraphRunner:
             # The graph replaces the eager forward: the same fault site covers it.
             faults.hit("forward")
         bucket.dev.copy_(bucket.host, non_blocking=True)
+        return self._launch(bucket, n)
+
+    def _launch(self, bucket: _Bucket, n: int) -> Tensor | None:
+        """The device work of one call on the filled buffers: replay (capturing on first use)
+        or, in static mode, the eager forward. ``None``: capture failed, graphs are off."""
         if self.mode == "static":
             return self._forward(bucket.dev, bucket.stage)[:n]
         if bucket.graph is None:
@@ -213,11 +211,18 @@ class GraphRunner:
             if count > b:
                 eager.append((p.state, plan))
                 continue
-            for pos, slot in zip(plan.positions, plan.slots):
-                arr[j // b, pc + j % b] = pos
-                arr[j // b, sc + j % b] = slot
+            if count == 1:  # the common steady-state case: one row per step
+                r, c = divmod(j, b)
+                arr[r, pc + c] = plan.positions[0]
+                arr[r, sc + c] = plan.slots[0]
                 j += 1
-            rows.append(p.state.acc[start:end])
+            else:
+                for pos, slot in zip(plan.positions, plan.slots):
+                    r, c = divmod(j, b)
+                    arr[r, pc + c] = pos
+                    arr[r, sc + c] = slot
+                    j += 1
+            rows.append(p.state.acc.narrow(0, start, count))
         bucket.staged = j
         if eager:
             self.prop._store_ctx_kv(eager)

@@ -128,19 +128,45 @@ class DFlashState:
         acc: the context accumulator ``[window, k*H]`` (zeroed at allocation; ``None`` once
             freed).
         block_table_dev: the block table on the device ``[num_blocks]`` int32 (``None`` until
-            the first propose and after free).
+            the first propose and after free; made on access from the core's table).
 
     The read-only properties (``window``, ``ctx_len``, ``ctx_committed``, ``ctx_positions``,
     ``block_table``, ``seq_len``, ``prefill_done``, ``last_num_drafted``,
     ``last_num_accepted``, ``freed``, ``owner``) are the same-named getters of ``ctx``.
     """
 
-    __slots__ = ("acc", "block_table_dev", "ctx")
+    __slots__ = ("_table", "_table_version", "acc", "ctx")
 
     def __init__(self, ctx: ContextState, acc: Tensor) -> None:
         self.ctx = ctx
         self.acc: Tensor | None = acc
-        self.block_table_dev: Tensor | None = None
+        self._table: Tensor | None = None
+        # The core version `_table` mirrors; -1 = stale (rebuilt on access); None = no table.
+        # The graph path keeps the tables in its own buffers and only marks this stale, so no
+        # per-sequence device tensor is made on the hot path.
+        self._table_version: int | None = None
+
+    @property
+    def block_table_dev(self) -> Tensor | None:
+        """The block table on the device ``[num_blocks]`` int32 (``None`` before the first
+        proposal and after free); rebuilt from the core when the table changed since."""
+        version = self._table_version
+        if version is None or self.acc is None:
+            return None
+        now = self.ctx.version
+        if version != now or self._table is None:
+            self._table = torch.tensor(self.ctx.block_table, dtype=torch.int32, device=self.acc.device)
+            self._table_version = now
+        return self._table
+
+    def _set_table(self, table: Tensor | None) -> None:
+        """``table``: the confirmed device table (``None``: stale, rebuilt on access)."""
+        self._table = table
+        self._table_version = self.ctx.version if table is not None else -1
+
+    def _drop_table(self) -> None:
+        self._table = None
+        self._table_version = None
 
     @property
     def owner(self) -> int:
@@ -652,7 +678,7 @@ class DFlashProposer:
         state = self._own(st, "free_state")
         state.ctx.free()
         state.acc = None
-        state.block_table_dev = None
+        state._drop_table()
 
     # ------------------------------------------------------------------ internals
 
@@ -801,19 +827,17 @@ class DFlashProposer:
             raise RuntimeError(f"the drafter forward returned fewer than {n * self.gamma} rows")
         return bands
 
-    def _graph_bands(
-        self, runner: GraphRunner, preps: Sequence[_Prep], got: Tensor, take: int
-    ) -> list[list[int]]:
-        """Bands from the graph path's drafts ``got`` [n, B-1]; confirms the plans."""
+    def _graph_bands(self, preps: Sequence[_Prep], got: Tensor, take: int) -> list[list[int]]:
+        """Each sequence's drafts from the graph path's ``got`` [n, B-1] (its rows are the
+        drafts already: no anchor column, no mask); confirms the plans."""
         n = len(preps)
-        rows = got[:, :take].tolist()
-        band = [x for p, r in zip(preps, rows) for x in (p.token, *r)]
-        bands = self._split_bands(band, n, take)
-        devs = runner.device_tables(n)
-        for p, dev in zip(preps, devs):
+        rows: list[list[int]] = got[:, :take].tolist()
+        if len(rows) != n:
+            raise RuntimeError(f"the graph path returned {len(rows)} rows for {n} sequences")
+        for p in preps:
             p.state.ctx.confirm_precompute(p.plan)
-            p.state.block_table_dev = dev
-        return bands
+            p.state._set_table(None)
+        return rows
 
     @torch.no_grad()
     def _draft(self, preps: Sequence[_Prep], take: int, mask: Tensor | None) -> list[list[int]]:
@@ -828,7 +852,7 @@ class DFlashProposer:
             # plan has at most B rows); None means it stored nothing.
             got = runner.draft(preps)
             if got is not None:
-                return self._graph_bands(runner, preps, got, take)
+                return self._graph_bands(preps, got, take)
         self._store_ctx_kv([(p.state, p.plan) for p in preps])
         n = len(preps)
         tables = [p.state.ctx.block_table + list(p.plan.new_blocks) for p in preps]
@@ -876,5 +900,5 @@ class DFlashProposer:
         devs = [torch.tensor(t, dtype=torch.int32, device=self.device) for t in tables]
         for p, dev in zip(preps, devs):
             p.state.ctx.confirm_precompute(p.plan)
-            p.state.block_table_dev = dev
+            p.state._set_table(dev)
         return bands
