@@ -4,12 +4,18 @@ from __future__ import annotations
 
 from typing import Any
 
+import contextlib
+from collections.abc import Iterator
+
 import pytest
 import torch
+import torch.nn.attention
 from tinypair import drafter_config, tiny_drafter, tiny_target
+from torch.nn.attention import SDPBackend
 
 import blockdraft
-from blockdraft.engine import SpeculativeEngine, generate, target_probs
+import blockdraft.engine as eng
+from blockdraft.engine import DEFAULT_SDPA_BACKENDS, SpeculativeEngine, generate, target_probs
 from blockdraft.proposer import DFlashProposer, DFlashState
 
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9], [10, 11, 12, 13, 14, 15, 16, 17, 18], [30]]
@@ -147,11 +153,11 @@ def test_every_state_freed_after_failure(target: Any, drafter: Any, monkeypatch:
     for exc in (RuntimeError("simulated target failure"), KeyboardInterrupt()):
         calls["n"] = 0
 
-        def flaky(ids: list[int], cache: Any, exc: BaseException = exc) -> Any:
+        def flaky(ids: list[int], cache: Any, exc: BaseException = exc, **kw: Any) -> Any:
             calls["n"] += 1
             if calls["n"] == 9:
                 raise exc
-            return real(ids, cache)
+            return real(ids, cache, **kw)
 
         monkeypatch.setattr(engine, "_target_forward", flaky)
         with pytest.raises(type(exc)):
@@ -232,3 +238,197 @@ def test_sampling_detects_a_biased_sampler(monkeypatch: pytest.MonkeyPatch) -> N
     keep = expected > 5
     stat = float((((counts - expected) ** 2)[keep] / expected[keep]).sum())
     assert _chi2_sf(stat, int(keep.sum()) - 1) < 1e-3
+
+
+# ---------------------------------------------------------------- cheaper target calls
+
+
+class KeepsLogits(torch.nn.Module):
+    """The target behind a forward that names ``logits_to_keep``; records every call."""
+
+    def __init__(self, inner: Any) -> None:
+        super().__init__()
+        self.inner = inner
+        self.config = inner.config
+        self.calls: list[tuple[int, Any, int]] = []  # (input length, logits_to_keep, logits rows)
+
+    def forward(self, input_ids: Any, past_key_values: Any = None, use_cache: bool = True,
+                output_hidden_states: bool = False, logits_to_keep: Any = 0) -> Any:
+        out = self.inner(input_ids=input_ids, past_key_values=past_key_values, use_cache=use_cache,
+                         output_hidden_states=output_hidden_states, logits_to_keep=logits_to_keep)
+        self.calls.append((input_ids.shape[1], logits_to_keep, out.logits.shape[1]))
+        return out
+
+
+class NoKeep(torch.nn.Module):
+    """The target behind a forward without ``logits_to_keep`` (it would raise TypeError)."""
+
+    def __init__(self, inner: Any) -> None:
+        super().__init__()
+        self.inner = inner
+        self.config = inner.config
+        self.calls: list[tuple[int, int]] = []  # (input length, logits rows)
+
+    def forward(self, input_ids: Any, past_key_values: Any = None, use_cache: bool = True,
+                output_hidden_states: bool = False) -> Any:
+        out = self.inner(input_ids=input_ids, past_key_values=past_key_values, use_cache=use_cache,
+                         output_hidden_states=output_hidden_states)
+        self.calls.append((input_ids.shape[1], out.logits.shape[1]))
+        return out
+
+
+# Lengths 1 .. 40, so that prefill, block boundaries and windows differ per prompt.
+LONG_PROMPTS = [[30], [5, 9], [(7 * i + 3) % 60 for i in range(17)], [(11 * i + 1) % 62 for i in range(40)],
+                [(3 * i + 2) % 61 for i in range(9)]]
+
+
+def _engine_for(wrapper: Any, target: Any, drafter: Any) -> SpeculativeEngine:
+    prop = DFlashProposer(drafter, target, max_seq_len=64, num_blocks=96, max_batch=4)
+    return SpeculativeEngine(wrapper, drafter, proposer=prop, max_seq_len=64)
+
+
+def test_prefill_asks_for_the_last_row_only(target: Any, drafter: Any) -> None:
+    wrapper = KeepsLogits(target)
+    engine = _engine_for(wrapper, target, drafter)
+    res = engine.generate(LONG_PROMPTS, max_new_tokens=9)
+    assert res.tokens == [reference(target, p, 9) for p in LONG_PROMPTS]
+    # Two waves (max_batch 4): each starts with its prefills, then the verifies.
+    prefills = [c for c in wrapper.calls if c[1] != 0]
+    assert prefills == [(len(p), 1, 1) for p in LONG_PROMPTS]
+    assert wrapper.calls[:4] == prefills[:4]
+    verifies = [c for c in wrapper.calls if c[1] == 0]
+    assert verifies and all(rows == n for n, _, rows in verifies)
+    assert len(wrapper.calls) == len(prefills) + len(verifies)
+    # Straight from the HF target as well: one row, in the target's dtype.
+    logits, rows = engine._target_forward(LONG_PROMPTS[3], engine._new_cache(), last_only=True)
+    assert logits.shape == (1, 64) and logits.dtype == target.dtype
+    assert rows.shape == (40, len(engine.layer_ids) * target.config.hidden_size)
+    with torch.no_grad():
+        full = target(torch.tensor([LONG_PROMPTS[3]])).logits[0, -1:]
+    torch.testing.assert_close(logits, full)
+
+
+def test_target_without_logits_to_keep(target: Any, drafter: Any) -> None:
+    wrapper = NoKeep(target)
+    engine = _engine_for(wrapper, target, drafter)
+    assert not engine._keep_last_logits
+    res = engine.generate(LONG_PROMPTS, max_new_tokens=8)
+    assert res.tokens == [reference(target, p, 8) for p in LONG_PROMPTS]
+    # The first wave's prefills come first (max_batch 4).
+    assert wrapper.calls[:4] == [(len(p), len(p)) for p in LONG_PROMPTS[:4]]
+    assert all(rows == n for n, rows in wrapper.calls)  # every row computed, nothing kept
+    logits, _ = engine._target_forward(LONG_PROMPTS[2], engine._new_cache(), last_only=True)
+    assert logits.shape == (1, 64) and logits._base is None  # a copy, not a view of all rows
+    # Sampling goes through the same prefill.
+    out = engine.generate(LONG_PROMPTS[:2], max_new_tokens=4, temperature=0.8,
+                          generator=torch.Generator().manual_seed(0))
+    assert [len(t) for t in out.tokens] == [4, 4]
+
+
+def test_greedy_device_path_matches_target_on_long_prompts(target: Any, drafter: Any) -> None:
+    n = 15
+    want = [reference(target, p, n) for p in LONG_PROMPTS]
+    engine = SpeculativeEngine(target, drafter, max_seq_len=64, num_blocks=96, max_batch=4)
+    # Batched (two waves: 4 + 1) and one at a time.
+    assert engine.generate(LONG_PROMPTS, max_new_tokens=n).tokens == want
+    assert [engine.generate([p], max_new_tokens=n).tokens[0] for p in LONG_PROMPTS] == want
+    assert engine.proposer.pool.num_free == engine.proposer.pool.num_blocks
+
+
+def test_device_greedy_accept_equals_the_fp32_host_rule() -> None:
+    """The device argmax over (bf16) logits picks what the old rule (fp32 on the host, masked
+    path) picks, ties to the lowest id included."""
+    gen = torch.Generator().manual_seed(3)
+    vocab = 40
+    all_allowed = torch.full((2,), -1, dtype=torch.int32)
+    plain = eng._Run(None, 0.0, 1.0, 0, frozenset(), None, None)  # type: ignore[arg-type]
+    masked = eng._Run(None, 0.0, 1.0, 0, frozenset(), lambda i, toks: all_allowed, None)  # type: ignore[arg-type]
+    seq = eng._Seq(0, 1, None, None)  # type: ignore[arg-type]
+    assert plain.device_greedy and not masked.device_greedy
+    for dtype in (torch.bfloat16, torch.float32):
+        for trial in range(200):
+            # Few distinct values: many ties.
+            logits = torch.randint(0, 4, (6, vocab), generator=gen).to(dtype)
+            best = [int(torch.argmax(r.float())) for r in logits]
+            assert best == [int(torch.nonzero(r == r.max())[0]) for r in logits]  # lowest id
+            k = trial % 6
+            drafts = best[:k] + [(best[k] + 1) % vocab] * (5 - k) if k < 5 else best[:5]
+            got = plain.accept(seq, logits, drafts)
+            assert got == masked.accept(seq, logits, drafts)
+            assert got == ((k, best[k]) if k < 5 else (5, best[5]))
+            assert plain.choose(seq, logits[2:3], []) == masked.choose(seq, logits[2:3], []) == [best[2]]
+
+
+@contextlib.contextmanager
+def _recording_sdpa_kernel(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[tuple[Any, Any]]]:
+    real = torch.nn.attention.sdpa_kernel
+    seen: list[tuple[Any, Any]] = []
+
+    @contextlib.contextmanager
+    def fake(backends: Any, set_priority: bool = False) -> Iterator[Any]:
+        seen.append((list(backends), set_priority))
+        with real(backends, set_priority=set_priority) as x:
+            yield x
+
+    monkeypatch.setattr(torch.nn.attention, "sdpa_kernel", fake)
+    yield seen
+    monkeypatch.undo()
+
+
+def test_sdpa_backends_default_and_none(target: Any, drafter: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    assert SDPBackend.CUDNN_ATTENTION not in DEFAULT_SDPA_BACKENDS
+    assert DEFAULT_SDPA_BACKENDS == (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH)
+    want = [reference(target, p, 6) for p in PROMPTS]
+    with _recording_sdpa_kernel(monkeypatch) as seen:
+        engine = SpeculativeEngine(target, drafter, max_seq_len=64, num_blocks=64, max_batch=4)
+        assert engine.sdpa_backends == DEFAULT_SDPA_BACKENDS
+        assert engine.generate(PROMPTS, max_new_tokens=6).tokens == want
+        # Every target call (4 prefills + the verifies) ran inside the selection.
+        assert len(seen) >= len(PROMPTS) + 1
+        assert all(c == (list(DEFAULT_SDPA_BACKENDS), True) for c in seen)
+        seen.clear()
+        custom = SpeculativeEngine(target, drafter, max_seq_len=64, num_blocks=64, max_batch=4,
+                                   sdpa_backends=[SDPBackend.MATH])
+        assert custom.generate(PROMPTS, max_new_tokens=6).tokens == want
+        assert seen and all(c == ([SDPBackend.MATH], True) for c in seen)
+        seen.clear()
+        single = SpeculativeEngine(target, drafter, max_seq_len=64, num_blocks=64, max_batch=4,
+                                   sdpa_backends=SDPBackend.MATH)
+        assert single.sdpa_backends == (SDPBackend.MATH,)
+        seen.clear()
+        untouched = SpeculativeEngine(target, drafter, max_seq_len=64, num_blocks=64, max_batch=4,
+                                      sdpa_backends=None)
+        assert untouched.generate(PROMPTS, max_new_tokens=6).tokens == want
+        assert seen == []
+
+
+def test_sdpa_backends_without_set_priority(target: Any, drafter: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An older torch's sdpa_kernel (no set_priority) gets the backends alone."""
+    real = torch.nn.attention.sdpa_kernel
+    seen: list[Any] = []
+
+    @contextlib.contextmanager
+    def old(backends: Any) -> Iterator[Any]:
+        seen.append(list(backends))
+        with real(backends) as x:
+            yield x
+
+    monkeypatch.setattr(torch.nn.attention, "sdpa_kernel", old)
+    engine = SpeculativeEngine(target, drafter, max_seq_len=64, num_blocks=64, max_batch=4)
+    assert engine.generate(PROMPTS[:2], max_new_tokens=4).tokens == [reference(target, p, 4) for p in PROMPTS[:2]]
+    assert seen and all(b == list(DEFAULT_SDPA_BACKENDS) for b in seen)
+
+
+@pytest.mark.parametrize("bad, exc", [
+    ([], ValueError),
+    ((), ValueError),
+    ("flash", TypeError),
+    (3, TypeError),
+    ([SDPBackend.MATH, "flash"], TypeError),
+    ([SDPBackend.MATH, 1], TypeError),
+    ([SDPBackend.MATH, SDPBackend.MATH], ValueError),
+    ([SDPBackend.ERROR], ValueError),
+])
+def test_sdpa_backends_validated(target: Any, drafter: Any, bad: Any, exc: type[Exception]) -> None:
+    with pytest.raises(exc, match="sdpa_backends"):
+        SpeculativeEngine(target, drafter, max_seq_len=64, num_blocks=64, max_batch=4, sdpa_backends=bad)

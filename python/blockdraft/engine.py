@@ -20,15 +20,19 @@ different lengths without padding.
 
 from __future__ import annotations
 
+import contextlib
+import inspect
 import logging
 import operator
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.nn.attention as _attention
 from torch import Tensor
+from torch.nn.attention import SDPBackend
 
 from blockdraft import faults
 from blockdraft.proposer import DFlashProposer, DFlashState
@@ -38,6 +42,74 @@ log = logging.getLogger(__name__)
 GrammarBitmaskFn = Callable[[int, Sequence[int]], "Tensor | None"]
 """``fn(prompt_index, generated_tokens) -> packed int32 bitmask [ceil(V/32)] of the tokens allowed
 next`` (``None`` = no constraint)."""
+
+DEFAULT_SDPA_BACKENDS: tuple[SDPBackend, ...] = (
+    SDPBackend.FLASH_ATTENTION,
+    SDPBackend.EFFICIENT_ATTENTION,
+    SDPBackend.MATH,
+)
+"""The attention backends the target's forwards may use by default, in priority order: every
+backend except cuDNN (see :class:`SpeculativeEngine`, ``sdpa_backends``)."""
+
+_SDPA_SELECTABLE = frozenset(
+    {
+        SDPBackend.FLASH_ATTENTION,
+        SDPBackend.EFFICIENT_ATTENTION,
+        SDPBackend.MATH,
+        SDPBackend.CUDNN_ATTENTION,
+        SDPBackend.OVERRIDEABLE,
+    }
+)
+
+
+def _validate_sdpa_backends(backends: object) -> tuple[SDPBackend, ...] | None:
+    """``sdpa_backends`` as a tuple (``None`` stays ``None``); TypeError/ValueError if bad."""
+    if backends is None:
+        return None
+    if isinstance(backends, SDPBackend):
+        backends = (backends,)
+    if isinstance(backends, (str, bytes)) or not isinstance(backends, Iterable):
+        raise TypeError(
+            "sdpa_backends must be None or a sequence of torch.nn.attention.SDPBackend members, "
+            f"not {type(backends).__name__}"
+        )
+    got = tuple(backends)
+    if not got:
+        raise ValueError("sdpa_backends must name at least one backend (None = torch's choice)")
+    for b in got:
+        if not isinstance(b, SDPBackend):
+            raise TypeError(
+                "sdpa_backends must hold torch.nn.attention.SDPBackend members, "
+                f"not {type(b).__name__} ({b!r})"
+            )
+        if b not in _SDPA_SELECTABLE:
+            raise ValueError(f"sdpa_backends: {b!r} is not a selectable attention backend")
+    if len(set(got)) != len(got):
+        raise ValueError(f"sdpa_backends names a backend twice: {got!r}")
+    return got
+
+
+def _sdpa_kernel_has_priority() -> bool:
+    """Whether ``torch.nn.attention.sdpa_kernel`` takes ``set_priority`` (newer torch)."""
+    try:
+        return "set_priority" in inspect.signature(_attention.sdpa_kernel).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def _accepts_logits_to_keep(target: Any) -> bool:
+    """Whether the target's forward names a ``logits_to_keep`` parameter (Hugging Face causal
+    LMs do): then the prefill asks it for the last row's logits only."""
+    fn = getattr(target, "forward", target)
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+    p = params.get("logits_to_keep")
+    return p is not None and p.kind in (
+        inspect.Parameter.POSITIONAL_OR_KEYWORD,
+        inspect.Parameter.KEYWORD_ONLY,
+    )
 
 
 @dataclass
@@ -137,7 +209,28 @@ class SpeculativeEngine:
         max_active: most sequences decoded at once (default: the proposer's ``max_batch``);
             prompts beyond it wait for the next wave, so the pool needs blocks for only this
             many windows.
+        sdpa_backends: the scaled-dot-product-attention backends the target's forwards may
+            use, in priority order (a sequence of :class:`torch.nn.attention.SDPBackend`);
+            every target call runs inside ``torch.nn.attention.sdpa_kernel(backends,
+            set_priority=True)`` (without ``set_priority`` on a torch that lacks it). Default:
+            :data:`DEFAULT_SDPA_BACKENDS` (flash, memory-efficient, math), i.e. everything but
+            cuDNN: on Hopper torch's own choice is cuDNN attention, which plans again for every
+            new KV length, i.e. on every speculative step (measured at 150-220 ms per step for
+            an 8B target on an H200), while flash and memory-efficient attention need no
+            planning. ``None`` leaves torch's choice alone. The selection sets torch's global
+            SDPA flags for the duration of each target call (restored afterwards).
         proposer_kwargs: passed to :class:`DFlashProposer` when one is built.
+
+    Raises:
+        TypeError / ValueError: a bad ``sdpa_backends``.
+
+    Cost per step: the prefill asks the target for the last row's logits only (through
+    ``logits_to_keep=1`` when its forward takes it, else by slicing), and greedy verification
+    without a grammar mask picks the target's tokens with one argmax on the device and compares
+    token lists on the host; the sampling and masked paths move the verify logits to the host
+    in the target's dtype and convert to fp32 only the rows they look at. Logits stay in the
+    target's dtype: bf16 -> fp32 is exact, so an argmax over either picks the same id (ties:
+    the lowest, as ``torch.argmax``).
     """
 
     def __init__(
@@ -148,8 +241,16 @@ class SpeculativeEngine:
         proposer: DFlashProposer | None = None,
         max_seq_len: int | None = None,
         max_active: int | None = None,
+        sdpa_backends: Sequence[SDPBackend] | SDPBackend | None = DEFAULT_SDPA_BACKENDS,
         **proposer_kwargs: Any,
     ) -> None:
+        self.sdpa_backends = _validate_sdpa_backends(sdpa_backends)
+        self._sdpa_priority = _sdpa_kernel_has_priority()
+        self._keep_last_logits = _accepts_logits_to_keep(target)
+        log.debug(
+            "target forward takes logits_to_keep: %s; sdpa backends: %s (priority: %s)",
+            self._keep_last_logits, self.sdpa_backends, self._sdpa_priority,
+        )
         self.target = target
         self.drafter = drafter
         if max_seq_len is None:
@@ -165,17 +266,51 @@ class SpeculativeEngine:
 
     # ------------------------------------------------------------------ target calls
 
-    def _target_forward(self, ids: list[int], cache: Any) -> tuple[Tensor, Tensor]:
-        """Run ``ids`` through the target after ``cache``: (logits [T, V] fp32, ctx rows [T, k*H])."""
+    def _attention_backends(self) -> contextlib.AbstractContextManager[Any]:
+        """The ``sdpa_kernel`` selection for one target call (nothing when ``None``)."""
+        if self.sdpa_backends is None:
+            return contextlib.nullcontext()
+        backends = list(self.sdpa_backends)
+        if self._sdpa_priority:
+            return _attention.sdpa_kernel(backends, set_priority=True)
+        return _attention.sdpa_kernel(backends)
+
+    def _target_forward(
+        self, ids: list[int], cache: Any, *, last_only: bool = False
+    ) -> tuple[Tensor, Tensor]:
+        """Run ``ids`` through the target after ``cache``.
+
+        Returns ``(logits, ctx rows [T, k*H])``: logits ``[T, V]`` in the target's dtype, or
+        ``[1, V]`` (the last row's) with ``last_only``.
+        """
         if faults._ACTIVE is not None:
             faults.hit("target_forward")
         inp = torch.tensor([ids], dtype=torch.long, device=self.device)
-        out = self.target(
-            input_ids=inp, past_key_values=cache, use_cache=True, output_hidden_states=True
-        )
+        kwargs: dict[str, Any] = {}
+        if last_only and self._keep_last_logits:
+            kwargs["logits_to_keep"] = 1
+        with self._attention_backends():
+            out = self.target(
+                input_ids=inp,
+                past_key_values=cache,
+                use_cache=True,
+                output_hidden_states=True,
+                **kwargs,
+            )
+        logits = out.logits[0]
+        if last_only and "logits_to_keep" not in kwargs:
+            # The target computed every row: copy the last one out so the rest can be freed
+            # (a slice would keep the whole [T, V] storage alive).
+            logits = logits[-1:].clone()
+        elif last_only:
+            logits = logits[-1:]
+        # Only the captured layers outlive this call: drop every other hidden state (and any
+        # all-row logits) before the concatenation allocates.
         hs = out.hidden_states
-        rows = torch.cat([hs[i + 1][0] for i in self.layer_ids], dim=-1)
-        return out.logits[0].float(), rows
+        picked = [hs[i + 1][0] for i in self.layer_ids]
+        del out, hs
+        rows = torch.cat(picked, dim=-1)
+        return logits, rows
 
     def _new_cache(self) -> Any:
         from transformers import DynamicCache
@@ -290,8 +425,9 @@ class SpeculativeEngine:
                 st = prop.alloc_state_for(len(p) + max_new_tokens)
                 seq = _Seq(i, len(p), self._new_cache(), st)
                 seqs.append(seq)
-                logits, rows = self._target_forward(p, seq.cache)
-                first_tok = run.choose(seq, logits[-1:], [])[0]
+                logits, rows = self._target_forward(p, seq.cache, last_only=True)
+                first_tok = run.choose(seq, logits, [])[0]
+                del logits
                 prop.commit_ctx(st, rows, range(len(p)))
                 seq.out.append(first_tok)
                 ttft[i] = time.perf_counter() - t0
@@ -412,9 +548,17 @@ class _Run:
         mask = self.bitmask(s, extra)
         return None if mask is None else _allowed(mask.to(torch.int32).cpu(), vocab)
 
+    @property
+    def device_greedy(self) -> bool:
+        """Greedy without a grammar mask: the target's choices are a plain argmax, taken on the
+        logits' device."""
+        return self.temperature <= 0 and self.mask_fn is None
+
     def choose(self, s: _Seq, logits: Tensor, extra: Sequence[int]) -> list[int]:
-        """The target's own choice from each row of ``logits`` [R, V] (after ``extra``)."""
-        row = logits[0].cpu()
+        """The target's own choice from the first row of ``logits`` [R, V] (after ``extra``)."""
+        if self.device_greedy:
+            return [int(torch.argmax(logits[0], dim=-1).item())]
+        row = logits[0].cpu().float()
         allowed = self._allowed_row(s, extra, row.shape[-1])
         if self.temperature <= 0:
             if allowed is not None:
@@ -426,11 +570,18 @@ class _Run:
 
     def accept(self, s: _Seq, logits: Tensor, drafts: list[int]) -> tuple[int, int]:
         """``(accepted drafts, next token)`` from the verify logits ``[1 + len(drafts), V]``."""
-        logits = logits.cpu()
+        if self.device_greedy:
+            # One argmax on the device, one small transfer; accept on the host.
+            choices: list[int] = torch.argmax(logits, dim=-1).tolist()
+            for j, d in enumerate(drafts):
+                if d != choices[j]:
+                    return j, choices[j]
+            return len(drafts), choices[len(drafts)]
+        logits = logits.cpu()  # the target's dtype; rows become fp32 only when looked at
         vocab = logits.shape[-1]
         for j in range(len(drafts) + 1):
             allowed = self._allowed_row(s, drafts[:j], vocab)
-            row = logits[j]
+            row = logits[j].float()
             if self.temperature <= 0:
                 if allowed is not None:
                     row = row.masked_fill(~allowed, float("-inf"))
