@@ -214,11 +214,14 @@ class SpeculativeEngine:
             every target call runs inside ``torch.nn.attention.sdpa_kernel(backends,
             set_priority=True)`` (without ``set_priority`` on a torch that lacks it). Default:
             :data:`DEFAULT_SDPA_BACKENDS` (flash, memory-efficient, math), i.e. everything but
-            cuDNN: on Hopper torch's own choice is cuDNN attention, which plans again for every
-            new KV length, i.e. on every speculative step (measured at 150-220 ms per step for
-            an 8B target on an H200), while flash and memory-efficient attention need no
-            planning. ``None`` leaves torch's choice alone. The selection sets torch's global
-            SDPA flags for the duration of each target call (restored afterwards).
+            cuDNN: on Hopper torch's own choice for the verify forward is cuDNN attention,
+            whose execution plans depend on the KV length, which changes on every speculative
+            step (150-220 ms steps were once attributed to it); flash and memory-efficient
+            attention need no plans. With torch 2.11 on an H200 (random 8B bf16 target, 512 to
+            16K context) both choices measured the same, 34-59 ms per step. ``None`` leaves
+            torch's choice alone. The selection sets torch's global SDPA flags for the duration
+            of each target call (restored afterwards). A different backend rounds differently:
+            bf16 greedy output can differ from a run with another selection.
         proposer_kwargs: passed to :class:`DFlashProposer` when one is built.
 
     Raises:
