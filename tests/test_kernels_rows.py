@@ -96,6 +96,36 @@ def test_masked_argmax_tiles(tile: tuple[int, int], vocab: int, splits: int | No
     case_argmax(CPU, torch.float32, 4, vocab, True, seed=vocab, num_splits=splits, tile=tile)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_masked_argmax_minus_inf_rows(dtype: torch.dtype) -> None:
+    """Allowed ids whose logits are all -inf: the lowest allowed id (the reference's answer),
+    on a row where -inf sits in every split; and -inf mixed with finite values elsewhere."""
+    need_triton(CPU)
+    import importlib
+
+    sel = importlib.import_module("blockdraft.kernels.selection")
+    vocab = 5000
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(4, vocab, generator=gen).to(dtype)
+    logits[0] = float("-inf")  # everything -inf, some ids allowed
+    logits[1, :] = float("-inf")
+    logits[1, 4321] = 2.0  # one finite value, allowed
+    logits[2, 100:] = float("-inf")  # finite values only on disallowed ids
+    allowed = torch.zeros(4, vocab, dtype=torch.bool)
+    allowed[0, [977, 3000, 4999]] = True
+    allowed[1, [5, 4321]] = True
+    allowed[2, [150, 4000]] = True
+    allowed[3] = True
+    mask = pack_bitmask(allowed)
+    want = K.masked_argmax(logits, mask, backend="torch")
+    assert want.tolist()[:3] == [977, 4321, 150]
+    for splits in (None, 1, 3):
+        got = sel.masked_argmax(logits, mask, num_splits=splits, tile=(2, 1))
+        assert torch.equal(got, want), splits
+    no_mask = torch.full((2, vocab), float("-inf"), dtype=dtype)
+    assert sel.masked_argmax(no_mask, None).tolist() == [0, 0]
+
+
 def test_masked_argmax_bad_tile() -> None:
     import importlib
 

@@ -35,6 +35,27 @@ def _bits_allowed(bitmask_ptr, row, ids, mask, num_words, HAS_MASK: tl.constexpr
         return mask
 
 
+@triton.jit
+def _argmax_tile(row_logits, row_mask, base, best, best_it, it, word, bit_of_lane, tile_ids,
+                 vocab, num_words, HAS_MASK: tl.constexpr, CHECK_RANGE: tl.constexpr):
+    # One [W, 32] tile at id `base`: disallowed ids read as -inf, and a lane moves to this
+    # tile only on a strictly larger value (so among equal values it keeps its earliest id).
+    if CHECK_RANGE:
+        ok = (base + tile_ids) < vocab
+        x = tl.load(row_logits + base + tile_ids, mask=ok, other=float("-inf")).to(tl.float32)
+    else:
+        x = tl.load(row_logits + base + tile_ids).to(tl.float32)
+    if HAS_MASK:
+        w = base // 32 + word
+        if CHECK_RANGE:
+            bits = tl.load(row_mask + w, mask=w < num_words, other=0)
+        else:
+            bits = tl.load(row_mask + w)
+        x = tl.where((bits & bit_of_lane) != 0, x, float("-inf"))
+    take = x > best
+    return tl.where(take, x, best), tl.where(take, it, best_it)
+
+
 @triton.jit(do_not_specialize=["num_rows"])
 def masked_argmax_partial_kernel(
     logits_ptr,  # [R, V] (row stride s_row, last dim contiguous)
@@ -50,34 +71,35 @@ def masked_argmax_partial_kernel(
     HAS_MASK: tl.constexpr,
     BLOCK_W: tl.constexpr,  # bitmask words per tile: a tile is [BLOCK_W, 32] ids
 ):
-    # A tile is BLOCK_W mask words x their 32 ids: each word is loaded once and its bits are
-    # spread over its 32 ids in registers (no per-id gather of the mask).
+    # Per lane: the largest allowed value above -inf and the tile it was first seen in; ids are
+    # rebuilt at the end. Each mask word is loaded once per tile and tested against its lane's
+    # bit; whole tiles skip the range checks. Allowed ids whose logits are all -inf are found
+    # by the combine kernel (this kernel reports "none" for them).
     row = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
     word = tl.arange(0, BLOCK_W)[:, None]  # [W, 1]
     bit = tl.arange(0, 32)[None, :]  # [1, 32]
+    bit_of_lane = tl.full([1, 32], 1, tl.int32) << bit
     tile_ids = word * 32 + bit  # [W, 32] int32 (vocabularies are < 2^31 ids)
     row_logits = logits_ptr + row * s_row
     row_mask = bitmask_ptr + row * num_words
     best = tl.full([BLOCK_W, 32], float("-inf"), tl.float32)
-    best_idx = tl.full([BLOCK_W, 32], _NO_ID32, tl.int32)
+    best_it = tl.full([BLOCK_W, 32], -1, tl.int32)
     first = split * CHUNK
-    for v0 in range(0, CHUNK, BLOCK_W * 32):
-        base = first + v0
-        ids = base + tile_ids
-        ok = ids < vocab
-        x = tl.load(row_logits + ids, mask=ok, other=float("-inf")).to(tl.float32)
-        if HAS_MASK:
-            w = base // 32 + word
-            bits = tl.load(row_mask + w, mask=w < num_words, other=0)
-            ok = ok & (((bits >> bit) & 1) != 0)
-        # per lane ids only grow, so a strict > keeps the lowest id among equal values
-        take = ok & ((x > best) | (best_idx == _NO_ID32))
-        best = tl.where(take, x, best)
-        best_idx = tl.where(take, ids, best_idx)
-    seen = best_idx != _NO_ID32
+    for it in range(0, CHUNK // (BLOCK_W * 32)):
+        base = first + it * (BLOCK_W * 32)
+        if base + BLOCK_W * 32 <= vocab:
+            best, best_it = _argmax_tile(row_logits, row_mask, base, best, best_it, it, word,
+                                         bit_of_lane, tile_ids, vocab, num_words, HAS_MASK,
+                                         False)
+        else:  # the ragged last tile (and tiles past the end in the last split)
+            best, best_it = _argmax_tile(row_logits, row_mask, base, best, best_it, it, word,
+                                         bit_of_lane, tile_ids, vocab, num_words, HAS_MASK,
+                                         True)
+    seen = best_it >= 0
+    ids = first + best_it * (BLOCK_W * 32) + tile_ids
     top = tl.max(tl.max(tl.where(seen, best, float("-inf")), axis=1), axis=0)
-    idx = tl.min(tl.min(tl.where(seen & (best == top), best_idx, _NO_ID32), axis=1), axis=0)
+    idx = tl.min(tl.min(tl.where(seen & (best == top), ids, _NO_ID32), axis=1), axis=0)
     tl.store(part_val_ptr + row * NUM_SPLITS + split, top)
     tl.store(
         part_idx_ptr + row * NUM_SPLITS + split,
@@ -89,9 +111,13 @@ def masked_argmax_partial_kernel(
 def masked_argmax_combine_kernel(
     part_val_ptr,  # [R, NUM_SPLITS] fp32
     part_idx_ptr,  # [R, NUM_SPLITS] int64
+    bitmask_ptr,  # [R, ceil(V/32)] int32 contiguous (unused without HAS_MASK)
     out_ptr,  # [R] int64
+    vocab,
+    num_words,
     NUM_SPLITS: tl.constexpr,
     BLOCK_S: tl.constexpr,
+    HAS_MASK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     sp = tl.arange(0, BLOCK_S).to(tl.int64)
@@ -101,6 +127,23 @@ def masked_argmax_combine_kernel(
     seen = idx != _NO_ID
     top = tl.max(tl.where(seen, val, float("-inf")), axis=0)
     best = tl.min(tl.where(seen & (val == top), idx, _NO_ID), axis=0)
+    if best == _NO_ID:
+        # No allowed id has a logit above -inf: the answer is the lowest allowed id (every
+        # allowed logit is -inf), or -1 when nothing is allowed. Rare; a scan of the mask row.
+        if HAS_MASK:
+            word = tl.arange(0, 64)[:, None]
+            bit = tl.arange(0, 32)[None, :]
+            w0 = 0
+            while w0 < num_words:  # a while loop: the CPU interpreter takes no runtime range()
+                w = w0 + word
+                bits = tl.load(bitmask_ptr + row * num_words + w, mask=w < num_words, other=0)
+                ids = (w * 32 + bit).to(tl.int64)
+                hit = (((bits >> bit) & 1) != 0) & (ids < vocab)
+                best = tl.minimum(best, tl.min(tl.min(tl.where(hit, ids, _NO_ID), axis=1),
+                                               axis=0))
+                w0 += 64
+        else:
+            best = tl.where(vocab > 0, 0, _NO_ID).to(tl.int64)
     tl.store(out_ptr + row, tl.where(best == _NO_ID, -1, best))
 
 
@@ -137,12 +180,12 @@ def _check_inputs(logits: torch.Tensor, bitmask: torch.Tensor | None) -> tuple[i
 
 
 def argmax_tile(num_rows: int, vocab: int) -> tuple[int, int]:
-    """``(mask words per tile, warps)`` of the argmax partial kernel: wide tiles (4096 ids, 16
-    per thread) keep enough loads in flight to stream the logits; small vocabularies get a
-    tile that is not mostly padding."""
-    if vocab <= 4096:
-        return 16, 4
-    return 128, 8
+    """``(mask words per tile, warps)`` of the argmax partial kernel: 8 ids (one 16-byte load
+    of bf16) per thread per tile measured best on the H200 (kernels/RESULTS.md, "Run 4");
+    small vocabularies get a tile that is not mostly padding."""
+    if vocab <= 2048:
+        return 16, 2
+    return 64, 8
 
 
 def argmax_splits(num_rows: int, tiles: int, sms: int) -> int:
@@ -190,8 +233,9 @@ def masked_argmax(
         num_warps=warps,
     )
     masked_argmax_combine_kernel[(num_rows,)](
-        part_val, part_idx, out, NUM_SPLITS=num_splits,
-        BLOCK_S=max(2, triton.next_power_of_2(num_splits)), num_warps=1,
+        part_val, part_idx, mask_arg, out, vocab, num_words, NUM_SPLITS=num_splits,
+        BLOCK_S=max(2, triton.next_power_of_2(num_splits)), HAS_MASK=bitmask is not None,
+        num_warps=1,
     )
     return out
 
