@@ -66,23 +66,6 @@ def add_rms_norm(
     return h_out, x_out
 
 
-@triton.jit
-def _norm_rope(x1, x2, w_ptr, pos_at, inv_freq_ptr, dims, dmask, rope_scale, eps,
-               HEAD_DIM: tl.constexpr):
-    """RMSNorm over one head (halves x1, x2, fp32), then rotate-half RoPE at ``*pos_at``."""
-    half: tl.constexpr = HEAD_DIM // 2
-    var = (tl.sum(x1 * x1, axis=0) + tl.sum(x2 * x2, axis=0)) / HEAD_DIM
-    rstd = 1.0 / tl.sqrt(var + eps)
-    w1 = tl.load(w_ptr + dims, mask=dmask, other=0.0).to(tl.float32)
-    w2 = tl.load(w_ptr + half + dims, mask=dmask, other=0.0).to(tl.float32)
-    x1 = x1 * rstd * w1
-    x2 = x2 * rstd * w2
-    angle = tl.load(pos_at).to(tl.float32) * tl.load(inv_freq_ptr + dims, mask=dmask, other=0.0)
-    cos = tl.cos(angle) * rope_scale
-    sin = tl.sin(angle) * rope_scale
-    return x1 * cos - x2 * sin, x2 * cos + x1 * sin
-
-
 @triton.jit(do_not_specialize=["num_rows"])
 def _qk_norm_rope_kernel(
     qkv_ptr,  # [M, (Hq + 2*Hkv) * D]
@@ -99,33 +82,49 @@ def _qk_norm_rope_kernel(
     HQ: tl.constexpr,
     HKV: tl.constexpr,
     HEAD_DIM: tl.constexpr,
+    BLOCK_H: tl.constexpr,  # >= HQ + 2*HKV
     BLOCK_HALF: tl.constexpr,
 ):
+    # One program per row, every head of it at once ([heads, D/2] halves): the row's RoPE angles
+    # are computed once, q and k heads get RMSNorm (their own weights) + rotate-half RoPE, v
+    # heads are copied out.
     row = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1)
     half: tl.constexpr = HEAD_DIM // 2
-    dims = tl.arange(0, BLOCK_HALF)
+    heads = tl.arange(0, BLOCK_H)[:, None]  # [BH, 1]
+    dims = tl.arange(0, BLOCK_HALF)[None, :]  # [1, BHALF]
     dmask = dims < half
+    live = (heads < HQ + 2 * HKV) & dmask
     width: tl.constexpr = (HQ + 2 * HKV) * HEAD_DIM
-    src = qkv_ptr + row * width + head * HEAD_DIM
-    x1 = tl.load(src + dims, mask=dmask, other=0.0).to(tl.float32)
-    x2 = tl.load(src + half + dims, mask=dmask, other=0.0).to(tl.float32)
-    if head >= HQ + HKV:
-        dst = v_ptr + (row * HKV + (head - HQ - HKV)) * HEAD_DIM
-        tl.store(dst + dims, x1.to(v_ptr.dtype.element_ty), mask=dmask)
-        tl.store(dst + half + dims, x2.to(v_ptr.dtype.element_ty), mask=dmask)
-    elif head < HQ:
-        o1, o2 = _norm_rope(x1, x2, wq_ptr, pos_ptr + row, inv_freq_ptr, dims, dmask,
-                            rope_scale, eps, HEAD_DIM)
-        dst = q_ptr + (row * HQ + head) * HEAD_DIM
-        tl.store(dst + dims, o1.to(q_ptr.dtype.element_ty), mask=dmask)
-        tl.store(dst + half + dims, o2.to(q_ptr.dtype.element_ty), mask=dmask)
-    else:
-        o1, o2 = _norm_rope(x1, x2, wk_ptr, pos_ptr + row, inv_freq_ptr, dims, dmask,
-                            rope_scale, eps, HEAD_DIM)
-        dst = k_ptr + (row * HKV + (head - HQ)) * HEAD_DIM
-        tl.store(dst + dims, o1.to(k_ptr.dtype.element_ty), mask=dmask)
-        tl.store(dst + half + dims, o2.to(k_ptr.dtype.element_ty), mask=dmask)
+    src = qkv_ptr + row * width + heads * HEAD_DIM + dims
+    x1 = tl.load(src, mask=live, other=0.0).to(tl.float32)
+    x2 = tl.load(src + half, mask=live, other=0.0).to(tl.float32)
+    is_q = heads < HQ
+    is_k = (heads >= HQ) & (heads < HQ + HKV)
+    is_v = heads >= HQ + HKV
+    # RMSNorm per head (q, k), with that kind's weight
+    rstd = 1.0 / tl.sqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / HEAD_DIM + eps)
+    wq1 = tl.load(wq_ptr + dims, mask=dmask, other=0.0).to(tl.float32)
+    wq2 = tl.load(wq_ptr + half + dims, mask=dmask, other=0.0).to(tl.float32)
+    wk1 = tl.load(wk_ptr + dims, mask=dmask, other=0.0).to(tl.float32)
+    wk2 = tl.load(wk_ptr + half + dims, mask=dmask, other=0.0).to(tl.float32)
+    n1 = x1 * rstd[:, None] * tl.where(is_q, wq1, wk1)
+    n2 = x2 * rstd[:, None] * tl.where(is_q, wq2, wk2)
+    # rotate-half RoPE at this row's position (angles once per row)
+    angle = tl.load(pos_ptr + row).to(tl.float32) * tl.load(inv_freq_ptr + dims, mask=dmask,
+                                                              other=0.0)
+    cos = tl.cos(angle) * rope_scale
+    sin = tl.sin(angle) * rope_scale
+    o1 = n1 * cos - n2 * sin
+    o2 = n2 * cos + n1 * sin
+    q_dst = q_ptr + (row * HQ + heads) * HEAD_DIM + dims
+    tl.store(q_dst, o1.to(q_ptr.dtype.element_ty), mask=live & is_q)
+    tl.store(q_dst + half, o2.to(q_ptr.dtype.element_ty), mask=live & is_q)
+    k_dst = k_ptr + (row * HKV + (heads - HQ)) * HEAD_DIM + dims
+    tl.store(k_dst, o1.to(k_ptr.dtype.element_ty), mask=live & is_k)
+    tl.store(k_dst + half, o2.to(k_ptr.dtype.element_ty), mask=live & is_k)
+    v_dst = v_ptr + (row * HKV + (heads - HQ - HKV)) * HEAD_DIM + dims
+    tl.store(v_dst, x1.to(v_ptr.dtype.element_ty), mask=live & is_v)
+    tl.store(v_dst + half, x2.to(v_ptr.dtype.element_ty), mask=live & is_v)
 
 
 def qk_norm_rope(
@@ -147,10 +146,12 @@ def qk_norm_rope(
     k = qkv.new_empty((rows, num_kv_heads, head_dim))
     v = qkv.new_empty((rows, num_kv_heads, head_dim))
     if rows:
-        _qk_norm_rope_kernel[(rows, num_heads + 2 * num_kv_heads)](
+        block_h = _pow2(num_heads + 2 * num_kv_heads)
+        _qk_norm_rope_kernel[(rows,)](
             qkv, positions.contiguous(), q_norm_w, k_norm_w, inv_freq, q, k, v, rows,
             float(rope_scale), float(eps), HQ=num_heads, HKV=num_kv_heads, HEAD_DIM=head_dim,
-            BLOCK_HALF=_pow2(head_dim // 2), num_warps=1,
+            BLOCK_H=block_h, BLOCK_HALF=_pow2(head_dim // 2),
+            num_warps=8 if block_h * head_dim >= 4096 else 4,
         )
     return q, k, v
 
