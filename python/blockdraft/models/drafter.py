@@ -187,7 +187,9 @@ class DFlashDrafter(nn.Module):
         """
         c = self.config
         n, b = embeds.shape[:2]
-        h = embeds.to(self.dtype) * c.input_embedding_scale
+        h = embeds.to(self.dtype)
+        if c.input_embedding_scale != 1.0:  # x * 1.0 == x: skip a pass over the rows
+            h = h * c.input_embedding_scale
         cos, sin = self.rope.cos_sin(positions, h.dtype)
         for i in range(c.num_layers):
             layer = self._layer(i)
@@ -223,7 +225,8 @@ class DFlashDrafter(nn.Module):
             logits = F.linear(hidden.to(lm_head.dtype), lm_head)
         else:
             logits = lm_head(hidden)
-        logits = logits * self.config.output_multiplier
+        if self.config.output_multiplier != 1.0:  # x * 1.0 == x: skip a pass over [.., V]
+            logits = logits * self.config.output_multiplier
         cap = self.config.final_logit_softcapping
         if cap is not None and cap > 0:
             logits = torch.tanh(logits / cap) * cap

@@ -152,7 +152,9 @@ class FastDrafter:
         n, b, size = embeds.shape
         m = n * b
         hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
-        h = (embeds.to(self.drafter.dtype) * c.input_embedding_scale).reshape(m, size)
+        h = embeds.to(self.drafter.dtype).reshape(m, size)
+        if c.input_embedding_scale != 1.0:  # x * 1.0 == x: skip a pass over the rows
+            h = h * c.input_embedding_scale
         flat_pos = positions.reshape(m)
         cos_sin = None
         if self._kernels is None:
