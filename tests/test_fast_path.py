@@ -102,17 +102,43 @@ def test_precompute_in_the_graph_gives_the_plain_drafts(backend: str) -> None:
     plain_eager: list[int] = []
     plain = _steps(make("off", "torch"), plain_eager)
     static_prop = make("static", backend)
+    runner = static_prop._graphs
+    assert runner is not None and runner.fast is not None
+    launches: list[tuple[int, int, int]] = []
+    real_launch = runner._launch
+
+    def recording(bucket: Any, n: int, cap: int) -> Any:
+        launches.append((bucket.size, bucket.staged, cap))
+        return real_launch(bucket, n, cap)
+
+    runner._launch = recording  # type: ignore[method-assign]
     graph_eager: list[int] = []
     graph = _steps(static_prop, graph_eager)
     assert graph == plain
-    runner = static_prop._graphs
-    assert runner is not None and runner.fast is not None
+    # Each call stores its staged rows' K/V with the smallest capacity holding them (1, 4 or
+    # B rows per sequence of the bucket); both small and full capacities were exercised.
+    for size, staged, cap in launches:
+        assert cap == min(c for c in runner.stage_caps(size) if c >= staged)
+    assert {cap < size * 4 for size, _, cap in launches} == {True, False}
     # The plain path stores every call eagerly; the graph path only the long first plans (one
     # per sequence), the steady-state rows are stored by the (captured) forward.
     assert len(plain_eager) == 8
     assert sum(graph_eager) == 3
     # The last call (step 7, n=3 -> bucket 4) staged 3 + 3 + 4 rows (commits of steps 5 and 6).
     assert runner._slots[4].staged == 10
+
+
+def test_stage_caps() -> None:
+    target = tiny_target()
+    drafter = tiny_drafter(drafter_config(block=8, layers=1))
+    prop = DFlashProposer(drafter, target, max_seq_len=64, num_blocks=40, kv_block_size=4,
+                          max_batch=4, graphs="static")
+    runner = prop._graphs
+    assert runner is not None
+    assert runner.stage_caps(1) == [1, 4, 8] and runner.stage_caps(4) == [4, 16, 32]
+    assert [runner.stage_cap(4, k) for k in (0, 4, 5, 16, 17, 32)] == [4, 4, 16, 16, 32, 32]
+    with pytest.raises(AssertionError):
+        runner.stage_cap(4, 33)
 
 
 def test_quick_bench_runs_on_the_tiny_shape() -> None:

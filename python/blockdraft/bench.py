@@ -753,7 +753,7 @@ def _host_glue(prop: Any, seqs: _Seqs, idx: list[int], calls: int) -> dict[str, 
     n = len(idx)
     ready = torch.zeros((n, prop.gamma - 1), dtype=torch.int64, device=prop.device)
     real = runner._launch
-    runner._launch = lambda bucket, m: ready[:m]
+    runner._launch = lambda bucket, m, cap: ready[:m]
     try:
         for _ in range(3):
             seqs.advance(idx)
@@ -919,9 +919,11 @@ def _e2e_blockdraft(
     # Uncapped, like the reference: with the default 16K cap a 16K prompt fills the window and
     # every later step slides it (recomputing all of its K/V).
     with _env(ENV_CTX_CAP, "0"):
+        # sdpa_backends=None: the engine takes the section's SDPA setting, like the reference.
         engine = engine_cls(
             target, drafter, max_seq_len=max_seq_len, max_batch=1,
             num_blocks=math.ceil((max_seq_len + 64) / 16) + 1, kv_block_size=16,
+            sdpa_backends=None,
         )
     prop = engine.proposer
     drafter_ms: list[float] = []

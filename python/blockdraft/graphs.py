@@ -93,8 +93,9 @@ class _Bucket:
         # Which state each row mirrors, and how many of its blocks the row holds.
         self.owners: list[object | None] = [None] * size
         self.lens = [0] * size
-        self.graph: Any = None
-        self.out: Tensor | None = None
+        # Per staging capacity (see GraphRunner.stage_caps): the captured graph and its output.
+        self.graphs: dict[int, Any] = {}
+        self.outs: dict[int, Tensor] = {}
 
 
 class GraphRunner:
@@ -164,37 +165,52 @@ class GraphRunner:
             self._slots[size] = bucket
         if not self._fill(bucket, preps):
             return None
-        self._stage(bucket, preps)
+        staged = self._stage(bucket, preps)
         if faults._ACTIVE is not None:
             # The graph replaces the eager forward: the same fault site covers it.
             faults.hit("forward")
         bucket.dev.copy_(bucket.host, non_blocking=True)
-        return self._launch(bucket, n)
+        return self._launch(bucket, n, self.stage_cap(bucket.size, staged))
 
-    def _launch(self, bucket: _Bucket, n: int) -> Tensor | None:
-        """The device work of one call on the filled buffers: replay (capturing on first use)
-        or, in static mode, the eager forward. ``None``: capture failed, graphs are off."""
+    def stage_caps(self, size: int) -> list[int]:
+        """The staging capacities (ctx rows whose K/V one call stores) with a graph of their
+        own for a bucket of ``size`` rows: 1, 4 and B rows per sequence. The K/V GEMMs run over
+        the whole capacity, so a step that commits one row per sequence (nothing accepted)
+        does not pay for B."""
+        return sorted({size, min(4, self.gamma) * size, self.gamma * size})
+
+    def stage_cap(self, size: int, staged: int) -> int:
+        """The smallest capacity of :meth:`stage_caps` holding ``staged`` rows."""
+        for cap in self.stage_caps(size):
+            if cap >= staged:
+                return cap
+        raise AssertionError(f"{staged} staged rows exceed the bucket's {size} x B")
+
+    def _launch(self, bucket: _Bucket, n: int, cap: int) -> Tensor | None:
+        """The device work of one call on the filled buffers, storing ``cap`` staged rows'
+        K/V: replay (capturing on first use) or, in static mode, the eager forward. ``None``:
+        capture failed, graphs are off."""
         if self.mode == "static":
-            return self._forward(bucket.dev, bucket.stage)[:n]
-        if bucket.graph is None:
+            return self._forward(bucket.dev, bucket.stage, cap)[:n]
+        graph = bucket.graphs.get(cap)
+        if graph is None:
             try:
-                self._capture(bucket)
+                graph = self._capture(bucket, cap)
             except Exception as exc:  # noqa: BLE001 - fall back to the plain path for good
                 self.disabled = f"CUDA graph capture failed: {exc}"
                 log.warning("DFlash proposer: %s; using the eager path", self.disabled)
-                bucket.graph = None
                 torch.cuda.synchronize(self.prop.device)
                 return None
-        bucket.graph.replay()
+        graph.replay()
         self.replays += 1
-        assert bucket.out is not None
-        return bucket.out[:n]
+        return bucket.outs[cap][:n]
 
     # ------------------------------------------------------------------ internals
 
-    def _stage(self, bucket: _Bucket, preps: Sequence[Any]) -> None:
+    def _stage(self, bucket: _Bucket, preps: Sequence[Any]) -> int:
         """Positions/slots of the plans' new ctx rows into ``meta``, their accumulator rows into
-        ``stage``; plans longer than B rows are stored eagerly here instead."""
+        ``stage``; plans longer than B rows are stored eagerly here instead. Returns the
+        number of staged rows."""
         arr = bucket.host_np
         b, pc, sc = self.gamma, self._pos_col, self._slot_col
         if bucket.staged:
@@ -232,6 +248,7 @@ class GraphRunner:
             torch.cat(rows, 0, out=bucket.stage[:j])
         elif rows:
             bucket.stage[:j].copy_(rows[0])
+        return j
 
     def _fill(self, bucket: _Bucket, preps: Sequence[Any]) -> bool:
         arr = bucket.host_np
@@ -270,17 +287,18 @@ class GraphRunner:
                 bucket.owners[i] = None
         return True
 
-    def _forward(self, meta: Tensor, stage: Tensor) -> Tensor:
+    def _forward(self, meta: Tensor, stage: Tensor, cap: int) -> Tensor:
         """meta [m, 3 + W + 2B], stage [m*B, k*H] -> drafts [m, B-1] int64 (the plain path's
-        math, fixed shapes): the staged rows' ctx K/V into the paged cache, then the draft."""
+        math, fixed shapes): the first ``cap`` staged rows' ctx K/V into the paged cache (staged
+        row j is meta row j // B, entry j % B), then the draft."""
         prop = self.prop
         m, b = meta.shape[0], prop.gamma
         fast = self.fast
         pc, sc = self._pos_col, self._slot_col
         prop._write_ctx_kv(
-            stage,
-            meta[:, pc : pc + b].reshape(-1),
-            meta[:, sc : sc + b].reshape(-1),
+            stage[:cap],
+            meta[:, pc : pc + b].reshape(-1)[:cap],
+            meta[:, sc : sc + b].reshape(-1)[:cap],
             fast.fuse_context if fast is not None else prop.drafter.fuse_context,
         )
         ctx_lens = meta[:, 0].to(torch.int32)
@@ -295,7 +313,7 @@ class GraphRunner:
         picked: Tensor = prop._ops.masked_argmax(logits, None).view(m, b - 1)
         return picked
 
-    def _capture(self, bucket: _Bucket) -> None:
+    def _capture(self, bucket: _Bucket, cap: int) -> Any:
         device = self.prop.device
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
@@ -304,15 +322,19 @@ class GraphRunner:
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):
             for _ in range(2):
-                self._forward(bucket.dev, bucket.stage)
+                self._forward(bucket.dev, bucket.stage, cap)
         torch.cuda.current_stream(device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
-            out = self._forward(bucket.dev, bucket.stage)
-        bucket.graph = graph
-        bucket.out = out
+            out = self._forward(bucket.dev, bucket.stage, cap)
+        bucket.graphs[cap] = graph
+        bucket.outs[cap] = out
         self.captures += 1
-        log.debug("DFlash proposer: captured a CUDA graph for %d sequences", bucket.size)
+        log.debug(
+            "DFlash proposer: captured a CUDA graph for %d sequences, %d staged rows",
+            bucket.size, cap,
+        )
+        return graph
 
 
 def resolve_mode(mode: str, device: torch.device) -> Literal["capture", "static"] | None:
