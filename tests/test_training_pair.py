@@ -54,3 +54,35 @@ def test_eval_drafter_on_the_builtin_pair(capsys: pytest.CaptureFixture[str]) ->
     out = capsys.readouterr().out
     assert rc == 0
     assert "greedy: tau" in out and "T=1: tau" in out and "identical output on 2/2" in out
+
+
+def test_eval_drafter_repeats_report_paired_medians() -> None:
+    """--repeats N: N paired rounds (engine, then target alone); the rates are the medians of
+    the rounds and the speed-up is the median of the per-round ratios."""
+    import statistics
+
+    import torch
+
+    from blockdraft import pretrained
+    from blockdraft.training.evaluate import evaluate_drafter
+
+    target, drafter, _ = pretrained.builtin_pair(device=torch.device("cpu"), dtype=torch.float32,
+                                                  block_size=8)
+    prompts = pretrained.heldout_prompts()[:2]
+    rep = evaluate_drafter(target, drafter, prompts, max_new_tokens=8, temperatures=(0.0,),
+                           repeats=3)
+    assert len(rep.speedup_runs) == len(rep.greedy_tokens_per_s_runs) == 3
+    assert rep.speedup == statistics.median(rep.speedup_runs)
+    assert rep.tokens_per_s["greedy"] == statistics.median(rep.greedy_tokens_per_s_runs)
+    assert rep.target_tokens_per_s == statistics.median(rep.target_tokens_per_s_runs)
+    for e, t, r in zip(rep.greedy_tokens_per_s_runs, rep.target_tokens_per_s_runs, rep.speedup_runs):
+        assert r == pytest.approx(e / t)
+    assert rep.identical == 2
+    assert any("per repeat" in line for line in rep.lines())
+    with pytest.raises(ValueError, match="repeats"):
+        evaluate_drafter(target, drafter, prompts, max_new_tokens=4, repeats=0)
+
+
+def test_eval_drafter_rejects_bad_repeats(capsys: pytest.CaptureFixture[str]) -> None:
+    rc = main(["eval-drafter", "--repeats", "0", "--device", "cpu"])
+    assert rc == 2 and "--repeats" in capsys.readouterr().err

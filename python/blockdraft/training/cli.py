@@ -100,6 +100,8 @@ def _eval(args: argparse.Namespace) -> int:
     from blockdraft.training.data import load_texts
     from blockdraft.training.evaluate import evaluate_drafter, heldout_prompts
 
+    if args.repeats < 1:
+        raise CliError(f"--repeats must be >= 1, not {args.repeats}")
     device = _device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     if (args.target is None) != (args.drafter is None):
@@ -122,7 +124,7 @@ def _eval(args: argparse.Namespace) -> int:
     report = evaluate_drafter(
         target, drafter, prompts, max_new_tokens=args.max_new_tokens, temperatures=temps,
         compare_target=not args.no_compare, stop_token_ids=[eos] if isinstance(eos, int) else [],
-        seed=args.seed, backend=args.backend,
+        seed=args.seed, backend=args.backend, repeats=args.repeats,
     )
     for line in report.lines():
         print(line)
@@ -170,6 +172,8 @@ def add_training_commands(sub: Any) -> None:
     ev.add_argument("--max-new-tokens", type=int, default=64)
     ev.add_argument("--temperatures", default="0,1", help="comma-separated; 0 = greedy")
     ev.add_argument("--no-compare", action="store_true", help="skip the target-only comparison")
+    ev.add_argument("--repeats", type=int, default=1,
+                    help="rounds of engine vs target-only timing; medians are reported")
     ev.add_argument("--backend", choices=("auto", "torch", "triton"), default="auto")
     ev.add_argument("--seed", type=int, default=0)
     ev.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: auto)")

@@ -9,6 +9,7 @@ greedy loop with a KV cache, the baseline a speed-up is measured against.
 from __future__ import annotations
 
 import logging
+import statistics
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -29,7 +30,12 @@ class EvalReport:
         tau: per temperature (``"greedy"``, ``"T=1"``, ...) the mean tokens per step.
         tokens_per_s: per temperature, generated tokens per second of the engine.
         target_tokens_per_s: the target-only greedy loop (``None`` when not compared).
-        speedup: greedy engine tokens/s over target-only tokens/s.
+        speedup: greedy engine tokens/s over target-only tokens/s: with ``repeats`` > 1 the
+            median of the per-repeat ratios (each repeat times the engine and then the target
+            alone on every prompt, so drift of the machine hits both sides of a ratio).
+        speedup_runs: the per-repeat ratios (one entry per repeat).
+        greedy_tokens_per_s_runs / target_tokens_per_s_runs: the per-repeat rates; the
+            ``tokens_per_s["greedy"]`` and ``target_tokens_per_s`` figures are their medians.
         identical: prompts whose greedy output equals the target-only output, of ``num_prompts``.
         first_divergence: per differing prompt, the index of the first differing token.
     """
@@ -42,6 +48,9 @@ class EvalReport:
     tokens_per_s: dict[str, float] = field(default_factory=dict)
     target_tokens_per_s: float | None = None
     speedup: float | None = None
+    speedup_runs: list[float] = field(default_factory=list)
+    greedy_tokens_per_s_runs: list[float] = field(default_factory=list)
+    target_tokens_per_s_runs: list[float] = field(default_factory=list)
     identical: int | None = None
     first_divergence: list[int] = field(default_factory=list)
 
@@ -55,6 +64,9 @@ class EvalReport:
                 f"  target only (greedy): {self.target_tokens_per_s:.1f} tok/s  speed-up "
                 f"{self.speedup:.2f}x  identical output on {self.identical}/{self.num_prompts} prompts"
             )
+            if len(self.speedup_runs) > 1:
+                runs = ", ".join(f"{x:.2f}" for x in self.speedup_runs)
+                out.append(f"  speed-up per repeat (median above): {runs}")
         return out
 
 
@@ -110,28 +122,42 @@ def evaluate_drafter(
     stop_token_ids: Sequence[int] = (),
     seed: int = 0,
     backend: str = "auto",
+    repeats: int = 1,
 ) -> EvalReport:
     """tau (and tokens/s) of ``drafter`` with ``target`` on ``prompts``, one prompt at a time.
 
     One warm-up prompt runs first (not counted) so that kernel compilation and allocator
-    growth stay out of the timings.
+    growth stay out of the timings. With ``compare_target``, ``repeats`` rounds each time the
+    greedy engine and then the target-only loop over all prompts; the reported rates are
+    medians and the speed-up is the median of the per-round ratios. Both sides use torch's
+    own attention backend choice (the engine's ``sdpa_backends=None``).
+
+    Raises:
+        ValueError: ``repeats`` < 1 or no prompts.
     """
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, not {repeats}")
+    if not prompts:
+        raise ValueError("no prompts given")
     device = next(target.parameters()).device
     longest = max(len(p) for p in prompts) + max_new_tokens
     gamma = int(drafter.config.block_size)
     engine = SpeculativeEngine(
         target, drafter, max_seq_len=longest, max_batch=1,
         num_blocks=-(-(longest + gamma + 1) // 16) + 1, kv_block_size=16, backend=backend,
+        sdpa_backends=None,
     )
     report = EvalReport(len(prompts), max_new_tokens, str(device), str(next(target.parameters()).dtype))
     stops = list(stop_token_ids)
     engine.generate([prompts[0]], max_new_tokens=min(16, max_new_tokens), stop_token_ids=stops)
     greedy_out: list[list[int]] = []
-    for temp in temperatures:
-        key = "greedy" if temp == 0 else f"T={temp:g}"
+
+    def run_engine(temp: float) -> tuple[list[int], int, float, list[list[int]]]:
+        """(acceptance lengths, new tokens, seconds, outputs) over every prompt."""
         # The engine samples from rows it has moved to the CPU.
         gen = torch.Generator().manual_seed(seed) if temp > 0 else None
         steps: list[int] = []
+        outs: list[list[int]] = []
         tokens = 0
         _sync(device)
         t0 = time.perf_counter()
@@ -140,23 +166,47 @@ def evaluate_drafter(
                                   stop_token_ids=stops, generator=gen)
             steps.extend(res.stats.acceptance_lengths[0])
             tokens += res.stats.num_new_tokens
-            if temp == 0:
-                greedy_out.append(res.tokens[0])
+            outs.append(res.tokens[0])
         _sync(device)
-        elapsed = time.perf_counter() - t0
+        return steps, tokens, time.perf_counter() - t0, outs
+
+    def run_target() -> tuple[list[list[int]], float]:
+        _sync(device)
+        t0 = time.perf_counter()
+        outs = [target_only_greedy(target, p, max_new_tokens, stops) for p in prompts]
+        _sync(device)
+        return outs, time.perf_counter() - t0
+
+    for temp in temperatures:
+        key = "greedy" if temp == 0 else f"T={temp:g}"
+        steps, tokens, elapsed, outs = run_engine(temp)
+        if temp == 0:
+            greedy_out = outs
         report.tau[key] = sum(steps) / max(1, len(steps))
         report.tokens_per_s[key] = tokens / elapsed if elapsed > 0 else 0.0
         log.info("%s: tau %.2f, %.1f tok/s", key, report.tau[key], report.tokens_per_s[key])
     if compare_target:
         target_only_greedy(target, prompts[0], min(16, max_new_tokens), stops)
-        _sync(device)
-        t0 = time.perf_counter()
-        ref = [target_only_greedy(target, p, max_new_tokens, stops) for p in prompts]
-        _sync(device)
-        elapsed = time.perf_counter() - t0
-        report.target_tokens_per_s = sum(len(r) for r in ref) / elapsed
-        if "greedy" in report.tokens_per_s and report.target_tokens_per_s > 0:
-            report.speedup = report.tokens_per_s["greedy"] / report.target_tokens_per_s
+        ref: list[list[int]] = []
+        for r in range(repeats):
+            if r > 0 or "greedy" not in report.tokens_per_s:
+                _, tokens, elapsed, _ = run_engine(0.0)
+                engine_rate = tokens / elapsed if elapsed > 0 else 0.0
+            else:
+                engine_rate = report.tokens_per_s["greedy"]
+            ref, elapsed = run_target()
+            target_rate = sum(len(x) for x in ref) / elapsed if elapsed > 0 else 0.0
+            report.greedy_tokens_per_s_runs.append(engine_rate)
+            report.target_tokens_per_s_runs.append(target_rate)
+            if target_rate > 0:
+                report.speedup_runs.append(engine_rate / target_rate)
+            log.info("repeat %d: engine %.1f tok/s, target only %.1f tok/s", r + 1, engine_rate,
+                     target_rate)
+        report.target_tokens_per_s = statistics.median(report.target_tokens_per_s_runs)
+        if "greedy" in report.tokens_per_s:
+            report.tokens_per_s["greedy"] = statistics.median(report.greedy_tokens_per_s_runs)
+        if report.speedup_runs and "greedy" in report.tokens_per_s:
+            report.speedup = statistics.median(report.speedup_runs)
         if greedy_out:
             report.identical = sum(a == b for a, b in zip(greedy_out, ref))
             for a, b in zip(greedy_out, ref):
