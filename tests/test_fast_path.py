@@ -46,6 +46,23 @@ def test_fast_forward_equals_the_reference_forward_in_fp32(backend: str) -> None
     assert fast.gate_up_weight[1].shape == (2 * 48, 32)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize(("heads", "kv_heads", "rows"), [(6, 3, 5), (8, 1, 1), (4, 4, 3)])
+def test_qk_norm_rope_head_groups(backend: str, heads: int, kv_heads: int, rows: int) -> None:
+    """Head counts that do not fill the kernel's groups of 8 (12, 10 and 12 heads)."""
+    drafter = tiny_drafter(drafter_config(extra={
+        "num_attention_heads": heads, "num_key_value_heads": kv_heads, "head_dim": 8}))
+    ref = FastDrafter.from_drafter(drafter, "torch")
+    fast = FastDrafter.from_drafter(drafter, backend)  # type: ignore[arg-type]
+    assert ref is not None and fast is not None
+    gen = torch.Generator().manual_seed(heads * 10 + kv_heads)
+    qkv = torch.randn(rows, (heads + 2 * kv_heads) * 8, generator=gen)
+    pos = torch.randint(0, 300, (rows,), generator=gen)
+    cos_sin = drafter.rope.cos_sin(pos, qkv.dtype)
+    for got, want in zip(fast.qk_norm_rope(qkv, pos, 0, cos_sin), ref.qk_norm_rope(qkv, pos, 0, cos_sin)):
+        torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5)
+
+
 def test_dflash2_drafters_have_no_fused_view() -> None:
     cfg = drafter_config(extra={"architectures": ["DFlash2DraftModel"], "conv_kernel_size": 2,
                                 "conv_group_size": 8, "selector_rank": 4, "selector_top_k": 4})

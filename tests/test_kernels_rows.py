@@ -281,3 +281,46 @@ def test_selector_reference_matches_public_dflash_greedy() -> None:
                                  sel.predecessor_codebook.weight, sel.successor_codebook.weight,
                                  anchor, 0.0, backend="torch")
     assert torch.equal(got, path)
+
+
+def case_block_inputs(device: torch.device, dtype: torch.dtype, m: int, block: int, width: int,
+                      hidden: int, vocab: int = 50, seed: int = 0) -> None:
+    """The graph metadata -> drafter inputs kernel equals its reference exactly (copies and
+    integer conversions only), padding rows (length 0, the mask token) included."""
+    gen = torch.Generator().manual_seed(seed)
+    cols = 3 + width + 2 * block
+    meta = torch.randint(0, 2**40, (m, cols), generator=gen)
+    meta[:, 3 : 3 + width] = torch.randint(0, 70000, (m, width), generator=gen)
+    meta[:, 0] = torch.randint(0, 5000, (m,), generator=gen)
+    meta[:, 1] = torch.randint(0, vocab, (m,), generator=gen)
+    meta[:, 2] = torch.randint(0, 2**40, (m,), generator=gen)
+    if m > 1:
+        meta[-1, :3] = torch.tensor([0, vocab - 1, 0])  # a bucket's padding row
+    meta = meta.to(device)
+    embed = torch.randn(vocab, hidden, generator=gen).to(device)
+    got = K.block_inputs(meta, 3, width, embed, vocab - 1, block, dtype, backend="triton")
+    want = K.block_inputs(meta, 3, width, embed, vocab - 1, block, dtype, backend="torch")
+    for name, g, w in zip(("lens", "tables", "embeds", "positions"), got, want):
+        assert g.dtype == w.dtype and g.shape == w.shape, name
+        assert torch.equal(g, w), name
+
+
+@pytest.mark.parametrize(("m", "block", "width", "hidden"),
+                         [(1, 4, 1, 8), (3, 8, 17, 33), (4, 16, 1030, 64), (17, 2, 5, 4100)])
+def test_block_inputs(m: int, block: int, width: int, hidden: int) -> None:
+    need_triton(CPU)
+    case_block_inputs(CPU, torch.float32, m, block, width, hidden)
+
+
+def test_block_inputs_validation() -> None:
+    need_triton(CPU)
+    import importlib
+
+    mod = importlib.import_module("blockdraft.kernels.graph_inputs")
+    embed = torch.zeros(10, 8)
+    with pytest.raises(ValueError, match="meta"):
+        mod.block_inputs(torch.zeros(2, 9, dtype=torch.int32), 3, 2, embed, 9, 2, torch.float32)
+    with pytest.raises(ValueError, match="meta"):
+        mod.block_inputs(torch.zeros(2, 4, dtype=torch.int64), 3, 2, embed, 9, 2, torch.float32)
+    with pytest.raises(ValueError, match="block"):
+        mod.block_inputs(torch.zeros(2, 9, dtype=torch.int64), 3, 2, embed, 9, 0, torch.float32)

@@ -301,9 +301,9 @@ class GraphRunner:
             meta[:, sc : sc + b].reshape(-1)[:cap],
             fast.fuse_context if fast is not None else prop.drafter.fuse_context,
         )
-        ctx_lens = meta[:, 0].to(torch.int32)
-        block_tables = meta[:, _META : _META + self.width].to(torch.int32)
-        embeds, q_pos = prop._block_inputs(meta[:, 1], meta[:, 2])
+        ctx_lens, block_tables, embeds, q_pos = prop._ops.block_inputs(
+            meta, _META, self.width, prop._embed, prop.mask_token_id, b, prop.dtype
+        )
         attend = prop._paged_attend(block_tables, ctx_lens, q_pos, fault_hooks=False)
 
         forward_block = fast.forward_block if fast is not None else prop.drafter.forward_block

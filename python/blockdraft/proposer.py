@@ -65,6 +65,15 @@ class _Ops:
         out: Tensor = self._kernels.block_attention(*args, backend=self.backend, **kwargs)
         return out
 
+    def block_inputs(
+        self, meta: Tensor, table_col: int, width: int, embed: Tensor, mask_id: int, block: int,
+        dtype: torch.dtype,
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        out: tuple[Tensor, Tensor, Tensor, Tensor] = self._kernels.block_inputs(
+            meta, table_col, width, embed, mask_id, block, dtype, backend=self.backend
+        )
+        return out
+
     def masked_argmax(self, logits: Tensor, bitmask: Tensor | None) -> Tensor:
         out: Tensor = self._kernels.masked_argmax(logits, bitmask, backend=self.backend)
         return out

@@ -109,3 +109,9 @@ def test_dynamic_conv_gpu(dtype: torch.dtype) -> None:
 @pytest.mark.parametrize("temperature", [0.0, 0.7])
 def test_selector_gpu(temperature: float) -> None:
     rows.case_selector(GPU, torch.float32, 32, 15, 32, 64, 151936, temperature)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("m", "block", "width", "hidden"), [(1, 16, 1024, 4096), (33, 16, 1030, 4096)])
+def test_block_inputs_gpu(dtype: torch.dtype, m: int, block: int, width: int, hidden: int) -> None:
+    rows.case_block_inputs(GPU, dtype, m, block, width, hidden)

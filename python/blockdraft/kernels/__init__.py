@@ -34,6 +34,7 @@ __all__ = [
     "acc_append",
     "acc_slide",
     "block_attention",
+    "block_inputs",
     "ctx_kv_store",
     "dynamic_conv",
     "masked_argmax",
@@ -43,7 +44,9 @@ __all__ = [
     "triton_available",
 ]
 
-_TRITON_MODULES = ("kv_store", "paged_attention", "accumulator", "selection", "dflash2")
+_TRITON_MODULES = (
+    "kv_store", "paged_attention", "accumulator", "selection", "dflash2", "graph_inputs",
+)
 _triton_mods: dict[str, ModuleType] = {}
 _triton_error: str | None = None
 
@@ -176,6 +179,29 @@ def masked_argmax(
     if mod is None:
         return reference.masked_argmax(logits, bitmask)
     out: torch.Tensor = mod.masked_argmax(logits, bitmask)
+    return out
+
+
+def block_inputs(
+    meta: torch.Tensor,
+    table_col: int,
+    width: int,
+    embed: torch.Tensor,
+    mask_id: int,
+    block: int,
+    dtype: torch.dtype,
+    *,
+    backend: Backend | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The graph path's metadata ``[m, C]`` int64 -> (ctx lens [m] int32, block tables
+    [m, width] int32, embedded blocks [m, B, H], positions [m, B] int64); see
+    ``reference.block_inputs``."""
+    mod = _kernel(backend, meta.device, "graph_inputs")
+    if mod is None:
+        return reference.block_inputs(meta, table_col, width, embed, mask_id, block, dtype)
+    out: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] = mod.block_inputs(
+        meta, table_col, width, embed, mask_id, block, dtype
+    )
     return out
 
 

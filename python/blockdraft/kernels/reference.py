@@ -343,3 +343,30 @@ def selector_walk(
             prev = int(candidates[s, p, index])
             path[s, p] = prev
     return path, q_all
+
+
+def block_inputs(
+    meta: torch.Tensor,
+    table_col: int,
+    width: int,
+    embed: torch.Tensor,
+    mask_id: int,
+    block: int,
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The draft forward's inputs from the graph metadata (see :mod:`blockdraft.graphs`).
+
+    meta ``[m, C]`` int64, per row ``[ctx len, anchor token, anchor position, ...]`` with the
+    block table in columns ``table_col .. table_col + width``; embed ``[V, H]`` ->
+    ``(ctx lens [m] int32, tables [m, width] int32, embeds [m, B, H] dtype, positions [m, B]
+    int64)``: the blocks ``[anchor, mask_id x (B-1)]`` embedded, at positions ``anchor
+    position + 0..B-1``.
+    """
+    m = meta.shape[0]
+    lens = meta[:, 0].to(torch.int32)
+    tables = meta[:, table_col : table_col + width].to(torch.int32)
+    ids = torch.full((m, block), mask_id, dtype=torch.int64, device=meta.device)
+    ids[:, 0] = meta[:, 1]
+    q_pos = meta[:, 2:3] + torch.arange(block, dtype=torch.int64, device=meta.device)[None, :]
+    embeds = torch.nn.functional.embedding(ids, embed).to(dtype)
+    return lens, tables, embeds, q_pos

@@ -180,18 +180,23 @@ def _check_inputs(logits: torch.Tensor, bitmask: torch.Tensor | None) -> tuple[i
 
 
 def argmax_tile(num_rows: int, vocab: int) -> tuple[int, int]:
-    """``(mask words per tile, warps)`` of the argmax partial kernel: 8 ids (one 16-byte load
-    of bf16) per thread per tile measured best on the H200 (kernels/RESULTS.md, "Run 4");
-    small vocabularies get a tile that is not mostly padding."""
+    """``(mask words per tile, warps)`` of the argmax partial kernel, from the H200 sweep in
+    kernels/RESULTS.md ("Run 4"): many rows (a batch's drafts) run best as many small programs
+    (32 words = 1024 ids, 2 warps, 16 ids per thread); a few rows (one sequence's drafts) as
+    wide ones (64 words, 8 warps); small vocabularies get a tile that is not mostly padding."""
     if vocab <= 2048:
         return 16, 2
+    if num_rows >= 256:
+        return 32, 2
     return 64, 8
 
 
 def argmax_splits(num_rows: int, tiles: int, sms: int) -> int:
     """Vocabulary splits per row (a function of shapes only, so CUDA-graph safe): about four
-    programs per SM in all, never more splits than tiles."""
-    return min(tiles, max(1, -(-4 * sms // num_rows)))
+    programs per SM in all, and at least 3 for many rows (1 or 2 splits measured up to 15%
+    slower at 512 rows), never more splits than tiles."""
+    floor = 3 if num_rows >= 256 else 1
+    return min(tiles, max(floor, -(-4 * sms // num_rows)))
 
 
 def masked_argmax(
