@@ -156,3 +156,21 @@ def test_attention_block_ids_above_65535_and_offsets_above_2_pow_31(tmp_path: Pa
     want = run_attention(x, "torch")
     got = run_attention(x, "triton")
     assert_close(got, want, "attention output")
+
+
+def test_default_splits_leave_no_split_empty(monkeypatch: pytest.MonkeyPatch) -> None:
+    """About 2 programs per SM, trimmed so that equal whole-tile splits cover the context with
+    none left empty (132 SMs, 8 KV heads, 16K: 33 wanted -> 8 tiles each -> 32)."""
+    need_triton(CPU)
+    import importlib
+
+    mod = importlib.import_module("blockdraft.kernels.paged_attention")
+    monkeypatch.setattr(mod, "sm_count", lambda device: 132)
+    cases = {(1, 8, 16384): 32, (1, 8, 4096): 32, (32, 8, 16384): 2, (1, 8, 64): 1,
+             (1, 1, 16384): 256, (3, 8, 6400): 10}
+    for (n, kvh, ctx), want in cases.items():
+        got = mod.default_num_splits(n, kvh, ctx, CPU, 64)
+        tiles = -(-ctx // 64)
+        per = -(-tiles // got)
+        assert got == want, (n, kvh, ctx)
+        assert (got - 1) * per < tiles <= got * per  # every split holds at least one tile

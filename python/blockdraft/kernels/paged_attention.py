@@ -216,14 +216,17 @@ def block_attention_combine_kernel(
 
 def default_num_splits(n: int, kv_heads: int, max_ctx: int, device: torch.device,
                        block_n: int = 64) -> int:
-    """Splits per sequence: about 2 programs per SM, from shapes only.
+    """Splits per sequence: about 2 programs per SM, from shapes only, and no split left
+    empty (the count is trimmed to what equal whole-tile splits need: 33 wanted over 256 tiles
+    is 8 tiles each, hence 32 splits).
 
-    Measured on the H200 at n = 1 x 16K, 8 KV heads (kernels/RESULTS.md, "Run 3"): 32 splits
-    0.038 ms, 50 (the earlier 3-per-SM rule) 0.045 ms, 64 0.044 ms, 16 0.047 ms.
+    Measured on the H200 at n = 1 x 16K, 8 KV heads (kernels/RESULTS.md, "Run 3"/"Run 4"):
+    32 splits 0.038 ms, 33 (one empty) 0.038 ms, 50 (the earlier 3-per-SM rule) 0.045 ms,
+    64 0.044 ms, 16 0.047 ms.
     """
     tiles = max(1, math.ceil(max_ctx / block_n))
-    want = math.ceil(2 * sm_count(device) / max(1, n * kv_heads))
-    return max(1, min(tiles, want))
+    want = max(1, min(tiles, math.ceil(2 * sm_count(device) / max(1, n * kv_heads))))
+    return math.ceil(tiles / math.ceil(tiles / want))
 
 
 def block_attention(
