@@ -153,7 +153,8 @@ def test_bench_tiny_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str
     rc = cli_main(
         [
             "bench", "--shape", "tiny", "--contexts", "16", "--batches", "1,2", "--reps", "2",
-            "--warmup", "1", "--loop-reps", "1", "--e2e-steps", "2", "--out", str(out),
+            "--warmup", "1", "--loop-reps", "1", "--e2e-steps", "2", "--e2e-repeats", "3",
+            "--out", str(out),
             "--sections", "propose,reference,host,kernels,e2e",
         ]
     )
@@ -186,6 +187,10 @@ def test_bench_tiny_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str
     assert sec["kernels"] == []  # CUDA only
     for r in sec["e2e"]:
         assert r["blockdraft"]["ms_per_step"] > 0 and r["reference"]["ms_per_step"] > 0
+        for key in ("blockdraft", "reference"):  # the median of 3 alternating runs
+            runs = r[key]["runs_ms_per_step"]
+            assert len(runs) == 3 and runs == sorted(runs)
+            assert r[key]["ms_per_step"] == runs[1]
         assert r["blockdraft"]["steps"] >= 1 and r["reference"]["steps"] >= 1
     md = (out / "bench.md").read_text()
     assert "## Propose latency" in md and "## End to end" in md
