@@ -145,6 +145,48 @@ def test_precompute_in_the_graph_gives_the_plain_drafts(backend: str) -> None:
     assert runner._slots[4].staged == 10
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_graph_staging_after_double_commits_and_slides(backend: str) -> None:
+    """The graph path stages the last commit's rows through the view kept at commit time; when
+    the plan covers more (two commits since the last proposal) or the window slid, it reads the
+    accumulator instead. Either way: the plain path's drafts."""
+    target = tiny_target()
+    drafter = tiny_drafter(drafter_config(block=4, layers=2))
+
+    def run(graphs: str) -> tuple[list[list[list[int]]], int]:
+        prop = DFlashProposer(drafter, target, max_seq_len=40, num_blocks=60, kv_block_size=4,
+                              max_batch=2, graphs=graphs, backend=backend)  # type: ignore[arg-type]
+        rows = torch.randn(400, 64, generator=torch.Generator().manual_seed(9))
+        states = [prop.alloc_state_for(12), prop.alloc_state_for(30)]  # windows 17 and 35
+        pos = [0, 0]
+        out = []
+        fresh_hits = 0
+        for step in range(14):
+            for i, st in enumerate(states):
+                commits = 2 if (step + i) % 3 == 0 else 1
+                for _ in range(commits):
+                    k = 1 + (step * 7 + i) % 3
+                    prop.commit_ctx(st, rows[pos[i] : pos[i] + k], range(pos[i], pos[i] + k))
+                    pos[i] += k
+                fresh = st._fresh
+                plan_start = st.ctx.ctx_committed
+                fresh_hits += int(fresh is not None and fresh[0] == plan_start)
+            got = prop.propose_batch(states, [3, 5], list(pos), 3)
+            assert got is not None
+            out.append(got)
+            for st in states:
+                prop.after_verify(st, 0)
+        for st in states:
+            prop.free_state(st)
+            assert st._fresh is None
+        return out, fresh_hits
+
+    plain, _ = run("off")
+    graph, hits = run("static")
+    assert graph == plain
+    assert 0 < hits < 28  # both the kept view and the accumulator read were used
+
+
 def test_stage_caps() -> None:
     target = tiny_target()
     drafter = tiny_drafter(drafter_config(block=8, layers=1))

@@ -39,6 +39,7 @@ import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
+import numpy as np
 import torch
 from torch import Tensor
 from torch.nn import functional as F
@@ -163,9 +164,9 @@ class GraphRunner:
                 self.mode == "capture", prop.mask_token_id,
             )
             self._slots[size] = bucket
-        if not self._fill(bucket, preps):
+        staged = self._fill(bucket, preps)
+        if staged is None:
             return None
-        staged = self._stage(bucket, preps)
         if faults._ACTIVE is not None:
             # The graph replaces the eager forward: the same fault site covers it.
             faults.hit("forward")
@@ -207,38 +208,80 @@ class GraphRunner:
 
     # ------------------------------------------------------------------ internals
 
-    def _stage(self, bucket: _Bucket, preps: Sequence[Any]) -> int:
-        """Positions/slots of the plans' new ctx rows into ``meta``, their accumulator rows into
-        ``stage``; plans longer than B rows are stored eagerly here instead. Returns the
-        number of staged rows."""
+    def _fill(self, bucket: _Bucket, preps: Sequence[Any]) -> int | None:
+        """Write the call into the bucket's buffers; returns the number of staged rows, or
+        ``None`` when a block table is wider than the graphs (nothing stored then).
+
+        Per row of ``meta``: the three scalars, the blocks a precompute plan appends (the whole
+        table only when the row held another state or its table changed otherwise), the
+        positions/slots of the plan's new ctx rows; their accumulator rows go to ``stage``.
+        Plans longer than B rows are stored eagerly here instead. One pass over the sequences:
+        this is the per-sequence host work of a graph-path call."""
         arr = bucket.host_np
+        width = self.width
         b, pc, sc = self.gamma, self._pos_col, self._slot_col
+        owners, lens = bucket.owners, bucket.lens
         if bucket.staged:
             arr[:, sc : sc + b] = -1
+            bucket.staged = 0
         rows: list[Tensor] = []
         eager: list[tuple[Any, Any]] = []
-        j = 0
-        for p in preps:
+        scalars: list[tuple[int, int, int]] = []
+        staged_pos: list[int] = []
+        staged_slot: list[int] = []
+        for i, p in enumerate(preps):
+            state = p.state
             plan = p.plan
+            ctx = state.ctx
+            if owners[i] is not state or lens[i] != ctx.num_blocks:
+                table = ctx.block_table
+                if len(table) > width:
+                    owners[i] = None
+                    return None
+                arr[i, _META : _META + len(table)] = table
+                owners[i] = state
+                lens[i] = len(table)
+            new = plan.new_blocks
+            if new:
+                first = lens[i]
+                if first + len(new) > width:
+                    owners[i] = None
+                    return None
+                arr[i, _META + first : _META + first + len(new)] = new
+                # Mirrors the table as it is once the plan is confirmed; an aborted plan shows
+                # up next call as a length mismatch and the row is re-read.
+                lens[i] = first + len(new)
             start, end = plan.row_start, plan.row_end
+            scalars.append((end, p.token, p.position))
             count = end - start
             if count <= 0:
                 continue
             if count > b:
-                eager.append((p.state, plan))
+                eager.append((state, plan))
                 continue
-            if count == 1:  # the common steady-state case: one row per step
-                r, c = divmod(j, b)
-                arr[r, pc + c] = plan.positions[0]
-                arr[r, sc + c] = plan.slots[0]
-                j += 1
+            staged_pos += plan.positions
+            staged_slot += plan.slots
+            fresh = state._fresh
+            if fresh is not None and fresh[0] == start and fresh[1] == end:
+                rows.append(fresh[2])  # the last commit's rows, as viewed when committed
             else:
-                for pos, slot in zip(plan.positions, plan.slots):
-                    r, c = divmod(j, b)
-                    arr[r, pc + c] = pos
-                    arr[r, sc + c] = slot
-                    j += 1
-            rows.append(p.state.acc.narrow(0, start, count))
+                rows.append(state.acc.narrow(0, start, count))
+        n = len(preps)
+        if n:
+            arr[:n, :3] = scalars
+        for i in range(n, bucket.size):
+            if owners[i] is not None or arr[i, 0] != 0:
+                arr[i, :3] = (0, self.prop.mask_token_id, 0)
+                owners[i] = None
+        j = len(staged_pos)
+        if j:
+            # staged row j sits at meta row j // B, entry j % B (unused entries: PAD_SLOT)
+            used = -(-j // b)
+            grid = np.full((2, used * b), -1, dtype=np.int64)
+            grid[0, :j] = staged_pos
+            grid[1, :j] = staged_slot
+            arr[:used, pc : pc + b] = grid[0].reshape(used, b)
+            arr[:used, sc : sc + b] = grid[1].reshape(used, b)
         bucket.staged = j
         if eager:
             self.prop._store_ctx_kv(eager)
@@ -249,43 +292,6 @@ class GraphRunner:
         elif rows:
             bucket.stage[:j].copy_(rows[0])
         return j
-
-    def _fill(self, bucket: _Bucket, preps: Sequence[Any]) -> bool:
-        arr = bucket.host_np
-        width = self.width
-        for i, p in enumerate(preps):
-            state = p.state
-            ctx = state.ctx
-            held = ctx.num_blocks
-            if bucket.owners[i] is not state or bucket.lens[i] != held:
-                table = ctx.block_table
-                if len(table) > width:
-                    bucket.owners[i] = None
-                    return False
-                arr[i, _META : _META + len(table)] = table
-                bucket.owners[i] = state
-                bucket.lens[i] = len(table)
-            plan = p.plan
-            new = plan.new_blocks
-            if new:
-                start = bucket.lens[i]
-                if start + len(new) > width:
-                    bucket.owners[i] = None
-                    return False
-                arr[i, _META + start : _META + start + len(new)] = new
-                # Mirrors the table as it is once the plan is confirmed; an aborted plan shows
-                # up next call as a length mismatch and the row is re-read.
-                bucket.lens[i] = start + len(new)
-            arr[i, 0] = plan.row_end
-            arr[i, 1] = p.token
-            arr[i, 2] = p.position
-        for i in range(len(preps), bucket.size):
-            if bucket.owners[i] is not None or arr[i, 0] != 0:
-                arr[i, 0] = 0
-                arr[i, 1] = self.prop.mask_token_id
-                arr[i, 2] = 0
-                bucket.owners[i] = None
-        return True
 
     def _forward(self, meta: Tensor, stage: Tensor, cap: int) -> Tensor:
         """meta [m, 3 + W + 2B], stage [m*B, k*H] -> drafts [m, B-1] int64 (the plain path's

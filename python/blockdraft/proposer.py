@@ -144,11 +144,14 @@ class DFlashState:
     ``last_num_accepted``, ``freed``, ``owner``) are the same-named getters of ``ctx``.
     """
 
-    __slots__ = ("_table", "_table_version", "acc", "ctx")
+    __slots__ = ("_fresh", "_table", "_table_version", "acc", "ctx")
 
     def __init__(self, ctx: ContextState, acc: Tensor) -> None:
         self.ctx = ctx
         self.acc: Tensor | None = acc
+        # (first row, end row, view of acc) of the last commit: the rows a proposal usually
+        # stages next (a different plan range means it does not apply).
+        self._fresh: tuple[int, int, Tensor] | None = None
         self._table: Tensor | None = None
         # The core version `_table` mirrors; -1 = stale (rebuilt on access); None = no table.
         # The graph path keeps the tables in its own buffers and only marks this stale, so no
@@ -229,7 +232,7 @@ class DFlashState:
         )
 
 
-@dataclass
+@dataclass(slots=True)
 class _Prep:
     """One sequence's share of a proposal: its state, anchor and outstanding K/V plan."""
 
@@ -324,6 +327,7 @@ class DFlashProposer:
             raise ConfigError(f"the drafter's block_size must be >= 2, not {self.gamma}")
 
         self._embed, self._lm_head, self.vocab_size = _target_parts(target)
+        self._vocab_in = int(self._embed.shape[0])  # ids the embedding table takes
         t_layers, t_hidden = _target_layers_hidden(target)
         if int(self._embed.shape[1]) != self.hidden_size or (
             t_hidden is not None and t_hidden != self.hidden_size
@@ -550,8 +554,12 @@ class DFlashProposer:
             # Overlapping move: copy out first.
             kept = acc[slide.src_start : slide.src_start + slide.keep].clone()
             acc[: slide.keep] = kept
-        acc[plan.dst_start : plan.dst_start + plan.n_rows] = new_rows
+        rows = acc.narrow(0, plan.dst_start, plan.n_rows)
+        rows.copy_(new_rows)
         state.ctx.apply_append(plan)
+        # The graph path stages exactly these rows at the next proposal (the common case):
+        # keeping the view saves making it again there.
+        state._fresh = (plan.dst_start, plan.dst_start + plan.n_rows, rows)
 
     def propose(
         self,
@@ -637,12 +645,28 @@ class DFlashProposer:
             self._check_num_drafts(num_drafts)
             take = self._num_take(num_drafts)
             seen: set[int] = set()
+            owner, vocab_in = self._owner, self._vocab_in
             for st, tok, pos in zip(states, last_tokens, positions):
-                state = self._live(st, "propose_batch")
-                if id(state) in seen:
+                # The common case inline (plain ints, a live state of ours); anything else goes
+                # through the full checks, which raise the precise error.
+                if type(st) is DFlashState and st.acc is not None:
+                    ctx = st.ctx
+                    if ctx.owner != owner or ctx.freed:
+                        self._live(st, "propose_batch")
+                else:
+                    self._live(st, "propose_batch")
+                    ctx = st.ctx
+                if id(st) in seen:
                     raise ValueError("the same state appears twice in one batch")
-                seen.add(id(state))
-                self._check_anchor(state, tok, pos)
+                seen.add(id(st))
+                if type(tok) is int and type(pos) is int and 0 <= tok < vocab_in and 0 <= pos < 2**62:
+                    last = ctx.last_position
+                    if last is not None and pos <= last:
+                        raise ValueError(
+                            f"position {pos} is not after the last context position {last}"
+                        )
+                else:
+                    self._check_anchor(st, tok, pos)
         except Exception as exc:  # noqa: BLE001 - declining is the contract
             log.warning("DFlash batched propose prep: %s - per-sequence path", exc)
             return None
@@ -687,6 +711,7 @@ class DFlashProposer:
         state = self._own(st, "free_state")
         state.ctx.free()
         state.acc = None
+        state._fresh = None
         state._drop_table()
 
     # ------------------------------------------------------------------ internals
@@ -706,7 +731,7 @@ class DFlashProposer:
             raise TypeError(f"last_token must be an int, not {type(token).__name__}")
         if isinstance(position, bool) or not isinstance(position, int):
             raise TypeError(f"position must be an int, not {type(position).__name__}")
-        if not 0 <= token < int(self._embed.shape[0]):
+        if not 0 <= token < self._vocab_in:
             raise ValueError(f"last_token {token} is outside the vocabulary")
         if position < 0:
             raise ValueError(f"position must be >= 0, not {position}")
