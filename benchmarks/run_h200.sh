@@ -3,7 +3,8 @@
 #   OUT=/some/dir bash benchmarks/run_h200.sh
 # Writes env.log, gpu_tests.log (graph == plain drafts), bench.json, bench.md, bench.log and
 # the two PNG charts under $OUT. Needs blockdraft importable (wheel or `maturin develop`) and
-# dflash==0.1.0 for the reference columns. REPS / LOOP_REPS / E2E_STEPS / SHAPE override sizes.
+# dflash==0.1.0 for the reference columns. REPS / LOOP_REPS / E2E_STEPS / E2E_REPEATS / SHAPE
+# override sizes.
 set -uo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
@@ -18,6 +19,6 @@ export PYTHONUNBUFFERED=1
 rc=0
 "$py" -m pytest -q -m gpu tests/gpu/test_graphs_gpu.py -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" || rc=1
 "$py" -m blockdraft.cli bench --shape "${SHAPE:-qwen3-8b}" --reps "${REPS:-15}" --warmup 2 \
-  --loop-reps "${LOOP_REPS:-3}" --e2e-steps "${E2E_STEPS:-16}" --out "$OUT" --plot \
+  --loop-reps "${LOOP_REPS:-3}" --e2e-steps "${E2E_STEPS:-16}" --e2e-repeats "${E2E_REPEATS:-3}" --out "$OUT" --plot \
   2>&1 | tee "$OUT/bench.log" || rc=1
 exit "$rc"
