@@ -204,3 +204,7 @@ def test_bench_rejects_bad_configs() -> None:
         bd_bench.run(bd_bench.BenchConfig(sections=["propose", "nope"]))
     with pytest.raises(ValueError, match="positive"):
         bd_bench.run(bd_bench.BenchConfig(batches=[0]))
+    with pytest.raises(ValueError, match="e2e backends"):
+        bd_bench.run(bd_bench.BenchConfig(e2e_backends=["cudnn"]))
+    with pytest.raises(ValueError, match="e2e_repeats"):
+        bd_bench.run(bd_bench.BenchConfig(e2e_repeats=0))

@@ -98,6 +98,8 @@ class BenchConfig:
         e2e_steps: speculative steps per end-to-end run.
         e2e_repeats: end-to-end runs per engine and cell, alternating the engines; the median
             run is reported.
+        e2e_backends: the SDPA settings of the end-to-end section on CUDA, in run order
+            ("flash", "default").
         device / dtype: where and in what precision (``dtype`` "auto": bf16 on CUDA, fp32 else).
         sections: which sections to run (see the module docstring).
         seed: weights and inputs.
@@ -112,6 +114,7 @@ class BenchConfig:
     loop_reps: int = 5
     e2e_steps: int = 24
     e2e_repeats: int = 1
+    e2e_backends: list[str] = field(default_factory=lambda: ["flash", "default"])
     device: str = "auto"
     dtype: str = "auto"
     sections: list[str] = field(
@@ -884,7 +887,7 @@ def bench_e2e(
     except Exception as exc:  # noqa: BLE001
         ref = None
         ref_error = f"{type(exc).__name__}: {exc}"
-    backends = ["flash", "default"] if device.type == "cuda" else ["default"]
+    backends = list(cfg.e2e_backends) if device.type == "cuda" else ["default"]
     for ctx in cfg.contexts:
         prompt = torch.randint(0, shape.vocab, (ctx,), generator=gen).tolist()
         for backend in backends:
@@ -1081,6 +1084,9 @@ def _resolve(cfg: BenchConfig) -> tuple[Shape, torch.device, torch.dtype]:
     if (cfg.reps < 1 or cfg.warmup < 0 or cfg.loop_reps < 1 or cfg.e2e_steps < 1
             or cfg.e2e_repeats < 1):
         raise ValueError("reps, loop_reps, e2e_steps and e2e_repeats must be >= 1 and warmup >= 0")
+    bad = [b for b in cfg.e2e_backends if b not in ("flash", "default")]
+    if bad or not cfg.e2e_backends:
+        raise ValueError(f"e2e backends must be 'flash' and/or 'default', not {cfg.e2e_backends}")
     dev_name = cfg.device
     if dev_name == "auto":
         dev_name = "cuda" if torch.cuda.is_available() else "cpu"
@@ -1358,6 +1364,8 @@ def add_arguments(parser: Any) -> None:
     parser.add_argument("--e2e-steps", type=int, default=24)
     parser.add_argument("--e2e-repeats", type=int, default=1,
                         help="end-to-end runs per engine (alternating); the median is reported")
+    parser.add_argument("--e2e-backends", default="flash,default",
+                        help="SDPA settings of the end-to-end section on CUDA, in run order")
     parser.add_argument("--sections", default="propose,reference,e2e,host,kernels")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--dtype", default="auto")
@@ -1377,6 +1385,7 @@ def config_from_args(args: Any) -> BenchConfig:
         loop_reps=args.loop_reps,
         e2e_steps=args.e2e_steps,
         e2e_repeats=args.e2e_repeats,
+        e2e_backends=[b.strip() for b in args.e2e_backends.split(",") if b.strip()],
         device=args.device,
         dtype=args.dtype,
         sections=[s for s in args.sections.split(",") if s.strip()],
