@@ -2,11 +2,13 @@
 
 In the steady state one proposal is a fixed sequence of kernels whose shapes depend only on the
 number of sequences ``n``: the ctx K/V precompute of the rows committed since the last call
-(``fc`` + ``hidden_norm`` + one K/V GEMM for every layer + the paged store, over ``bucket x B``
-staged rows), embed the block, the drafter layers with paged block attention, the target
-``lm_head`` on rows 1..B-1 and argmax. This module captures that sequence once per batch-size
-bucket and replays it; per call only the metadata and the staged ctx rows change, written in
-place into static buffers per bucket::
+(``fc`` + ``hidden_norm`` + one K/V GEMM for every layer + the paged store, over the staging
+capacity: 1, 4 or B rows per sequence of the bucket, the smallest that holds the call's staged
+rows), the drafter's inputs from the metadata (one ``graph_inputs`` kernel), the drafter layers
+with paged block attention, the target ``lm_head`` on rows 1..B-1 and argmax. This module
+captures that sequence once per (batch-size bucket, staging capacity) and replays it; per call
+only the metadata and the staged ctx rows change, written in place into static buffers per
+bucket::
 
     meta [bucket, 3 + W + 2B] int64 on the device:
         column 0: ctx rows with K/V (the plan's row_end), 1: anchor token, 2: anchor position,
@@ -14,17 +16,21 @@ place into static buffers per bucket::
         then B positions and B slots of the staged ctx rows (staged row j is meta row j // B,
         entry j % B; unused entries have slot PAD_SLOT = -1, which the store skips)
     stage [bucket * B, k*H]: the accumulator rows of the outstanding plans, packed in order
-        (one copy launch per call: ``torch.cat(..., out=stage)``)
+        (one copy launch per call: ``torch.cat(..., out=stage)``; a sequence's rows are the
+        view of its accumulator kept by its last ``commit_ctx`` when that covers them)
 
 A sequence commits ``accepted + 1`` (1..B) rows per step, so its plan always fits its B staged
 rows; a longer plan (a prefill, a first call) has its K/V stored eagerly before the replay.
 The drafter layers run through :class:`~blockdraft.models.fast.FastDrafter` (stacked weights,
 fused elementwise kernels) when the drafter has that view.
 
-The host keeps a pinned mirror of ``meta`` and rewrites only what changed: per row the three
-scalars, plus the blocks a precompute plan appended (a row's whole table is re-read from the
-core only when the row holds another state or its table changed in some other way, e.g. after
-a slide). One host-to-device copy per call moves it. Rows past ``n`` (bucket padding) have no
+The host keeps a pinned mirror of ``meta`` and rewrites only what changed, in one pass over the
+sequences (:meth:`GraphRunner._fill`): per row the three scalars, plus the blocks a precompute
+plan appended (a row's whole table is re-read from the core only when the row holds another
+state or its table changed in some other way, e.g. after a slide); the scalars and the staged
+positions/slots are written by column at the end. One host-to-device copy per call moves it.
+The states' device block tables are not made per call (``DFlashState.block_table_dev`` builds
+one from the core on access). Rows past ``n`` (bucket padding) have no
 context and their drafts are ignored.
 
 Attention splits are derived from ``W`` (shapes only), so a graph stays valid for every context
