@@ -352,6 +352,12 @@ class _Seqs:
             self.next_pos[i] += 1
             self.tokens[i] = (self.tokens[i] * 31 + 7) % self.shape.vocab
 
+    def warm(self, idx: Sequence[int], steps: int) -> None:
+        """``steps`` untimed steady-state steps (commit one row, propose, verify)."""
+        for _ in range(steps):
+            self.advance(idx)
+            self.propose_batch(idx)
+
     def propose_batch(self, idx: Sequence[int], verify: bool = True) -> list[list[int]]:
         """One ``propose`` (n = 1) or ``propose_batch`` call; ``verify`` then records a verify
         of 0 accepted drafts for each sequence."""
@@ -701,9 +707,7 @@ def bench_host(
     try:
         for n in batches:
             idx = list(range(n))
-            for _ in range(cfg.warmup):
-                seqs.advance(idx)
-                seqs.propose_batch(idx)
+            seqs.warm(idx, cfg.warmup)
             prof = cProfile.Profile()
             wall = 0.0
             for _ in range(calls):
@@ -761,9 +765,7 @@ def _host_glue(prop: Any, seqs: _Seqs, idx: list[int], calls: int) -> dict[str, 
     real = runner._launch
     runner._launch = lambda bucket, m, cap: ready[:m]
     try:
-        for _ in range(3):
-            seqs.advance(idx)
-            seqs.propose_batch(idx)
+        seqs.warm(idx, 3)
         times = []
         for _ in range(calls):
             seqs.advance(idx)
@@ -834,9 +836,7 @@ def bench_kernels(
             for label in ("graph", "plain"):
                 if label == "plain":
                     prop._graphs = None
-                for _ in range(2):
-                    seqs.advance(idx)
-                    seqs.propose_batch(idx)
+                seqs.warm(idx, 2)
                 wall = []
                 for _ in range(calls):
                     seqs.advance(idx)
