@@ -187,6 +187,69 @@ def test_graph_staging_after_double_commits_and_slides(backend: str) -> None:
     assert 0 < hits < 28  # both the kept view and the accumulator read were used
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_graph_path_declining_a_wide_table_leaves_no_stale_staging(backend: str) -> None:
+    """A call whose block table is wider than the graphs falls back to the plain path before
+    anything is staged. The bucket's staged entries from before must still be cleared by its
+    next graph call: here they name slots of a freed sequence whose blocks a new sequence now
+    holds, and storing them again would overwrite the new sequence's K/V with old rows.
+    Drafts equal the plain path's throughout."""
+    from blockdraft.graphs import GraphRunner
+
+    target = tiny_target()
+    drafter = tiny_drafter(drafter_config(block=4, layers=2))
+    rows = torch.randn(400, 64, generator=torch.Generator().manual_seed(21))
+
+    def run(graphs: str) -> list[list[list[int]]]:
+        # 11 blocks: a and b at their largest take 10; the pool hands a's freed ones to e
+        prop = DFlashProposer(drafter, target, max_seq_len=120, num_blocks=11, kv_block_size=4,
+                              max_batch=2, graphs=graphs, backend=backend)  # type: ignore[arg-type]
+        if graphs == "static":
+            prop.ceiling = 16  # graphs 4 blocks wide: longer tables take the plain path
+            prop._graphs = GraphRunner(prop, "static")
+        st = {k: prop.alloc_state_for(100) for k in "ab"}
+        pos = dict.fromkeys("abe", 0)
+        out: list[list[list[int]]] = []
+
+        def commit(k: str, n: int, at: int = 0) -> None:
+            prop.commit_ctx(st[k], rows[at + pos[k] : at + pos[k] + n], range(pos[k], pos[k] + n))
+            pos[k] += n
+
+        def batch(keys: str) -> None:
+            got = prop.propose_batch([st[k] for k in keys], [7] * len(keys), [pos[k] for k in keys], 3)
+            assert got is not None
+            out.append(got)
+            for k in keys:
+                prop.after_verify(st[k], 0)
+
+        commit("a", 3)
+        commit("b", 3)
+        batch("ba")  # graph path: 6 staged rows
+        commit("a", 4)
+        commit("b", 4)
+        batch("ba")  # graph path: b's rows are staged entries 0..3, a's 4..7 (meta row 1)
+        commit("a", 20)  # a is now wider than the graphs
+        commit("b", 1)
+        batch("ba")  # plain path; the bucket's staged entries are still those of a and b
+        prop.free_state(st["a"])
+        st["e"] = prop.alloc_state_for(100)
+        commit("e", 13, at=200)  # 4 blocks, the first free ones: a's
+        out.append([prop.propose(st["e"], 5, pos["e"], 3)])
+        prop.after_verify(st["e"], 0)
+        commit("e", 1, at=200)
+        commit("b", 2)
+        batch("eb")  # graph path, 3 staged rows: capacity 8 would reach a's old entries
+        commit("e", 1, at=200)
+        commit("b", 1)
+        batch("be")
+        for k in "be":
+            prop.free_state(st[k])
+        assert prop.pool.num_free == prop.pool.num_blocks
+        return out
+
+    assert run("static") == run("off")
+
+
 def test_stage_caps() -> None:
     target = tiny_target()
     drafter = tiny_drafter(drafter_config(block=8, layers=1))

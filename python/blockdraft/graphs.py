@@ -131,6 +131,7 @@ class GraphRunner:
         self.replays = 0
         self.disabled: str | None = None
         self.gamma = prop.gamma
+        self._caps: dict[int, list[int]] = {}
         self._pos_col = _META + self.width
         self._slot_col = _META + self.width + self.gamma
         # The fused view of the drafter (stacked weights); None keeps the drafter's own forward.
@@ -188,7 +189,10 @@ class GraphRunner:
 
     def stage_cap(self, size: int, staged: int) -> int:
         """The smallest capacity of :meth:`stage_caps` holding ``staged`` rows."""
-        for cap in self.stage_caps(size):
+        caps = self._caps.get(size)
+        if caps is None:
+            caps = self._caps[size] = self.stage_caps(size)
+        for cap in caps:
             if cap >= staged:
                 return cap
         raise AssertionError(f"{staged} staged rows exceed the bucket's {size} x B")
@@ -227,9 +231,9 @@ class GraphRunner:
         width = self.width
         b, pc, sc = self.gamma, self._pos_col, self._slot_col
         owners, lens = bucket.owners, bucket.lens
-        if bucket.staged:
-            arr[:, sc : sc + b] = -1
-            bucket.staged = 0
+        # Meta rows holding the last call's staged entries: this call rewrites its own rows and
+        # resets the rest at the end (an early return leaves both, and `staged`, as they are).
+        prev_rows = -(-bucket.staged // b)
         rows: list[Tensor] = []
         eager: list[tuple[Any, Any]] = []
         scalars: list[tuple[int, int, int]] = []
@@ -280,14 +284,16 @@ class GraphRunner:
                 arr[i, :3] = (0, self.prop.mask_token_id, 0)
                 owners[i] = None
         j = len(staged_pos)
+        used = -(-j // b)
         if j:
             # staged row j sits at meta row j // B, entry j % B (unused entries: PAD_SLOT)
-            used = -(-j // b)
             grid = np.full((2, used * b), -1, dtype=np.int64)
             grid[0, :j] = staged_pos
             grid[1, :j] = staged_slot
             arr[:used, pc : pc + b] = grid[0].reshape(used, b)
             arr[:used, sc : sc + b] = grid[1].reshape(used, b)
+        if prev_rows > used:
+            arr[used:prev_rows, sc : sc + b] = -1
         bucket.staged = j
         if eager:
             self.prop._store_ctx_kv(eager)
