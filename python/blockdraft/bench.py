@@ -697,7 +697,8 @@ def bench_host(
     ctx = cfg.profile_context or (cfg.contexts[1] if len(cfg.contexts) > 1 else cfg.contexts[0])
     batches = sorted({min(n, max(cfg.batches)) for n in cfg.profile_batches})
     calls = max(10, cfg.reps)
-    grow = (calls + cfg.warmup + 4) * len(batches) + 64
+    # Every sequence may take part in every cell: the profiled calls, then the glue's own.
+    grow = (2 * calls + cfg.warmup + 8) * len(batches) + 64
     # Off CUDA the graph path's bookkeeping runs eagerly ("static"): the same host work.
     graphs = "auto" if device.type == "cuda" else "static"
     prop = _make_proposer(drafter, target, shape, ctx, max(batches), graphs, grow)
@@ -763,7 +764,13 @@ def _host_glue(prop: Any, seqs: _Seqs, idx: list[int], calls: int) -> dict[str, 
     n = len(idx)
     ready = torch.zeros((n, prop.gamma - 1), dtype=torch.int64, device=prop.device)
     real = runner._launch
-    runner._launch = lambda bucket, m, cap: ready[:m]
+    launched = [0]
+
+    def stub(bucket: Any, m: int, cap: int) -> torch.Tensor:
+        launched[0] += 1
+        return ready[:m]
+
+    runner._launch = stub
     try:
         seqs.warm(idx, 3)
         times = []
@@ -777,6 +784,11 @@ def _host_glue(prop: Any, seqs: _Seqs, idx: list[int], calls: int) -> dict[str, 
                 prop.after_verify(seqs.states[i], 0)
     finally:
         runner._launch = real
+    if launched[0] < calls + 3:
+        raise RuntimeError(
+            f"host glue: {calls + 3 - launched[0]} calls left the graph path (a table wider "
+            "than the graphs?); the measurement would time the plain path"
+        )
     per_call = statistics.median(times) * 1e6
     return {"glue_us_per_call": per_call, "glue_us_per_seq": per_call / n}
 
