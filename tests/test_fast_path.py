@@ -250,6 +250,31 @@ def test_graph_path_declining_a_wide_table_leaves_no_stale_staging(backend: str)
     assert run("static") == run("off")
 
 
+@pytest.mark.parametrize("graphs", ["static", "off"])
+def test_drafts_without_autograd_whether_or_not_the_caller_has_it_on(graphs: str) -> None:
+    """The draft forward runs without autograd: under the caller's ``enable_grad`` (it enters
+    ``no_grad`` itself) and under ``inference_mode`` (nothing to enter); same drafts."""
+    target = tiny_target()
+    drafter = tiny_drafter(drafter_config(block=4, layers=1))
+    for p in drafter.parameters():
+        p.requires_grad_(True)  # as a drafter loaded outside inference code would be
+    rows = torch.randn(20, 64, generator=torch.Generator().manual_seed(4))
+    got = []
+    for ctx in (torch.enable_grad, torch.inference_mode):
+        prop = DFlashProposer(drafter, target, max_seq_len=40, num_blocks=20, kv_block_size=4,
+                              graphs=graphs)  # type: ignore[arg-type]
+        st = prop.alloc_state_for(20)
+        with ctx():
+            prop.commit_ctx(st, rows[:9], range(9))
+            got.append(prop.propose(st, 3, 9, 3))
+            prop.after_verify(st, 1)
+            prop.commit_ctx(st, rows[9:11], range(9, 11))
+            got.append(prop.propose(st, 4, 11, 3))
+        assert prop._k_all.grad_fn is None and not prop._k_all.requires_grad
+        prop.free_state(st)
+    assert got[:2] == got[2:]
+
+
 def test_stage_caps() -> None:
     target = tiny_target()
     drafter = tiny_drafter(drafter_config(block=8, layers=1))

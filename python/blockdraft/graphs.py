@@ -277,7 +277,9 @@ class GraphRunner:
             else:
                 rows.append(state.acc.narrow(0, start, count))
         n = len(preps)
-        if n:
+        if n == 1:
+            arr[0, 0], arr[0, 1], arr[0, 2] = scalars[0]
+        elif n:
             arr[:n, :3] = scalars
         for i in range(n, bucket.size):
             if owners[i] is not None or arr[i, 0] != 0:
@@ -285,7 +287,11 @@ class GraphRunner:
                 owners[i] = None
         j = len(staged_pos)
         used = -(-j // b)
-        if j:
+        if used == 1:  # one meta row of staged entries (any call of one sequence): write it
+            pad = [-1] * (b - j)
+            arr[0, pc : pc + b] = staged_pos + pad
+            arr[0, sc : sc + b] = staged_slot + pad
+        elif j:
             # staged row j sits at meta row j // B, entry j % B (unused entries: PAD_SLOT)
             grid = np.full((2, used * b), -1, dtype=np.int64)
             grid[0, :j] = staged_pos

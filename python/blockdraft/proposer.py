@@ -865,7 +865,7 @@ class DFlashProposer:
         """Each sequence's drafts from the graph path's ``got`` [n, B-1] (its rows are the
         drafts already: no anchor column, no mask); confirms the plans."""
         n = len(preps)
-        rows: list[list[int]] = got[:, :take].tolist()
+        rows: list[list[int]] = (got if take == got.shape[1] else got[:, :take]).tolist()
         if len(rows) != n:
             raise RuntimeError(f"the graph path returned {len(rows)} rows for {n} sequences")
         for p in preps:
@@ -873,8 +873,17 @@ class DFlashProposer:
             p.state._set_table(None)
         return rows
 
-    @torch.no_grad()
     def _draft(self, preps: Sequence[_Prep], take: int, mask: Tensor | None) -> list[list[int]]:
+        """See :meth:`_draft_nograd`; enters ``no_grad`` only when gradients are on (callers
+        such as the engine already run under ``inference_mode``: the context costs µs)."""
+        if torch.is_grad_enabled():
+            with torch.no_grad():
+                return self._draft_nograd(preps, take, mask)
+        return self._draft_nograd(preps, take, mask)
+
+    def _draft_nograd(
+        self, preps: Sequence[_Prep], take: int, mask: Tensor | None
+    ) -> list[list[int]]:
         """Store outstanding ctx K/V, run one drafter forward, pick drafts, confirm the plans.
 
         Returns ``len(preps)`` lists of ``take`` drafts. Raises on any failure with every plan
