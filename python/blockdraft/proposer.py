@@ -144,7 +144,7 @@ class DFlashState:
     ``last_num_accepted``, ``freed``, ``owner``) are the same-named getters of ``ctx``.
     """
 
-    __slots__ = ("_fresh", "_table", "_table_version", "acc", "ctx")
+    __slots__ = ("_fresh", "_proposed", "_table", "acc", "ctx")
 
     def __init__(self, ctx: ContextState, acc: Tensor) -> None:
         self.ctx = ctx
@@ -152,33 +152,22 @@ class DFlashState:
         # (first row, end row, view of acc) of the last commit: the rows a proposal usually
         # stages next (a different plan range means it does not apply).
         self._fresh: tuple[int, int, Tensor] | None = None
-        self._table: Tensor | None = None
-        # The core version `_table` mirrors; -1 = stale (rebuilt on access); None = no table.
-        # The graph path keeps the tables in its own buffers and only marks this stale, so no
-        # per-sequence device tensor is made on the hot path.
-        self._table_version: int | None = None
+        self._proposed = False  # a proposal was confirmed since allocation
+        # (core version, device table): the last table made by `block_table_dev`.
+        self._table: tuple[int, Tensor] | None = None
 
     @property
     def block_table_dev(self) -> Tensor | None:
         """The block table on the device ``[num_blocks]`` int32 (``None`` before the first
-        proposal and after free); rebuilt from the core when the table changed since."""
-        version = self._table_version
-        if version is None or self.acc is None:
+        proposal and after free), made from the core's table when it changed since the last
+        access: no proposal makes one per sequence."""
+        if not self._proposed or self.acc is None:
             return None
-        now = self.ctx.version
-        if version != now or self._table is None:
-            self._table = torch.tensor(self.ctx.block_table, dtype=torch.int32, device=self.acc.device)
-            self._table_version = now
-        return self._table
-
-    def _set_table(self, table: Tensor | None) -> None:
-        """``table``: the confirmed device table (``None``: stale, rebuilt on access)."""
-        self._table = table
-        self._table_version = self.ctx.version if table is not None else -1
-
-    def _drop_table(self) -> None:
-        self._table = None
-        self._table_version = None
+        version = self.ctx.version
+        if self._table is None or self._table[0] != version:
+            table = torch.tensor(self.ctx.block_table, dtype=torch.int32, device=self.acc.device)
+            self._table = (version, table)
+        return self._table[1]
 
     @property
     def owner(self) -> int:
@@ -494,13 +483,13 @@ class DFlashProposer:
     def _own(self, st: object, what: str) -> DFlashState:
         if not isinstance(st, DFlashState):
             raise InvalidStateError(f"{what}: not a DFlash proposer state ({type(st).__name__})")
-        if st.owner != self._owner:
+        if st.ctx.owner != self._owner:
             raise InvalidStateError(f"{what}: the state belongs to another proposer")
         return st
 
     def _live(self, st: object, what: str) -> DFlashState:
         own = self._own(st, what)
-        if own.freed or own.acc is None:
+        if own.acc is None or own.ctx.freed:
             raise InvalidStateError(f"{what}: the state was freed")
         return own
 
@@ -645,28 +634,12 @@ class DFlashProposer:
             self._check_num_drafts(num_drafts)
             take = self._num_take(num_drafts)
             seen: set[int] = set()
-            owner, vocab_in = self._owner, self._vocab_in
             for st, tok, pos in zip(states, last_tokens, positions):
-                # The common case inline (plain ints, a live state of ours); anything else goes
-                # through the full checks, which raise the precise error.
-                if type(st) is DFlashState and st.acc is not None:
-                    ctx = st.ctx
-                    if ctx.owner != owner or ctx.freed:
-                        self._live(st, "propose_batch")
-                else:
-                    self._live(st, "propose_batch")
-                    ctx = st.ctx
-                if id(st) in seen:
+                state = self._live(st, "propose_batch")
+                if id(state) in seen:
                     raise ValueError("the same state appears twice in one batch")
-                seen.add(id(st))
-                if type(tok) is int and type(pos) is int and 0 <= tok < vocab_in and 0 <= pos < 2**62:
-                    last = ctx.last_position
-                    if last is not None and pos <= last:
-                        raise ValueError(
-                            f"position {pos} is not after the last context position {last}"
-                        )
-                else:
-                    self._check_anchor(st, tok, pos)
+                seen.add(id(state))
+                self._check_anchor(state, tok, pos)
         except Exception as exc:  # noqa: BLE001 - declining is the contract
             log.warning("DFlash batched propose prep: %s - per-sequence path", exc)
             return None
@@ -712,7 +685,8 @@ class DFlashProposer:
         state.ctx.free()
         state.acc = None
         state._fresh = None
-        state._drop_table()
+        state._proposed = False
+        state._table = None
 
     # ------------------------------------------------------------------ internals
 
@@ -868,10 +842,15 @@ class DFlashProposer:
         rows: list[list[int]] = (got if take == got.shape[1] else got[:, :take]).tolist()
         if len(rows) != n:
             raise RuntimeError(f"the graph path returned {len(rows)} rows for {n} sequences")
+        self._confirm(preps)
+        return rows
+
+    @staticmethod
+    def _confirm(preps: Sequence[_Prep]) -> None:
+        """The drafts exist: confirm every plan (their K/V is stored)."""
         for p in preps:
             p.state.ctx.confirm_precompute(p.plan)
-            p.state._set_table(None)
-        return rows
+            p.state._proposed = True
 
     def _draft(self, preps: Sequence[_Prep], take: int, mask: Tensor | None) -> list[list[int]]:
         """See :meth:`_draft_nograd`; enters ``no_grad`` only when gradients are on (callers
@@ -936,12 +915,5 @@ class DFlashProposer:
         bands = self._split_bands(band, n, take)
         # A row with no allowed token (-1 from masked_argmax) ends that sequence's drafts.
         bands = [d[: d.index(-1)] if -1 in d else d for d in bands]
-        # The confirmed tables are `tables`; build them all first, so a failed allocation leaves
-        # every plan outstanding (the caller aborts them) instead of half the batch confirmed.
-        if faults._ACTIVE is not None:
-            faults.hit("block_table_dev")
-        devs = [torch.tensor(t, dtype=torch.int32, device=self.device) for t in tables]
-        for p, dev in zip(preps, devs):
-            p.state.ctx.confirm_precompute(p.plan)
-            p.state._set_table(dev)
+        self._confirm(preps)
         return bands
