@@ -97,6 +97,8 @@ class _Bucket:
         self.dev = torch.zeros((size, cols), dtype=torch.int64, device=device)
         self.stage = torch.zeros((size * gamma, row_width), dtype=dtype, device=device)
         self.staged = 0  # staged rows of the last call (their slots need resetting)
+        # the positions/slots of a call's staged rows, in order (host scratch for _fill)
+        self.staged_flat = np.full((2, size * gamma), -1, dtype=np.int64)
         # Which state each row mirrors, and how many of its blocks the row holds.
         self.owners: list[object | None] = [None] * size
         self.lens = [0] * size
@@ -131,7 +133,6 @@ class GraphRunner:
         self.replays = 0
         self.disabled: str | None = None
         self.gamma = prop.gamma
-        self._caps: dict[int, list[int]] = {}
         self._pos_col = _META + self.width
         self._slot_col = _META + self.width + self.gamma
         # The fused view of the drafter (stacked weights); None keeps the drafter's own forward.
@@ -189,10 +190,7 @@ class GraphRunner:
 
     def stage_cap(self, size: int, staged: int) -> int:
         """The smallest capacity of :meth:`stage_caps` holding ``staged`` rows."""
-        caps = self._caps.get(size)
-        if caps is None:
-            caps = self._caps[size] = self.stage_caps(size)
-        for cap in caps:
+        for cap in self.stage_caps(size):
             if cap >= staged:
                 return cap
         raise AssertionError(f"{staged} staged rows exceed the bucket's {size} x B")
@@ -277,9 +275,7 @@ class GraphRunner:
             else:
                 rows.append(state.acc.narrow(0, start, count))
         n = len(preps)
-        if n == 1:
-            arr[0, 0], arr[0, 1], arr[0, 2] = scalars[0]
-        elif n:
+        if n:
             arr[:n, :3] = scalars
         for i in range(n, bucket.size):
             if owners[i] is not None or arr[i, 0] != 0:
@@ -287,17 +283,15 @@ class GraphRunner:
                 owners[i] = None
         j = len(staged_pos)
         used = -(-j // b)
-        if used == 1:  # one meta row of staged entries (any call of one sequence): write it
-            pad = [-1] * (b - j)
-            arr[0, pc : pc + b] = staged_pos + pad
-            arr[0, sc : sc + b] = staged_slot + pad
-        elif j:
-            # staged row j sits at meta row j // B, entry j % B (unused entries: PAD_SLOT)
-            grid = np.full((2, used * b), -1, dtype=np.int64)
-            grid[0, :j] = staged_pos
-            grid[1, :j] = staged_slot
-            arr[:used, pc : pc + b] = grid[0].reshape(used, b)
-            arr[:used, sc : sc + b] = grid[1].reshape(used, b)
+        if j:
+            # staged row j sits at meta row j // B, entry j % B (unused entries: PAD_SLOT);
+            # `flat` is the staged entries in that order, copied in as `used` whole rows
+            flat = bucket.staged_flat
+            flat[0, :j] = staged_pos
+            flat[1, :j] = staged_slot
+            flat[1, j : used * b] = -1
+            arr[:used, pc : pc + b] = flat[0, : used * b].reshape(used, b)
+            arr[:used, sc : sc + b] = flat[1, : used * b].reshape(used, b)
         if prev_rows > used:
             arr[used:prev_rows, sc : sc + b] = -1
         bucket.staged = j
