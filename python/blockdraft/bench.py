@@ -948,6 +948,36 @@ def bench_e2e(
     return out
 
 
+def _timed(fn: Callable[..., Any], ms: list[float], device: torch.device) -> Callable[..., Any]:
+    """``fn`` wrapped to append the wall time of each call (synchronised before and after) to
+    ``ms``: a drafter's share of an end-to-end step."""
+
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        _sync(device)
+        t0 = time.perf_counter()
+        r = fn(*args, **kwargs)
+        _sync(device)
+        ms.append((time.perf_counter() - t0) * 1e3)
+        return r
+
+    return timed
+
+
+def _e2e_record(
+    decode_ms: float, n_steps: int, tau: float | None, drafter_ms: list[float]
+) -> dict[str, Any]:
+    """One engine's end-to-end cell: ms per speculative step and the drafter's share of it."""
+    ms = decode_ms / max(1, n_steps)
+    drafter = statistics.median(drafter_ms) if drafter_ms else None
+    return {
+        "ms_per_step": ms,
+        "steps": n_steps,
+        "tau": tau,
+        "drafter_ms_per_step": drafter,
+        "drafter_share": drafter / ms if drafter is not None else None,
+    }
+
+
 def _e2e_blockdraft(
     engine_cls: Any, drafter: Any, target: Any, prompt: list[int], steps: int,
     device: torch.device, **engine_kwargs: Any,
@@ -964,16 +994,7 @@ def _e2e_blockdraft(
         )
     prop = engine.proposer
     drafter_ms: list[float] = []
-    inner = prop.propose
-
-    def timed(*args: Any, **kwargs: Any) -> Any:
-        _sync(device)
-        t0 = time.perf_counter()
-        r = inner(*args, **kwargs)
-        drafter_ms.append((time.perf_counter() - t0) * 1e3)
-        return r
-
-    prop.propose = timed
+    prop.propose = _timed(prop.propose, drafter_ms, device)
     # One short run first: Triton compiles and graph capture stay out of the timed run.
     engine.generate([prompt[:64]], max_new_tokens=4)
     drafter_ms.clear()
@@ -984,14 +1005,7 @@ def _e2e_blockdraft(
     st = res.stats
     n_steps = len(st.acceptance_lengths[0])
     decode_s = st.elapsed_s - st.ttft_s[0]
-    ms = decode_s * 1e3 / max(1, n_steps)
-    return {
-        "ms_per_step": ms,
-        "steps": n_steps,
-        "tau": st.mean_tau,
-        "drafter_ms_per_step": statistics.median(drafter_ms) if drafter_ms else None,
-        "drafter_share": (statistics.median(drafter_ms) / ms) if drafter_ms else None,
-    }
+    return _e2e_record(decode_s * 1e3, n_steps, st.mean_tau, drafter_ms)
 
 
 def _e2e_reference(
@@ -999,15 +1013,7 @@ def _e2e_reference(
 ) -> dict[str, Any]:
     ids = torch.tensor([prompt], dtype=torch.long, device=device)
     drafter_ms: list[float] = []
-    inner = ref.forward
-
-    def timed(*args: Any, **kwargs: Any) -> Any:
-        _sync(device)
-        t0 = time.perf_counter()
-        r = inner(*args, **kwargs)
-        _sync(device)
-        drafter_ms.append((time.perf_counter() - t0) * 1e3)
-        return r
+    timed = _timed(ref.forward, drafter_ms, device)
 
     generate(ref, target, ids[:, :64], 4, None)  # warm-up
     if device.type != "cuda":
@@ -1029,15 +1035,8 @@ def _e2e_reference(
     finally:
         del ref.forward
     n_steps = len(lengths)
-    ms = decode_ms / max(1, n_steps)
-    res = SimpleNamespace(acceptance_lengths=lengths)
-    return {
-        "ms_per_step": ms,
-        "steps": n_steps,
-        "tau": statistics.mean(res.acceptance_lengths) if res.acceptance_lengths else None,
-        "drafter_ms_per_step": statistics.median(drafter_ms) if drafter_ms else None,
-        "drafter_share": (statistics.median(drafter_ms) / ms) if drafter_ms else None,
-    }
+    return _e2e_record(decode_ms, n_steps, statistics.mean(lengths) if lengths else None,
+                       drafter_ms)
 
 
 # ---------------------------------------------------------------------------- driver
