@@ -305,8 +305,6 @@ class SpeculativeEngine:
             # The target computed every row: copy the last one out so the rest can be freed
             # (a slice would keep the whole [T, V] storage alive).
             logits = logits[-1:].clone()
-        elif last_only:
-            logits = logits[-1:]
         # Only the captured layers outlive this call: drop every other hidden state (and any
         # all-row logits) before the concatenation allocates.
         hs = out.hidden_states

@@ -65,12 +65,9 @@ class _Ops:
         out: Tensor = self._kernels.block_attention(*args, backend=self.backend, **kwargs)
         return out
 
-    def block_inputs(
-        self, meta: Tensor, table_col: int, width: int, embed: Tensor, mask_id: int, block: int,
-        dtype: torch.dtype,
-    ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    def block_inputs(self, *args: Any) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         out: tuple[Tensor, Tensor, Tensor, Tensor] = self._kernels.block_inputs(
-            meta, table_col, width, embed, mask_id, block, dtype, backend=self.backend
+            *args, backend=self.backend
         )
         return out
 
