@@ -33,7 +33,7 @@ class EvalReport:
         speedup: greedy engine tokens/s over target-only tokens/s: with ``repeats`` > 1 the
             median of the per-repeat ratios (each repeat times the engine and then the target
             alone on every prompt, so drift of the machine hits both sides of a ratio).
-        speedup_runs: the per-repeat ratios (one entry per repeat).
+        speedup_runs: the per-repeat ratios (a property of the two per-repeat rate lists).
         greedy_tokens_per_s_runs / target_tokens_per_s_runs: the per-repeat rates; the
             ``tokens_per_s["greedy"]`` and ``target_tokens_per_s`` figures are their medians.
         identical: prompts whose greedy output equals the target-only output, of ``num_prompts``.
@@ -48,11 +48,19 @@ class EvalReport:
     tokens_per_s: dict[str, float] = field(default_factory=dict)
     target_tokens_per_s: float | None = None
     speedup: float | None = None
-    speedup_runs: list[float] = field(default_factory=list)
     greedy_tokens_per_s_runs: list[float] = field(default_factory=list)
     target_tokens_per_s_runs: list[float] = field(default_factory=list)
     identical: int | None = None
     first_divergence: list[int] = field(default_factory=list)
+
+    @property
+    def speedup_runs(self) -> list[float]:
+        """Per repeat: engine tokens/s over target-only tokens/s."""
+        return [
+            e / t
+            for e, t in zip(self.greedy_tokens_per_s_runs, self.target_tokens_per_s_runs)
+            if t > 0
+        ]
 
     def lines(self) -> list[str]:
         """A human-readable summary."""
@@ -197,8 +205,6 @@ def evaluate_drafter(
             target_rate = sum(len(x) for x in ref) / elapsed if elapsed > 0 else 0.0
             report.greedy_tokens_per_s_runs.append(engine_rate)
             report.target_tokens_per_s_runs.append(target_rate)
-            if target_rate > 0:
-                report.speedup_runs.append(engine_rate / target_rate)
             log.info("repeat %d: engine %.1f tok/s, target only %.1f tok/s", r + 1, engine_rate,
                      target_rate)
         report.target_tokens_per_s = statistics.median(report.target_tokens_per_s_runs)
