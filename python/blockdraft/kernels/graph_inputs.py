@@ -19,7 +19,7 @@ import triton.language as tl
 from ._validate import check
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["mask_id"])
 def block_inputs_kernel(
     meta_ptr,  # [m, C] int64 contiguous
     embed_ptr,  # [V, H] (row stride s_embed, last dim contiguous)
@@ -43,9 +43,7 @@ def block_inputs_kernel(
     j = tl.program_id(1)
     row = meta_ptr + i * COLS
     if j < B:
-        tok = tl.load(row + 1)
-        if j > 0:
-            tok = mask_id + 0 * tok
+        tok = tl.where(j == 0, tl.load(row + 1), mask_id)  # the anchor, then MASKs
         tl.store(pos_out_ptr + i * B + j, tl.load(row + 2) + j)
         cols = tl.arange(0, BLOCK_H)
         src = embed_ptr + tok * s_embed
