@@ -37,6 +37,7 @@ from blockdraft._core import (
     PrecomputePlan,
 )
 from blockdraft.graphs import GraphMode, GraphRunner, resolve_mode
+from blockdraft.kernels.reference import embed_blocks
 from blockdraft.levers import Levers, read_levers
 
 log = logging.getLogger(__name__)
@@ -790,13 +791,9 @@ class DFlashProposer:
 
     def _block_inputs(self, anchors: Tensor, starts: Tensor) -> tuple[Tensor, Tensor]:
         """Anchors and start positions ``[n]`` -> the blocks ``[anchor, MASK x (B-1)]`` embedded
-        with the target's table ``[n, B, H]`` and their positions ``[n, B]``."""
-        n, b = anchors.shape[0], self.gamma
-        ids = torch.full((n, b), self.mask_token_id, dtype=torch.int64, device=anchors.device)
-        ids[:, 0] = anchors
-        q_pos = starts[:, None] + torch.arange(b, dtype=torch.int64, device=anchors.device)[None, :]
-        # Raw target embeddings: forward_block applies input_embedding_scale itself.
-        return F.embedding(ids, self._embed).to(self.dtype), q_pos
+        with the target's table ``[n, B, H]`` and their positions ``[n, B]``. Raw target
+        embeddings: ``forward_block`` applies ``input_embedding_scale`` itself."""
+        return embed_blocks(anchors, starts, self._embed, self.mask_token_id, self.gamma, self.dtype)
 
     def _paged_attend(
         self, block_tables: Tensor, ctx_lens: Tensor, q_pos: Tensor, *, fault_hooks: bool = True

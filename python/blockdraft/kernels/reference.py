@@ -362,11 +362,24 @@ def block_inputs(
     int64)``: the blocks ``[anchor, mask_id x (B-1)]`` embedded, at positions ``anchor
     position + 0..B-1``.
     """
-    m = meta.shape[0]
     lens = meta[:, 0].to(torch.int32)
     tables = meta[:, table_col : table_col + width].to(torch.int32)
-    ids = torch.full((m, block), mask_id, dtype=torch.int64, device=meta.device)
-    ids[:, 0] = meta[:, 1]
-    q_pos = meta[:, 2:3] + torch.arange(block, dtype=torch.int64, device=meta.device)[None, :]
-    embeds = torch.nn.functional.embedding(ids, embed).to(dtype)
+    embeds, q_pos = embed_blocks(meta[:, 1], meta[:, 2], embed, mask_id, block, dtype)
     return lens, tables, embeds, q_pos
+
+
+def embed_blocks(
+    anchors: torch.Tensor,
+    starts: torch.Tensor,
+    embed: torch.Tensor,
+    mask_id: int,
+    block: int,
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Anchors and their positions ``[n]`` -> the blocks ``[anchor, mask_id x (B-1)]`` embedded
+    with ``embed [V, H]`` as ``[n, B, H]`` ``dtype``, and their positions ``[n, B]`` int64."""
+    n = anchors.shape[0]
+    ids = torch.full((n, block), mask_id, dtype=torch.int64, device=anchors.device)
+    ids[:, 0] = anchors
+    q_pos = starts[:, None] + torch.arange(block, dtype=torch.int64, device=anchors.device)[None, :]
+    return torch.nn.functional.embedding(ids, embed).to(dtype), q_pos
