@@ -22,7 +22,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 from scorecard import expect_clear_error, score
-from tinypair import drafter_config, tiny_drafter, tiny_target
+# `target` / `drafter` imported from tinypair are the shared module-scoped pytest fixtures
+from tinypair import K_H, drafter, drafter_config, make_proposer, target, tiny_drafter
 
 from blockdraft import CheckpointError, ConfigError, InvalidStateError
 from blockdraft.checkpoint import load_drafter
@@ -30,27 +31,12 @@ from blockdraft.cli import main
 from blockdraft.engine import SpeculativeEngine
 from blockdraft.proposer import DFlashProposer, DFlashState
 
-K_H = 2 * 32
 WORDS = 2  # ceil(64 / 32) bitmask words of the tiny vocabulary
 
 
-@pytest.fixture(scope="module")
-def target() -> Any:
-    return tiny_target()
-
-
-@pytest.fixture(scope="module")
-def drafter() -> Any:
-    return tiny_drafter()
-
-
 def make(drafter: Any, target: Any, **kw: Any) -> DFlashProposer:
-    kw.setdefault("max_seq_len", 64)
-    kw.setdefault("num_blocks", 32)
-    kw.setdefault("kv_block_size", 4)
-    kw.setdefault("max_batch", 4)
-    kw.setdefault("backend", "torch")
-    return DFlashProposer(drafter, target, **kw)
+    prop: DFlashProposer = make_proposer(drafter, target, **{"max_seq_len": 64, "num_blocks": 32, **kw})
+    return prop
 
 
 def rows(n: int) -> torch.Tensor:

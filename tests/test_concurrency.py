@@ -19,14 +19,13 @@ from typing import Any
 import pytest
 import torch
 from scorecard import score
-from tinypair import tiny_drafter, tiny_target
+from tinypair import K_H, tiny_drafter, tiny_target
 
 from blockdraft import BlockPool, PoolExhaustedError
 from blockdraft.proposer import DFlashProposer, DFlashState
 from core_checks import check_world
 
 N_THREADS = 4
-K_H = 2 * 32
 
 
 @pytest.fixture(autouse=True)

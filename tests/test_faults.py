@@ -25,20 +25,15 @@ from typing import Any
 import pytest
 import torch
 from scorecard import score
-from tinypair import drafter_config, tiny_drafter, tiny_target
+# `target` / `drafter` imported from tinypair are the shared module-scoped pytest fixtures
+from tinypair import K_H, drafter_config, target, tiny_drafter
 
 from blockdraft import PoolExhaustedError, faults
 from blockdraft.engine import SpeculativeEngine
 from blockdraft.proposer import DFlashProposer, DFlashState
 from core_checks import check_world
 
-K_H = 2 * 32  # k * H of the tiny pair
 BLOCK = 4  # paged block size of these worlds
-
-
-@pytest.fixture(scope="module")
-def target() -> Any:
-    return tiny_target()
 
 
 @pytest.fixture(scope="module")

@@ -9,32 +9,16 @@ from typing import Any
 import pytest
 import torch
 from scorecard import expect_clear_error, score
-from tinypair import drafter_config, tiny_drafter, tiny_target
+# `target` / `drafter` imported from tinypair are the shared module-scoped pytest fixtures
+from tinypair import K_H, drafter, drafter_config, make_proposer, target, tiny_drafter, tiny_target
 
 import blockdraft.proposer as proposer_mod
 from blockdraft import BlockPool, ConfigError, InvalidStateError, PoolExhaustedError
 from blockdraft.proposer import DFlashProposer, DFlashState
 
-K_H = 2 * 32  # k * H of the tiny pair
-
-
-@pytest.fixture(scope="module")
-def target() -> Any:
-    return tiny_target()
-
-
-@pytest.fixture(scope="module")
-def drafter() -> Any:
-    return tiny_drafter()
-
-
 def make(drafter: Any, target: Any, **kw: Any) -> DFlashProposer:
-    kw.setdefault("max_seq_len", 256)
-    kw.setdefault("num_blocks", 64)
-    kw.setdefault("kv_block_size", 4)
-    kw.setdefault("max_batch", 4)
-    kw.setdefault("backend", "torch")
-    return DFlashProposer(drafter, target, **kw)
+    prop: DFlashProposer = make_proposer(drafter, target, **kw)
+    return prop
 
 
 def rows(n: int, seed: int) -> torch.Tensor:

@@ -20,7 +20,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, rule
 from scorecard import score
-from tinypair import tiny_drafter, tiny_target
+from tinypair import K_H, tiny_drafter, tiny_target
 
 from blockdraft import InvalidStateError, PoolExhaustedError
 from blockdraft.proposer import DFlashProposer, DFlashState
@@ -28,7 +28,6 @@ from blockdraft.proposer import DFlashProposer, DFlashState
 THOROUGH = os.environ.get("HYPOTHESIS_PROFILE") == "thorough"
 TARGET = tiny_target()
 DRAFTER = tiny_drafter()
-K_H = 64
 
 
 class ProposerMachine(RuleBasedStateMachine):

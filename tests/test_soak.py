@@ -28,14 +28,13 @@ from typing import Any
 import pytest
 import torch
 from scorecard import score
-from tinypair import tiny_drafter, tiny_target
+from tinypair import K_H, tiny_drafter, tiny_target
 
 from blockdraft import PoolExhaustedError, faults
 from blockdraft.proposer import DFlashProposer, DFlashState, _Prep
 from core_checks import check_world
 
 LIVE = 8
-K_H = 2 * 32
 VOCAB = 64
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
@@ -14,6 +15,7 @@ from blockdraft.config import DrafterConfig
 from blockdraft.models import DFlashDrafter
 
 HIDDEN = 32
+K_H = 2 * HIDDEN  # k * H: the default drafter reads 2 target layers of hidden size 32
 
 
 def tiny_target(kind: str = "qwen3", *, vocab: int = 64, layers: int = 3, seed: int = 0) -> Any:
@@ -83,3 +85,26 @@ def tiny_drafter(config: DrafterConfig | None = None, *, seed: int = 1) -> DFlas
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
     drafter.requires_grad_(False)
     return drafter.eval()
+
+
+def make_proposer(drafter: Any, target: Any, **kw: Any) -> Any:
+    """A torch-backend proposer over the tiny pair (max_seq_len 256, 64 blocks of 4 tokens,
+    max_batch 4 unless given)."""
+    from blockdraft.proposer import DFlashProposer
+
+    for key, value in (("max_seq_len", 256), ("num_blocks", 64), ("kv_block_size", 4),
+                       ("max_batch", 4), ("backend", "torch")):
+        kw.setdefault(key, value)
+    return DFlashProposer(drafter, target, **kw)
+
+
+@pytest.fixture(scope="module")
+def target() -> Any:
+    """The default tiny target, once per test module (import it to use it)."""
+    return tiny_target()
+
+
+@pytest.fixture(scope="module")
+def drafter() -> Any:
+    """The default tiny drafter, once per test module (import it to use it)."""
+    return tiny_drafter()
