@@ -12,11 +12,15 @@ Tests marked ``@pytest.mark.gpu`` are skipped when ``torch.cuda.is_available()``
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
+import torch
 from hypothesis import HealthCheck, settings
 
 from scorecard import score
+from tinypair import tiny_drafter, tiny_target
 
 # Generation speed on a loaded 2-core runner is not what these tests are about.
 _SLOW_OK = [HealthCheck.too_slow, HealthCheck.data_too_large]
@@ -62,3 +66,28 @@ def pytest_sessionstart(session: pytest.Session) -> None:
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     terminalreporter.write_line(score.line())
+
+
+# ---- shared fixtures (a module may define its own of the same name; it then wins)
+
+
+@pytest.fixture(scope="module")
+def target() -> Any:
+    """The default tiny target (``tinypair``), once per test module."""
+    return tiny_target()
+
+
+@pytest.fixture(scope="module")
+def drafter() -> Any:
+    """The default tiny drafter (``tinypair``), once per test module."""
+    return tiny_drafter()
+
+
+@pytest.fixture
+def one_thread() -> Iterator[None]:
+    """One intra-op thread (``pytestmark = pytest.mark.usefixtures("one_thread")``): tiny
+    models only gain contention from more on the 2-core CI machine."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -22,8 +22,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 from scorecard import expect_clear_error, score
-# `target` / `drafter` imported from tinypair are the shared module-scoped pytest fixtures
-from tinypair import K_H, drafter, drafter_config, make_proposer, target, tiny_drafter
+from tinypair import K_H, drafter_config, make_proposer, tiny_drafter
 
 from blockdraft import CheckpointError, ConfigError, InvalidStateError
 from blockdraft.checkpoint import load_drafter

@@ -9,30 +9,20 @@ from typing import Any
 
 import pytest
 import torch
-from dflash.model import DFlash2DraftModel, DFlashDraftModel
 from safetensors.torch import load_file, save_file
-from transformers import Qwen3Config
 
+from dflash_ref import save_reference_drafter
 import blockdraft
 
 
 def save_reference(tmp: Path, dflash2: bool = False, **save_kwargs: Any) -> Any:
-    config = Qwen3Config(
-        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-        intermediate_size=96, vocab_size=300, num_target_layers=6,
+    return save_reference_drafter(
+        tmp, dflash2=dflash2, hidden=64, layers=2, heads=4, kv_heads=2, head_dim=16,
+        intermediate=96, vocab=300, num_target_layers=6, mask=5, target_ids=[1, 3], block_size=4,
+        std=1.0, dflash2_config=dict(conv_kernel_size=2, conv_group_size=16, selector_rank=8,
+                                     selector_top_k=4),
+        **save_kwargs,
     )
-    dflash_config: dict[str, Any] = {"mask_token_id": 5, "target_layer_ids": [1, 3], "block_size": 4}
-    if dflash2:
-        dflash_config.update(conv_kernel_size=2, conv_group_size=16, selector_rank=8, selector_top_k=4)
-    config.dflash_config = dflash_config
-    cls = DFlash2DraftModel if dflash2 else DFlashDraftModel
-    config.architectures = [cls.__name__]
-    model = cls(config).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_()
-    model.save_pretrained(tmp, **save_kwargs)
-    return model
 
 
 def assert_same_weights(model: Any, drafter: blockdraft.DFlashDrafter) -> None:

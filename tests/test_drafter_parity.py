@@ -7,44 +7,24 @@ ref| / max |ref| over the whole output (an elementwise ratio is meaningless near
 
 from __future__ import annotations
 
-import logging
-import os
 import random
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from dflash.model import DFlash2DraftModel, DFlashDraftModel
-from transformers import Qwen3Config
 
+from dflash_ref import logged_seed, rel_err, save_reference_drafter
 import blockdraft
 from blockdraft.models import ReferenceAttend, apply_rope, rms_norm
 
-log = logging.getLogger(__name__)
 TOL = 1e-5
-
-
-@pytest.fixture(autouse=True)
-def one_thread() -> Iterator[None]:
-    # Tiny models: intra-op threads only add contention on the 2-core CI machine.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture
 def seed() -> int:
-    value = int(os.environ.get("BLOCKDRAFT_TEST_SEED", random.randrange(2**31)))
-    log.warning("seed=%d (set BLOCKDRAFT_TEST_SEED to replay)", value)
-    torch.manual_seed(value)
-    return value
-
-
-def rel_err(mine: torch.Tensor, ref: torch.Tensor) -> float:
-    return float((mine.double() - ref.double()).abs().max() / ref.double().abs().max().clamp_min(1e-30))
+    return logged_seed()
 
 
 def make_reference(
@@ -61,29 +41,13 @@ def make_reference(
     extra: dict[str, Any] | None = None,
     dflash_extra: dict[str, Any] | None = None,
 ) -> tuple[Any, blockdraft.DFlashDrafter]:
-    cfg: dict[str, Any] = dict(
-        hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
-        num_key_value_heads=kv_heads, head_dim=hidden // heads, intermediate_size=2 * hidden,
-        vocab_size=vocab, num_target_layers=8,
+    ref = save_reference_drafter(
+        tmp, dflash2=dflash2, hidden=hidden, layers=layers, heads=heads, kv_heads=kv_heads,
+        intermediate=2 * hidden, vocab=vocab, num_target_layers=8, mask=vocab - 1,
+        target_ids=target_ids if target_ids is not None else [1, 4], block_size=block_size,
+        std=0.3, extra=extra, dflash_extra=dflash_extra,
+        dflash2_config=dict(conv_kernel_size=3, conv_group_size=16, selector_rank=8, selector_top_k=6),
     )
-    cfg.update(extra or {})
-    config = Qwen3Config(**cfg)
-    dflash_config: dict[str, Any] = {
-        "mask_token_id": vocab - 1,
-        "target_layer_ids": target_ids if target_ids is not None else [1, 4],
-        "block_size": block_size,
-    }
-    if dflash2:
-        dflash_config.update(conv_kernel_size=3, conv_group_size=16, selector_rank=8, selector_top_k=6)
-    dflash_config.update(dflash_extra or {})
-    config.dflash_config = dflash_config
-    cls = DFlash2DraftModel if dflash2 else DFlashDraftModel
-    config.architectures = [cls.__name__]
-    ref = cls(config).eval()
-    with torch.no_grad():
-        for p in ref.parameters():
-            p.normal_(0.0, 0.3)
-    ref.save_pretrained(tmp)
     return ref, blockdraft.load_drafter(tmp)
 
 

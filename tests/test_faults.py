@@ -25,8 +25,7 @@ from typing import Any
 import pytest
 import torch
 from scorecard import score
-# `target` / `drafter` imported from tinypair are the shared module-scoped pytest fixtures
-from tinypair import K_H, drafter_config, target, tiny_drafter
+from tinypair import K_H, drafter_config, tiny_drafter
 
 from blockdraft import PoolExhaustedError, faults
 from blockdraft.engine import SpeculativeEngine

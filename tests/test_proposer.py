@@ -9,8 +9,7 @@ from typing import Any
 import pytest
 import torch
 from scorecard import expect_clear_error, score
-# `target` / `drafter` imported from tinypair are the shared module-scoped pytest fixtures
-from tinypair import K_H, drafter, drafter_config, make_proposer, target, tiny_drafter, tiny_target
+from tinypair import K_H, drafter_config, make_proposer, tiny_drafter, tiny_target
 
 import blockdraft.proposer as proposer_mod
 from blockdraft import BlockPool, ConfigError, InvalidStateError, PoolExhaustedError

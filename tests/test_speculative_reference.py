@@ -9,19 +9,18 @@ must produce exactly the tokens of ``dflash.model.dflash_generate`` and of
 from __future__ import annotations
 
 import logging
-import os
 import random
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import dflash.model
 import pytest
 import torch
-from dflash.model import DFlash2DraftModel, DFlashDraftModel, dflash_generate
+from dflash.model import dflash_generate
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
+from dflash_ref import logged_seed, save_reference_drafter
 import blockdraft
 from blockdraft.models.reference import speculative_greedy
 
@@ -30,25 +29,14 @@ VOCAB = 512
 MASK = 300  # inside the vocabulary, so prompts can contain it
 HIDDEN = 64
 TARGET_LAYERS = 4
-
-
-@pytest.fixture(autouse=True)
-def one_thread() -> Iterator[None]:
-    # Tiny models: intra-op threads only add contention on the 2-core CI machine.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture
 def seed(monkeypatch: pytest.MonkeyPatch) -> int:
     # return_stats times with torch.cuda.synchronize; on CPU a plain clock is enough.
     monkeypatch.setattr(dflash.model, "_cuda_time", time.perf_counter)
-    value = int(os.environ.get("BLOCKDRAFT_TEST_SEED", random.randrange(2**31)))
-    log.warning("seed=%d (set BLOCKDRAFT_TEST_SEED to replay)", value)
-    torch.manual_seed(value)
-    return value
+    return logged_seed()
 
 
 def make_target(family: str, narrow_head: int | None) -> Any:
@@ -73,23 +61,13 @@ def make_target(family: str, narrow_head: int | None) -> Any:
 
 
 def make_drafter(tmp: Path, dflash2: bool, block_size: int, target_ids: list[int], extra: dict[str, Any]) -> Any:
-    config = Qwen3Config(
-        hidden_size=HIDDEN, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-        intermediate_size=128, vocab_size=VOCAB, num_target_layers=TARGET_LAYERS, **extra,
+    # Kernel 2: the reference's convolution breaks on blocks shorter than its kernel.
+    return save_reference_drafter(
+        tmp, dflash2=dflash2, hidden=HIDDEN, layers=2, heads=4, kv_heads=2, head_dim=16,
+        intermediate=128, vocab=VOCAB, num_target_layers=TARGET_LAYERS, mask=MASK,
+        target_ids=target_ids, block_size=block_size, std=0.3, extra=extra,
+        dflash2_config=dict(conv_kernel_size=2, conv_group_size=16, selector_rank=8, selector_top_k=4),
     )
-    dflash_config: dict[str, Any] = {"mask_token_id": MASK, "target_layer_ids": target_ids, "block_size": block_size}
-    if dflash2:
-        # Kernel 2: the reference's convolution breaks on blocks shorter than its kernel.
-        dflash_config.update(conv_kernel_size=2, conv_group_size=16, selector_rank=8, selector_top_k=4)
-    config.dflash_config = dflash_config
-    cls = DFlash2DraftModel if dflash2 else DFlashDraftModel
-    config.architectures = [cls.__name__]
-    ref = cls(config).eval()
-    with torch.no_grad():
-        for p in ref.parameters():
-            p.normal_(0.0, 0.3)
-    ref.save_pretrained(tmp)
-    return ref
 
 
 def greedy_plain(target: Any, prompt: list[int], new_tokens: int) -> list[int]:

@@ -61,8 +61,6 @@ def test_eval_drafter_repeats_report_paired_medians() -> None:
     the rounds and the speed-up is the median of the per-round ratios."""
     import statistics
 
-    import torch
-
     from blockdraft import pretrained
     from blockdraft.training.evaluate import evaluate_drafter
 

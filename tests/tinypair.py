@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
@@ -97,14 +96,3 @@ def make_proposer(drafter: Any, target: Any, **kw: Any) -> Any:
         kw.setdefault(key, value)
     return DFlashProposer(drafter, target, **kw)
 
-
-@pytest.fixture(scope="module")
-def target() -> Any:
-    """The default tiny target, once per test module (import it to use it)."""
-    return tiny_target()
-
-
-@pytest.fixture(scope="module")
-def drafter() -> Any:
-    """The default tiny drafter, once per test module (import it to use it)."""
-    return tiny_drafter()

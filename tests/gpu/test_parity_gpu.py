@@ -13,8 +13,6 @@ Run: ``python -m pytest tests/gpu -m gpu -s`` on a CUDA machine (seed: BLOCKDRAF
 
 from __future__ import annotations
 
-import logging
-import os
 import random
 import time
 from collections.abc import Iterator
@@ -25,13 +23,12 @@ from typing import Any
 import dflash.model
 import pytest
 import torch
-from dflash.model import DFlash2DraftModel, DFlashDraftModel, dflash_generate
+from dflash.model import dflash_generate
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
+from dflash_ref import logged_seed, rel_err, save_reference_drafter
 import blockdraft
 from blockdraft.models.reference import speculative_greedy
-
-log = logging.getLogger(__name__)
 
 pytestmark = [
     pytest.mark.gpu,
@@ -59,14 +56,7 @@ def strict_fp32() -> Iterator[None]:
 
 @pytest.fixture
 def seed() -> int:
-    value = int(os.environ.get("BLOCKDRAFT_TEST_SEED", random.randrange(2**31)))
-    log.warning("seed=%d (set BLOCKDRAFT_TEST_SEED to replay)", value)
-    torch.manual_seed(value)
-    return value
-
-
-def rel_err(mine: torch.Tensor, ref: torch.Tensor) -> float:
-    return float((mine.double() - ref.double()).abs().max() / ref.double().abs().max().clamp_min(1e-30))
+    return logged_seed()
 
 
 def build_drafter(
@@ -80,24 +70,13 @@ def build_drafter(
     layers: int = 3,
     extra: dict[str, Any] | None = None,
 ) -> Any:
-    config = Qwen3Config(
-        hidden_size=HIDDEN, num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
-        head_dim=HIDDEN // heads, intermediate_size=2 * HIDDEN, vocab_size=VOCAB, num_target_layers=6,
-        **(extra or {}),
+    # Kernel 2: the reference's convolution breaks on blocks shorter than its kernel.
+    return save_reference_drafter(
+        tmp, dflash2=dflash2, hidden=HIDDEN, layers=layers, heads=heads, kv_heads=kv_heads,
+        intermediate=2 * HIDDEN, vocab=VOCAB, num_target_layers=6, mask=MASK,
+        target_ids=target_ids, block_size=block_size, std=0.1, extra=extra,
+        dflash2_config=dict(conv_kernel_size=2, conv_group_size=32, selector_rank=16, selector_top_k=8),
     )
-    dflash_config: dict[str, Any] = {"mask_token_id": MASK, "target_layer_ids": target_ids, "block_size": block_size}
-    if dflash2:
-        # Kernel 2: the reference's convolution breaks on blocks shorter than its kernel.
-        dflash_config.update(conv_kernel_size=2, conv_group_size=32, selector_rank=16, selector_top_k=8)
-    config.dflash_config = dflash_config
-    cls = DFlash2DraftModel if dflash2 else DFlashDraftModel
-    config.architectures = [cls.__name__]
-    ref = cls(config).eval()
-    with torch.no_grad():
-        for p in ref.parameters():
-            p.normal_(0.0, 0.1)
-    ref.save_pretrained(tmp)
-    return ref
 
 
 def build_target(family: str, device: torch.device, dtype: torch.dtype) -> Any:
