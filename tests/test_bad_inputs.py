@@ -22,7 +22,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 from scorecard import expect_clear_error, score
-from tinypair import K_H, drafter_config, make_proposer, tiny_drafter
+from tinypair import K_H, drafter_config, drafter_config_dict, make_proposer, tiny_drafter
 
 from blockdraft import CheckpointError, ConfigError, InvalidStateError
 from blockdraft.checkpoint import load_drafter
@@ -305,21 +305,7 @@ def test_generate_bad_input(engine: SpeculativeEngine, case: Any) -> None:
 
 
 def _config() -> dict[str, Any]:
-    return {
-        "architectures": ["DFlashDraftModel"],
-        "hidden_size": 32,
-        "num_hidden_layers": 1,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": 8,
-        "intermediate_size": 48,
-        "vocab_size": 64,
-        "rms_norm_eps": 1e-6,
-        "max_position_embeddings": 512,
-        "num_target_layers": 3,
-        "block_size": 4,
-        "dflash_config": {"target_layer_ids": [0, 2], "mask_token_id": 63},
-    }
+    return drafter_config_dict()
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import save_file
-from tinypair import HIDDEN, tiny_drafter, tiny_target
+from tinypair import HIDDEN, drafter_config, drafter_config_dict, tiny_drafter, tiny_target
 
 from blockdraft.cli import build_demo_pair, main
 
@@ -23,24 +23,8 @@ def _save_pair(root: Path, drafter_hidden: int = HIDDEN) -> tuple[Path, Path]:
     tok = Tokenizer(models.WordLevel(vocab={f"w{i}": i for i in range(64)}, unk_token="w0"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="w0").save_pretrained(tdir)
-    cfg = {
-        "architectures": ["DFlashDraftModel"],
-        "hidden_size": drafter_hidden,
-        "num_hidden_layers": 1,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": 8,
-        "intermediate_size": 48,
-        "vocab_size": 64,
-        "rms_norm_eps": 1e-6,
-        "max_position_embeddings": 512,
-        "num_target_layers": 3,
-        "block_size": 4,
-        "dflash_config": {"target_layer_ids": [0, 2], "mask_token_id": 63},
-    }
-    from blockdraft.config import DrafterConfig
-
-    drafter = tiny_drafter(DrafterConfig.from_dict(cfg))
+    cfg = drafter_config_dict(hidden=drafter_hidden)
+    drafter = tiny_drafter(drafter_config(hidden=drafter_hidden))
     ddir.mkdir()
     (ddir / "config.json").write_text(json.dumps(cfg))
     save_file({k: v.contiguous() for k, v in drafter.state_dict().items()}, str(ddir / "model.safetensors"))

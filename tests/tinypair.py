@@ -39,18 +39,25 @@ def tiny_target(kind: str = "qwen3", *, vocab: int = 64, layers: int = 3, seed: 
     return model.eval()
 
 
-def drafter_config(
+def drafter_config(**kw: Any) -> DrafterConfig:
+    """The tiny drafter's config (see :func:`drafter_config_dict` for the arguments)."""
+    return DrafterConfig.from_dict(drafter_config_dict(**kw))
+
+
+def drafter_config_dict(
     *,
     vocab: int = 64,
     target_layers: int = 3,
     block: int = 4,
     layers: int = 1,
     mask: int | None = None,
+    hidden: int = HIDDEN,
     extra: dict[str, Any] | None = None,
-) -> DrafterConfig:
+) -> dict[str, Any]:
+    """The tiny drafter's ``config.json`` (z-lab layout): reads target layers 0 and last."""
     raw: dict[str, Any] = {
         "architectures": ["DFlashDraftModel"],
-        "hidden_size": HIDDEN,
+        "hidden_size": hidden,
         "num_hidden_layers": layers,
         "num_attention_heads": 4,
         "num_key_value_heads": 2,
@@ -68,7 +75,7 @@ def drafter_config(
         },
     }
     raw.update(extra or {})
-    return DrafterConfig.from_dict(raw)
+    return raw
 
 
 def tiny_drafter(config: DrafterConfig | None = None, *, seed: int = 1) -> DFlashDrafter:
