@@ -376,9 +376,13 @@ class _Seqs:
                 raise RuntimeError(f"propose_batch declined {len(idx)} sequences")
             out = got
         if verify:
-            for i in idx:
-                self.prop.after_verify(self.states[i], 0)
+            self.verify(idx)
         return out
+
+    def verify(self, idx: Sequence[int]) -> None:
+        """Record a verify of 0 accepted drafts for each of ``idx`` (a random pair's step)."""
+        for i in idx:
+            self.prop.after_verify(self.states[i], 0)
 
     def propose_loop(self, idx: Sequence[int]) -> None:
         b = self.shape.block_size - 1
@@ -780,8 +784,7 @@ def _host_glue(prop: Any, seqs: _Seqs, idx: list[int], calls: int) -> dict[str, 
             t0 = time.perf_counter()
             seqs.propose_batch(idx, verify=False)
             times.append(time.perf_counter() - t0)
-            for i in idx:
-                prop.after_verify(seqs.states[i], 0)
+            seqs.verify(idx)
     finally:
         runner._launch = real
     if launched[0] < calls + 3:
