@@ -28,7 +28,7 @@ The host keeps a pinned mirror of ``meta`` and rewrites only what changed, in on
 sequences (:meth:`GraphRunner._fill`): per row the three scalars, plus the blocks a precompute
 plan appended (a row's whole table is re-read from the core only when the row holds another
 state or its table changed in some other way, e.g. after a slide); the scalars and the staged
-positions/slots are written by column at the end. One host-to-device copy per call moves it.
+positions/slots are written at the end (columns; whole rows via a scratch array). One host-to-device copy per call moves it.
 The states' device block tables are not made per call (``DFlashState.block_table_dev`` builds
 one from the core on access). Rows past ``n`` (bucket padding) have no
 context and their drafts are ignored.
