@@ -246,6 +246,20 @@ def test_commit_that_slides_every_site(drafter: Any, target: Any) -> None:
     sweep(lambda: _slid_world(drafter, target, False), act)
 
 
+def test_batch_commit_with_a_slide_every_site(drafter: Any, target: Any) -> None:
+    """``commit_ctx_batch`` over three states, the last one sliding (5 + 3 rows > 6): a fault
+    leaves every state as it was, and the next call commits exactly."""
+
+    def act(w: World) -> Any:
+        w.prop.commit_ctx_batch(
+            w.states, rows(5, 10), [[w.positions[0]], [w.positions[1]], [5, 6, 7]]
+        )
+        return [(tuple(s.ctx_positions), s.acc.tolist() if s.acc is not None else None)
+                for s in w.states]
+
+    sweep(lambda: _slid_world(drafter, target, False), act)
+
+
 def test_propose_after_slide_every_site(drafter: Any, target: Any) -> None:
     def act(w: World) -> Any:
         return w.prop.propose(w.states[-1], 2, 8, 3)

@@ -76,6 +76,35 @@ class ProposerMachine(RuleBasedStateMachine):
         score.operations += 1
         score.invariant_checks += 2
 
+    @rule(data=st.data(), k=st.integers(1, 3))
+    def commit_batch(self, data: st.DataObject, k: int) -> None:
+        """``commit_ctx_batch`` over distinct live states (0..6 rows each): each state ends as
+        one ``commit_ctx`` of its rows would leave it."""
+        pool = [s for s in self.states if not s.freed]
+        picks = list({id(s): s for s in (data.draw(st.sampled_from(pool)) for _ in range(k))}
+                     .values()) if pool else []
+        counts = [data.draw(st.integers(0, 6)) for _ in picks]
+        rows = self._rows(sum(counts))
+        positions = []
+        expect = []
+        offset = 0
+        for s, n in zip(picks, counts):
+            start = self.next_pos[id(s)]
+            positions.append(list(range(start, start + n)))
+            appended = s.ctx_positions + positions[-1]
+            expect.append((appended, rows[offset : offset + n][-min(n, s.window):] if n else None))
+            offset += n
+        self.prop.commit_ctx_batch(picks, rows, positions)
+        for s, n, (appended, data_rows) in zip(picks, counts, expect):
+            self.next_pos[id(s)] += n
+            assert s.ctx_positions == appended[len(appended) - s.ctx_len :]
+            if data_rows is not None:
+                kept = data_rows.shape[0]
+                assert s.acc is not None
+                assert torch.equal(s.acc[s.ctx_len - kept : s.ctx_len], data_rows)
+        score.operations += 1
+        score.invariant_checks += len(picks)
+
     @rule(s=live, nd=st.integers(1, 3), tok=st.integers(0, 63))
     def propose(self, s: DFlashState, nd: int, tok: int) -> None:
         pos = self.next_pos[id(s)]

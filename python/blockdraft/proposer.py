@@ -30,6 +30,7 @@ from torch.nn import functional as F
 
 from blockdraft import _core, faults
 from blockdraft._core import (
+    AppendPlan,
     BlockPool,
     ConfigError,
     ContextState,
@@ -295,6 +296,7 @@ class DFlashProposer:
             device if device is not None else (first.device if first is not None else "cpu")
         )
         self.dtype = dtype if dtype is not None else (first.dtype if first is not None else torch.float32)
+        self._device_type = self.device.type
         self.backend = _resolve_backend(backend, self.device)
         self._ops = _Ops(self.backend)
 
@@ -491,7 +493,6 @@ class DFlashProposer:
             raise InvalidStateError(f"{what}: the state was freed")
         return own
 
-    @torch.no_grad()
     def commit_ctx(self, st: DFlashState, hidden_rows: Tensor, positions: Sequence[int] | Tensor) -> None:
         """Append verified target context rows; slides the window when it is full.
 
@@ -508,23 +509,8 @@ class DFlashProposer:
         state = self._live(st, "commit_ctx")
         acc = state.acc
         assert acc is not None
-        if not isinstance(hidden_rows, Tensor):
-            raise TypeError(f"hidden_rows must be a torch.Tensor, not {type(hidden_rows).__name__}")
-        if not hidden_rows.is_floating_point():
-            raise TypeError(f"hidden_rows must be floating point, not {hidden_rows.dtype}")
-        if hidden_rows.dim() != 2 or hidden_rows.shape[1] != self.ctx_row_width:
-            raise ValueError(
-                f"hidden_rows must be [R, {self.ctx_row_width}] (k*H), not {list(hidden_rows.shape)}"
-            )
-        if hidden_rows.device.type != self.device.type:
-            raise ValueError(
-                f"hidden_rows are on {hidden_rows.device}, the proposer on {self.device}"
-            )
-        try:
-            raw = positions.tolist() if isinstance(positions, Tensor) else positions
-            pos = [operator.index(p) for p in raw]
-        except TypeError:
-            raise TypeError("positions must be ints (a float position is never rounded)") from None
+        self._check_rows(hidden_rows)
+        pos = self._positions(positions)
         if len(pos) != hidden_rows.shape[0]:
             raise ValueError(f"{hidden_rows.shape[0]} rows but {len(pos)} positions")
         if len(pos) > state.window:
@@ -535,18 +521,135 @@ class DFlashProposer:
         # must leave its rows as they were, since the core still describes the old layout.
         if faults._ACTIVE is not None:
             faults.hit("accumulator")
-        new_rows = hidden_rows.to(device=acc.device, dtype=acc.dtype)
-        slide = plan.slide
-        if slide is not None:
-            # Overlapping move: copy out first.
-            kept = acc[slide.src_start : slide.src_start + slide.keep].clone()
-            acc[: slide.keep] = kept
-        rows = acc.narrow(0, plan.dst_start, plan.n_rows)
+        new_rows = self._detached_rows(hidden_rows, acc)
+        self._slide(state, plan)
+        start = plan.dst_start
+        end = start + plan.n_rows
+        rows = acc[start:end]
         rows.copy_(new_rows)
         state.ctx.apply_append(plan)
         # The graph path stages exactly these rows at the next proposal (the common case):
         # keeping the view saves making it again there.
-        state._fresh = (plan.dst_start, plan.dst_start + plan.n_rows, rows)
+        state._fresh = (start, end, rows)
+
+    def commit_ctx_batch(
+        self,
+        states: Sequence[DFlashState],
+        hidden_rows: Tensor,
+        positions: Sequence[Sequence[int] | Tensor],
+    ) -> None:
+        """:meth:`commit_ctx` for many sequences at once, as a serving step has them after one
+        verify forward: one copy launch for all the rows (the accumulator kernel on the Triton
+        backend) instead of one per sequence.
+
+        Args:
+            states: distinct live states of this proposer.
+            hidden_rows: ``[sum R_i, k*H]``: the rows of ``states[0]``, then ``states[1]``, ...
+            positions: per state its ``R_i`` positions (the rules of :meth:`commit_ctx`; a
+                state may get 0 rows). When ``R_i`` exceeds a window only its newest rows are
+                kept.
+
+        All or nothing: every state is checked and planned before any accumulator is
+        touched, so an error leaves every state as it was.
+
+        Raises:
+            InvalidStateError: a foreign or freed state.
+            TypeError / ValueError: bad rows or positions, a state given twice, or row counts
+                that do not add up to ``hidden_rows`` (nothing changed).
+        """
+        live = [self._live(st, "commit_ctx_batch") for st in states]
+        if len({id(s) for s in live}) != len(live):
+            raise ValueError("commit_ctx_batch: the same state appears twice")
+        if len(positions) != len(live):
+            raise ValueError(f"{len(live)} states but {len(positions)} position lists")
+        self._check_rows(hidden_rows)
+        work: list[tuple[DFlashState, AppendPlan, int]] = []  # state, plan, first source row
+        offset = 0
+        for state, raw in zip(live, positions):
+            pos = self._positions(raw)
+            count = len(pos)
+            if count:
+                keep = min(count, state.window)
+                plan = state.ctx.plan_append(pos[count - keep :] if keep < count else pos)
+                work.append((state, plan, offset + count - keep))
+            offset += count
+        if offset != hidden_rows.shape[0]:
+            raise ValueError(f"{hidden_rows.shape[0]} rows but {offset} positions in all")
+        if not work:
+            return
+        if faults._ACTIVE is not None:
+            faults.hit("accumulator")
+        first_acc = work[0][0].acc
+        assert first_acc is not None
+        new_rows = self._detached_rows(hidden_rows, first_acc).contiguous()
+        for state, plan, _ in work:
+            self._slide(state, plan)
+        accs: list[Tensor] = []
+        counts: list[int] = []
+        starts: list[int] = []
+        whole = True  # every state keeps all its rows, in order: one launch takes them as is
+        cursor = 0
+        for state, plan, src in work:
+            assert state.acc is not None
+            accs.append(state.acc)
+            counts.append(plan.n_rows)
+            starts.append(plan.dst_start)
+            whole = whole and src == cursor
+            cursor = src + plan.n_rows
+        if self.backend == "triton" and whole and cursor == new_rows.shape[0]:
+            from blockdraft.kernels.accumulator import acc_append_unchecked
+
+            acc_append_unchecked(accs, new_rows, counts, starts)
+        else:
+            for (state, plan, src), acc in zip(work, accs):
+                acc[plan.dst_start : plan.dst_start + plan.n_rows].copy_(
+                    new_rows[src : src + plan.n_rows]
+                )
+        for state, plan, _ in work:
+            state.ctx.apply_append(plan)
+            state._fresh = None
+
+    def _check_rows(self, hidden_rows: object) -> None:
+        """``hidden_rows`` must be a floating ``[R, k*H]`` tensor on the proposer's device type."""
+        if not isinstance(hidden_rows, Tensor):
+            raise TypeError(f"hidden_rows must be a torch.Tensor, not {type(hidden_rows).__name__}")
+        if not hidden_rows.is_floating_point():
+            raise TypeError(f"hidden_rows must be floating point, not {hidden_rows.dtype}")
+        if hidden_rows.dim() != 2 or hidden_rows.shape[1] != self.ctx_row_width:
+            raise ValueError(
+                f"hidden_rows must be [R, {self.ctx_row_width}] (k*H), not {list(hidden_rows.shape)}"
+            )
+        if hidden_rows.device.type != self._device_type:
+            raise ValueError(
+                f"hidden_rows are on {hidden_rows.device}, the proposer on {self.device}"
+            )
+
+    @staticmethod
+    def _positions(positions: Sequence[int] | Tensor) -> list[int]:
+        try:
+            raw = positions.tolist() if isinstance(positions, Tensor) else positions
+            return [operator.index(p) for p in raw]
+        except TypeError:
+            raise TypeError("positions must be ints (a float position is never rounded)") from None
+
+    @staticmethod
+    def _detached_rows(hidden_rows: Tensor, acc: Tensor) -> Tensor:
+        """The rows in ``acc``'s dtype and on its device, out of autograd (a ``no_grad``
+        context would cost µs per call)."""
+        if hidden_rows.requires_grad:
+            hidden_rows = hidden_rows.detach()
+        return hidden_rows.to(device=acc.device, dtype=acc.dtype)
+
+    @staticmethod
+    def _slide(state: DFlashState, plan: AppendPlan) -> None:
+        """The plan's slide, if any: its newest rows to the front (copied out first: the
+        ranges overlap)."""
+        slide = plan.slide
+        if slide is not None:
+            acc = state.acc
+            assert acc is not None
+            kept = acc[slide.src_start : slide.src_start + slide.keep].clone()
+            acc[: slide.keep] = kept
 
     def propose(
         self,
