@@ -321,7 +321,7 @@ class _Seqs:
         self.shape = shape
         self.gen = gen
         device = prop.device
-        self.row = torch.empty((1, shape.ctx_row_width), dtype=prop.dtype, device=device)
+        self.rows = torch.empty((count, shape.ctx_row_width), dtype=prop.dtype, device=device)
         self.states: list[Any] = []
         self.next_pos: list[int] = []
         self.tokens: list[int] = []
@@ -344,11 +344,20 @@ class _Seqs:
             self.tokens.append(tok)
         del rows
 
-    def advance(self, idx: Sequence[int]) -> None:
-        """Commit one new ctx row (the last anchor's hidden state) to each of ``idx``."""
+    def advance(self, idx: Sequence[int], fresh: bool = True) -> None:
+        """Commit one new ctx row (the last anchor's hidden state) to each of ``idx``, as a
+        serving step does: ``commit_ctx`` for one sequence, ``commit_ctx_batch`` for more.
+        Random rows unless ``fresh=False`` (the last rows again: no launch of the bench's own)."""
+        rows = self.rows[: len(idx)]
+        if fresh:
+            rows.normal_(generator=self.gen)
+        if len(idx) == 1:
+            self.prop.commit_ctx(self.states[idx[0]], rows, [self.next_pos[idx[0]]])
+        else:
+            self.prop.commit_ctx_batch(
+                [self.states[i] for i in idx], rows, [[self.next_pos[i]] for i in idx]
+            )
         for i in idx:
-            self.row.normal_(generator=self.gen)
-            self.prop.commit_ctx(self.states[i], self.row, [self.next_pos[i]])
             self.next_pos[i] += 1
             self.tokens[i] = (self.tokens[i] * 31 + 7) % self.shape.vocab
 
@@ -512,6 +521,15 @@ QUICK_CELLS: tuple[tuple[int, int], ...] = ((4096, 1), (16384, 1), (4096, 32))
 """(context, batch) cells of :func:`bench_quick`: the issue-6 latency targets."""
 
 
+# Graph options the quick bench also times (name, GraphRunner keywords): the batch as two
+# halves on two streams, and the GEMMs that cuBLASLt picks (with and without the halves).
+QUICK_VARIANTS: list[tuple[str, dict[str, Any]]] = [
+    ("two_streams", {"split_from": 2}),
+    ("cublaslt", {"blas": "cublaslt"}),
+    ("cublaslt_two_streams", {"blas": "cublaslt", "split_from": 2}),
+]
+
+
 def bench_quick(
     shape: Shape,
     drafter: Any,
@@ -525,8 +543,10 @@ def bench_quick(
 ) -> list[dict[str, Any]]:
     """Propose latency (graphs on, then the plain path) for a few cells only, each with its
     own proposer; one record per cell, as in the propose section (no loop or precompute)."""
+    from blockdraft.graphs import GraphRunner
+
     out: list[dict[str, Any]] = []
-    grow = 2 * (reps + warmup) + 2 * shape.block_size + 64
+    grow = (2 + len(QUICK_VARIANTS)) * (reps + warmup) + 2 * shape.block_size + 64
     for ctx, n in cells:
         gen = torch.Generator(device=device).manual_seed(seed + ctx)
         prop = _make_proposer(drafter, target, shape, ctx, n, "auto", grow)
@@ -540,6 +560,20 @@ def bench_quick(
             rec["latency_ms"] = _cell_times(
                 lambda: seqs.propose_batch(idx), lambda: seqs.advance(idx), reps, warmup, device
             )
+            if runner is not None and runner.mode == "capture":
+                # The same call through graphs captured with other options (QUICK_VARIANTS).
+                for name, opts in QUICK_VARIANTS:
+                    if opts.get("split_from") is not None and n < 2:
+                        continue
+                    prop._graphs = GraphRunner(prop, "capture", **opts)
+                    try:
+                        rec[f"latency_{name}_ms"] = _cell_times(
+                            lambda: seqs.propose_batch(idx), lambda: seqs.advance(idx), reps,
+                            warmup, device,
+                        )
+                        rec[f"{name}_disabled"] = prop._graphs.disabled
+                    finally:
+                        prop._graphs = runner
             if runner is not None:
                 rec["graph_disabled"] = runner.disabled
                 rec["graph_replays"] = runner.replays
@@ -565,8 +599,10 @@ def quick_markdown(records: Sequence[dict[str, Any]]) -> str:
     """One table of :func:`bench_quick` records against the issue-6 targets."""
     targets = {(4096, 1): 1.2, (16384, 1): 1.4, (4096, 32): 3.0}
     lines = [
-        "| ctx | n | median ms | p90 ms | plain path ms | target ms | graph | fused drafter |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| ctx | n | median ms | p90 ms | "
+        + "".join(f"{name.replace('_', ' ')} ms | " for name, _ in QUICK_VARIANTS)
+        + "plain path ms | target ms | graph | fused drafter |",
+        "| --- | --- | --- | --- | " + "--- | " * len(QUICK_VARIANTS) + "--- | --- | --- | --- |",
     ]
     for r in records:
         lat, plain = r["latency_ms"], r.get("latency_plain_ms", {})
@@ -575,7 +611,11 @@ def quick_markdown(records: Sequence[dict[str, Any]]) -> str:
             graph = f"disabled: {r['graph_disabled']}"
         lines.append(
             f"| {r['context']} | {r['batch']} | {_f(lat['median'])} | {_f(lat['p90'])} | "
-            f"{_f(plain.get('median'))} | {_f(targets.get((r['context'], r['batch'])))} | "
+            + "".join(
+                f"{_f(r.get(f'latency_{name}_ms', {}).get('median'))} | "
+                for name, _ in QUICK_VARIANTS
+            )
+            + f"{_f(plain.get('median'))} | {_f(targets.get((r['context'], r['batch'])))} | "
             f"{graph} | {'yes' if r.get('fused_drafter') else 'no'} |"
         )
     return "\n".join(lines) + "\n"
@@ -778,8 +818,12 @@ def _host_glue(prop: Any, seqs: _Seqs, idx: list[int], calls: int) -> dict[str, 
     try:
         seqs.warm(idx, 3)
         times = []
+        commits = []
         for _ in range(calls):
-            seqs.advance(idx)
+            _sync(prop.device)
+            t0 = time.perf_counter()
+            seqs.advance(idx, fresh=False)
+            commits.append(time.perf_counter() - t0)
             _sync(prop.device)
             t0 = time.perf_counter()
             seqs.propose_batch(idx, verify=False)
@@ -793,7 +837,11 @@ def _host_glue(prop: Any, seqs: _Seqs, idx: list[int], calls: int) -> dict[str, 
             "than the graphs?); the measurement would time the plain path"
         )
     per_call = statistics.median(times) * 1e6
-    return {"glue_us_per_call": per_call, "glue_us_per_seq": per_call / n}
+    # The step's commit of one new ctx row per sequence (`commit_ctx` at n = 1,
+    # `commit_ctx_batch` above, their copy launches included).
+    commit = statistics.median(commits) * 1e6 / n
+    return {"glue_us_per_call": per_call, "glue_us_per_seq": per_call / n,
+            "commit_us_per_seq": commit, "step_us_per_seq": per_call / n + commit}
 
 
 def bench_core_bookkeeping(prop: Any, shape: Shape, calls: int) -> dict[str, Any]:
@@ -1252,6 +1300,12 @@ def to_markdown(result: dict[str, Any]) -> str:
                     f"  - unprofiled, device work stubbed out: {_f(r['glue_us_per_call'], 1)} µs "
                     f"per call = **{_f(r['glue_us_per_seq'], 2)} µs per sequence** of blockdraft "
                     "host work (Python glue + Rust core + its small copies)"
+                )
+            if "commit_us_per_seq" in r:
+                lines.append(
+                    f"  - the step's `commit_ctx` of one row: {_f(r['commit_us_per_seq'], 2)} µs "
+                    f"per sequence; **a whole step (commit + propose): "
+                    f"{_f(r['step_us_per_seq'], 2)} µs per sequence**"
                 )
         lines.append("")
     if "kernels" in sec and sec["kernels"]:

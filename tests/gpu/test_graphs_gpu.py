@@ -14,6 +14,7 @@ import torch
 
 from blockdraft import DFlashProposer
 from blockdraft import bench as bd_bench
+from blockdraft.graphs import GraphRunner
 
 pytestmark = pytest.mark.gpu
 
@@ -49,11 +50,60 @@ def test_captured_graphs_give_the_plain_drafts() -> None:
     target = bd_bench.build_target(shape, dev, torch.float32)
     drafter = bd_bench.build_drafter(shape, dev, torch.float32)
     results = []
-    for mode in ("off", "capture"):
+    for mode in ("off", "capture", "two-streams", "cublaslt"):
         prop = DFlashProposer(drafter, target, max_seq_len=1024, num_blocks=400, kv_block_size=16,
-                              max_batch=8, graphs=mode)  # type: ignore[arg-type]
+                              max_batch=8, graphs="off" if mode == "off" else "capture")
+        if mode == "two-streams":
+            # batches as two halves on two streams, each layer's attention ordered by events
+            prop._graphs = GraphRunner(prop, "capture", split_from=2)
+        if mode == "cublaslt":  # the GEMMs cuBLASLt picks, recorded at capture
+            prop._graphs = GraphRunner(prop, "capture", blas="cublaslt")
         results.append(_run(prop, shape, seed=5))
-        if mode == "capture":
+        if mode != "off":
             assert prop._graphs is not None and prop._graphs.disabled is None
             assert prop._graphs.captures >= 2 and prop._graphs.replays >= 10
-    assert results[0] == results[1]
+    assert results[0] == results[1] == results[2] == results[3]
+    assert torch.backends.cuda.preferred_blas_library() != torch._C._BlasBackend.Cublaslt
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_batch_commit_on_the_gpu_equals_single_commits(dtype: torch.dtype) -> None:
+    """``commit_ctx_batch`` (one accumulator-kernel launch) leaves the accumulators and the
+    drafts of one ``commit_ctx`` per sequence, with the graph path on."""
+    shape = bd_bench.Shape("gpu-test", 6, 256, 8, 2, 32, 512, 4096, 2, (1, 4), 8, 4095)
+    dev = torch.device("cuda")
+    target = bd_bench.build_target(shape, dev, dtype)
+    drafter = bd_bench.build_drafter(shape, dev, dtype)
+    gen = torch.Generator(device=dev).manual_seed(9)
+    firsts = [40, 7, 130, 64]
+    steps = [[3, 1, 8, 2], [1, 1, 1, 1], [2, 0, 5, 8]]
+    batches = [torch.randn(sum(c), shape.ctx_row_width, generator=gen, device=dev, dtype=dtype)
+               for c in [firsts] + steps]
+    runs = []
+    for batched in (False, True):
+        prop = DFlashProposer(drafter, target, max_seq_len=1024, num_blocks=400,
+                              kv_block_size=16, max_batch=4, graphs="capture")
+        assert prop.backend == "triton"
+        states = [prop.alloc_state_for(300) for _ in firsts]
+        pos = [0] * len(firsts)
+        out = []
+        for counts, rows in zip([firsts] + steps, batches):
+            positions = [list(range(p, p + c)) for p, c in zip(pos, counts)]
+            if batched:
+                prop.commit_ctx_batch(states, rows, positions)
+            else:
+                offset = 0
+                for s, p in zip(states, positions):
+                    if p:
+                        prop.commit_ctx(s, rows[offset : offset + len(p)], p)
+                    offset += len(p)
+            pos = [p + c for p, c in zip(pos, counts)]
+            out.append(prop.propose_batch(states, [5, 6, 7, 8], pos, shape.block_size - 1))
+            for s in states:
+                prop.after_verify(s, 0)
+        runs.append((out, [s.acc[: s.ctx_len].clone() for s in states]))
+        for s in states:
+            prop.free_state(s)
+        assert prop.pool.num_free == prop.pool.num_blocks
+    assert runs[0][0] == runs[1][0]
+    assert all(torch.equal(a, b) for a, b in zip(runs[0][1], runs[1][1]))
