@@ -77,7 +77,7 @@ def attention(copy_gbs: float, out: object) -> None:
 
 def argmax(copy_gbs: float, out: object) -> None:
     """The launcher as shipped (eager and graph), torch.argmax, then a sweep of tile shapes
-    ``(mask words per tile, warps)`` x split counts, each replayed from a graph and checked
+    ``(mask words per tile, warps[, tiles per loop step])`` x split counts, each replayed from a graph and checked
     against the torch reference."""
     K = import_kernels()
     mod = importlib.import_module("blockdraft.kernels.selection")
@@ -97,7 +97,9 @@ def argmax(copy_gbs: float, out: object) -> None:
             "torch_argmax_nomask": bench_ms(lambda: torch.argmax(logits, -1)),
         }
         assert torch.equal(mod.masked_argmax(logits, bits), want), default
-        for tile in ((16, 2), (32, 4), (64, 8), (128, 16), (32, 2), (64, 4), (128, 8)):
+        # runs 4-6 swept (16|32|64|128 words) x (2|4|8|16 warps); run 8 keeps the two
+        # shipped shapes and adds two tiles per loop step (run 7's winner)
+        for tile in ((32, 2), (64, 8), (32, 2, 2), (32, 4, 2), (64, 8, 2)):
             for s in (None, 2, 3, 4, 8):
                 if rows_n < 64 and s is not None and s < 8:
                     continue
@@ -105,7 +107,8 @@ def argmax(copy_gbs: float, out: object) -> None:
                 assert torch.equal(got, want), (tile, s)
                 fn = graphed(lambda s=s, tile=tile: mod.masked_argmax(
                     logits, bits, num_splits=s, tile=tile))
-                results[f"tile={tile[0]}x32/{tile[1]}w splits={s or 'auto'}"] = bench_ms(fn)
+                step = f"x{tile[2]}" if len(tile) > 2 else ""
+                results[f"tile={tile[0]}x32/{tile[1]}w{step} splits={s or 'auto'}"] = bench_ms(fn)
         for name, ms in results.items():
             gbs = nbytes / (ms * 1e-3) / 1e9
             record(out, {"kernel": f"diagnose_masked_argmax_{rows_n}", "variant": name,

@@ -146,37 +146,6 @@ def test_precompute_in_the_graph_gives_the_plain_drafts(backend: str) -> None:
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_the_graph_forward_in_two_halves_gives_the_plain_drafts(backend: str) -> None:
-    """``split_from``: batches of 2+ rows drafted as two halves (two streams on CUDA, one after
-    the other here) give the drafts of the plain path; single sequences are not split."""
-    from blockdraft.graphs import GraphRunner
-
-    target = tiny_target()
-    drafter = tiny_drafter(drafter_config(block=4, layers=2))
-
-    def make(graphs: str) -> DFlashProposer:
-        return DFlashProposer(drafter, target, max_seq_len=120, num_blocks=90, kv_block_size=4,
-                              max_batch=4, graphs=graphs, backend=backend)  # type: ignore[arg-type]
-
-    plain = _steps(make("off"), [])
-    prop = make("static")
-    runner = GraphRunner(prop, "static", split_from=2)
-    prop._graphs = runner
-    halves: list[int] = []
-    real = runner._draft_halves
-
-    def recording(ctx_lens: Any, tables: Any, embeds: Any, q_pos: Any) -> Any:
-        halves.append(embeds.shape[0])
-        return real(ctx_lens, tables, embeds, q_pos)
-
-    runner._draft_halves = recording  # type: ignore[method-assign]
-    assert _steps(prop, []) == plain
-    # The batched steps (n = 3, bucket 4) went through the halves; n = 1 (bucket 1) did not.
-    assert halves and set(halves) == {4}
-    assert runner.replays == 0
-
-
-@pytest.mark.parametrize("backend", BACKENDS)
 def test_graph_staging_after_double_commits_and_slides(backend: str) -> None:
     """The graph path stages the last commit's rows through the view kept at commit time; when
     the plan covers more (two commits since the last proposal) or the window slid, it reads the

@@ -54,7 +54,7 @@ def test_acc_slide_reference_semantics() -> None:
 
 def case_argmax(device: torch.device, dtype: torch.dtype, rows: int, vocab: int,
                 with_mask: bool, seed: int = 0, num_splits: int | None = None,
-                tile: tuple[int, int] | None = None) -> None:
+                tile: tuple[int, ...] | None = None) -> None:
     gen = torch.Generator().manual_seed(seed)
     # few distinct values: many exact ties, which must go to the lowest allowed id
     logits = torch.randint(-3, 4, (rows, vocab), generator=gen).to(dtype).to(device)
@@ -74,7 +74,8 @@ def case_argmax(device: torch.device, dtype: torch.dtype, rows: int, vocab: int,
         assert torch.equal(got, torch.argmax(logits.float(), dim=1))
 
 
-@pytest.mark.parametrize(("rows", "vocab"), [(1, 1), (3, 33), (17, 5000), (63, 1000), (1000, 64)])
+@pytest.mark.parametrize(("rows", "vocab"), [(1, 1), (3, 33), (17, 5000), (63, 1000), (1000, 64),
+                                           (260, 4100)])
 @pytest.mark.parametrize("with_mask", [True, False])
 def test_masked_argmax(rows: int, vocab: int, with_mask: bool) -> None:
     need_triton(CPU)
@@ -87,11 +88,13 @@ def test_masked_argmax_split_vocab(splits: int) -> None:
     case_argmax(CPU, torch.float32, 5, 7000, True, num_splits=splits)
 
 
-@pytest.mark.parametrize("tile", [(1, 1), (2, 4), (16, 4), (128, 8)])
-@pytest.mark.parametrize(("vocab", "splits"), [(33, None), (4097, 2), (7000, None)])
-def test_masked_argmax_tiles(tile: tuple[int, int], vocab: int, splits: int | None) -> None:
-    """Every tile shape the kernel lab sweeps gives the reference's ids (ragged last tile,
-    a split boundary inside a mask word's range never happens: splits are whole tiles)."""
+@pytest.mark.parametrize("tile", [(1, 1), (2, 4), (16, 4), (128, 8), (1, 1, 2), (2, 2, 2),
+                                  (32, 2, 2)])
+@pytest.mark.parametrize(("vocab", "splits"), [(33, None), (4097, 2), (7000, None), (7000, 3)])
+def test_masked_argmax_tiles(tile: tuple[int, ...], vocab: int, splits: int | None) -> None:
+    """Every tile shape the kernel lab sweeps, with one or two tiles per loop step, gives the
+    reference's ids (ragged last step, a second tile wholly or partly past the vocabulary; a
+    split boundary inside a mask word's range never happens: splits are whole steps)."""
     need_triton(CPU)
     case_argmax(CPU, torch.float32, 4, vocab, True, seed=vocab, num_splits=splits, tile=tile)
 
@@ -120,8 +123,9 @@ def test_masked_argmax_minus_inf_rows(dtype: torch.dtype) -> None:
     want = K.masked_argmax(logits, mask, backend="torch")
     assert want.tolist()[:3] == [977, 4321, 150]
     for splits in (None, 1, 3):
-        got = sel.masked_argmax(logits, mask, num_splits=splits, tile=(2, 1))
-        assert torch.equal(got, want), splits
+        for tile in ((2, 1), (2, 1, 2)):
+            got = sel.masked_argmax(logits, mask, num_splits=splits, tile=tile)
+            assert torch.equal(got, want), (splits, tile)
     no_mask = torch.full((2, vocab), float("-inf"), dtype=dtype)
     assert sel.masked_argmax(no_mask, None).tolist() == [0, 0]
 
@@ -135,6 +139,10 @@ def test_masked_argmax_bad_tile() -> None:
         sel.masked_argmax(torch.zeros(2, 40), None, tile=(3, 4))
     with pytest.raises(ValueError, match="tile"):
         sel.masked_argmax(torch.zeros(2, 40), None, tile=(4, 3))
+    with pytest.raises(ValueError, match="tile"):
+        sel.masked_argmax(torch.zeros(2, 40), None, tile=(4, 2, 3))
+    with pytest.raises(ValueError, match="tile"):
+        sel.masked_argmax(torch.zeros(2, 40), None, tile=(4,))
 
 
 def test_bitmask_bit_order() -> None:

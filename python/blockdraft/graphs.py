@@ -40,15 +40,15 @@ the CPU tests use it to check that the bookkeeping gives the drafts of the plain
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 import torch
 from torch import Tensor
+from torch.nn import functional as F
 
 from blockdraft import faults
 from blockdraft._core import ConfigError
@@ -115,10 +115,6 @@ class GraphRunner:
         mode: ``"capture"`` records a CUDA graph per bucket on first use and replays it;
             ``"static"`` runs the same buffers eagerly (any device).
         buckets: batch sizes with their own buffers (default: :func:`default_buckets`).
-        split_from: buckets of at least this many sequences draft their rows as two halves
-            (:meth:`_draft_halves`); ``None``: never.
-        blas: torch's preferred BLAS library while capturing (``"cublas"``, ``"cublaslt"``);
-            ``None``: torch's own choice.
     """
 
     def __init__(
@@ -126,16 +122,11 @@ class GraphRunner:
         prop: DFlashProposer,
         mode: Literal["capture", "static"],
         buckets: Sequence[int] | None = None,
-        split_from: int | None = None,
-        blas: str | None = None,
     ) -> None:
         self.prop = prop
         self.mode = mode
         self.width = max(1, math.ceil(prop.ceiling / prop.kv_block_size))
         self.buckets = sorted(set(buckets or default_buckets(prop.max_batch)))
-        self.split_from = split_from
-        self.blas = blas
-        self._side: Any = None
         self._slots: dict[int, _Bucket] = {}
         self._pool: Any = None
         self.captures = 0
@@ -282,7 +273,7 @@ class GraphRunner:
             if fresh is not None and fresh[0] == start and fresh[1] == end:
                 rows.append(fresh[2])  # the last commit's rows, as viewed when committed
             else:
-                rows.append(state.acc[start:end])
+                rows.append(state.acc.narrow(0, start, count))
         n = len(preps)
         if n:
             arr[:n, :3] = scalars
@@ -333,15 +324,6 @@ class GraphRunner:
         )
         attend = prop._paged_attend(block_tables, ctx_lens, q_pos, fault_hooks=False)
 
-        if self.split_from is None or m < max(2, self.split_from):
-            return self._draft_rows(embeds, q_pos, attend)
-        return self._draft_halves(ctx_lens, block_tables, embeds, q_pos)
-
-    def _draft_rows(self, embeds: Tensor, q_pos: Tensor, attend: Any) -> Tensor:
-        """The drafter layers, the ``lm_head`` on rows 1..B-1 and argmax: [m, B-1] int64."""
-        prop = self.prop
-        m, b = embeds.shape[0], prop.gamma
-        fast = self.fast
         forward_block = fast.forward_block if fast is not None else prop.drafter.forward_block
         hidden = forward_block(embeds, q_pos, attend)  # [m, B, H]
         rows = hidden[:, 1:].reshape(m * (b - 1), prop.hidden_size)
@@ -349,59 +331,20 @@ class GraphRunner:
         picked: Tensor = prop._ops.masked_argmax(logits, None).view(m, b - 1)
         return picked
 
-    def _draft_halves(
-        self, ctx_lens: Tensor, block_tables: Tensor, embeds: Tensor, q_pos: Tensor
-    ) -> Tensor:
-        """:meth:`_draft_rows` as two halves of the rows. On CUDA the second half runs on a
-        side stream, each layer's attention ordered after the first half's, so that one
-        half's memory-bound attention can run beside the other half's compute-bound GEMMs;
-        elsewhere the halves run one after the other (the same math)."""
-        prop = self.prop
-        h = embeds.shape[0] // 2
-        first = prop._paged_attend(block_tables[:h], ctx_lens[:h], q_pos[:h], fault_hooks=False)
-        second = prop._paged_attend(block_tables[h:], ctx_lens[h:], q_pos[h:], fault_hooks=False)
-        if embeds.device.type != "cuda":
-            top = self._draft_rows(embeds[:h], q_pos[:h], first)
-            return torch.cat((top, self._draft_rows(embeds[h:], q_pos[h:], second)), 0)
-        main = torch.cuda.current_stream(embeds.device)
-        if self._side is None:
-            self._side = torch.cuda.Stream(embeds.device)  # type: ignore[no-untyped-call]
-        side = self._side
-        done = [torch.cuda.Event() for _ in range(prop.num_layers)]  # type: ignore[no-untyped-call]
-
-        def attend_first(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-            o = first(layer, q, k, v)
-            done[layer].record(main)
-            return o
-
-        def attend_second(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-            side.wait_event(done[layer])
-            return second(layer, q, k, v)
-
-        side.wait_stream(main)
-        top = self._draft_rows(embeds[:h], q_pos[:h], attend_first)
-        with torch.cuda.stream(side):
-            bottom = self._draft_rows(embeds[h:], q_pos[h:], attend_second)
-        main.wait_stream(side)
-        if not torch.cuda.is_current_stream_capturing():
-            bottom.record_stream(main)  # eager warm-up: keep its memory until main used it
-        return torch.cat((top, bottom), 0)
-
     def _capture(self, bucket: _Bucket, cap: int) -> Any:
         device = self.prop.device
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         # Warm up on a side stream (Triton compiles, cuBLAS picks its kernels), then record.
-        with _blas_library(self.blas):
-            side = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
-            side.wait_stream(torch.cuda.current_stream(device))
-            with torch.cuda.stream(side):
-                for _ in range(2):
-                    self._forward(bucket.dev, bucket.stage, cap)
-            torch.cuda.current_stream(device).wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool):
-                out = self._forward(bucket.dev, bucket.stage, cap)
+        side = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                self._forward(bucket.dev, bucket.stage, cap)
+        torch.cuda.current_stream(device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            out = self._forward(bucket.dev, bucket.stage, cap)
         bucket.graphs[cap] = graph
         bucket.outs[cap] = out
         self.captures += 1
@@ -410,22 +353,6 @@ class GraphRunner:
             bucket.size, cap,
         )
         return graph
-
-
-@contextlib.contextmanager
-def _blas_library(name: str | None) -> Iterator[None]:
-    """torch's preferred BLAS library (``"cublas"``, ``"cublaslt"``) while a graph is warmed up
-    and captured: the GEMM kernels it picks are recorded in the graph, so the choice holds for
-    every replay without changing the process-wide setting. ``None``: torch's own."""
-    if name is None:
-        yield
-        return
-    prev = torch.backends.cuda.preferred_blas_library()
-    torch.backends.cuda.preferred_blas_library(name)
-    try:
-        yield
-    finally:
-        torch.backends.cuda.preferred_blas_library(prev)
 
 
 def resolve_mode(mode: str, device: torch.device) -> Literal["capture", "static"] | None:

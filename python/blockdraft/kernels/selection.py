@@ -36,24 +36,53 @@ def _bits_allowed(bitmask_ptr, row, ids, mask, num_words, HAS_MASK: tl.constexpr
 
 
 @triton.jit
-def _argmax_tile(row_logits, row_mask, base, best, best_it, it, word, bit_of_lane, tile_ids,
-                 vocab, num_words, HAS_MASK: tl.constexpr, CHECK_RANGE: tl.constexpr):
-    # One [W, 32] tile at id `base`: disallowed ids read as -inf, and a lane moves to this
-    # tile only on a strictly larger value (so among equal values it keeps its earliest id).
+def _tile_logits(row_logits, base, tile_ids, vocab, CHECK_RANGE: tl.constexpr):
+    # The logits of the [W, 32] tile at id `base` (ids past the vocabulary read as -inf),
+    # streamed: each is read once, so it should not displace other data in L2.
     if CHECK_RANGE:
-        ok = (base + tile_ids) < vocab
-        x = tl.load(row_logits + base + tile_ids, mask=ok, other=float("-inf")).to(tl.float32)
-    else:
-        x = tl.load(row_logits + base + tile_ids).to(tl.float32)
+        return tl.load(row_logits + base + tile_ids, mask=(base + tile_ids) < vocab,
+                       other=float("-inf"), eviction_policy="evict_first")
+    return tl.load(row_logits + base + tile_ids, eviction_policy="evict_first")
+
+
+@triton.jit
+def _tile_bits(row_mask, base, word, num_words, HAS_MASK: tl.constexpr,
+               CHECK_RANGE: tl.constexpr):
+    # The tile's W mask words [W, 1] (unused without HAS_MASK).
     if HAS_MASK:
         w = base // 32 + word
         if CHECK_RANGE:
-            bits = tl.load(row_mask + w, mask=w < num_words, other=0)
-        else:
-            bits = tl.load(row_mask + w)
-        x = tl.where((bits & bit_of_lane) != 0, x, float("-inf"))
+            return tl.load(row_mask + w, mask=w < num_words, other=0)
+        return tl.load(row_mask + w)
+    return word
+
+
+@triton.jit
+def _fold_tile(x, bits, best, best_it, it, bit_of_lane, HAS_MASK: tl.constexpr):
+    # A lane moves to tile `it` only on an allowed, strictly larger value (so among equal
+    # values it keeps its earliest id; NaN is never larger).
+    x = x.to(tl.float32)
     take = x > best
+    if HAS_MASK:
+        take = take & ((bits & bit_of_lane) != 0)
     return tl.where(take, x, best), tl.where(take, it, best_it)
+
+
+@triton.jit
+def _argmax_step(row_logits, row_mask, base, it, best, best_it, word, bit_of_lane, tile_ids,
+                 vocab, num_words, HAS_MASK: tl.constexpr, CHECK_RANGE: tl.constexpr,
+                 UNROLL: tl.constexpr, TILE: tl.constexpr):
+    # UNROLL (1 or 2) tiles from id `base` (tile indices it, it + 1): both tiles' loads are
+    # issued before either is folded, so twice the bytes are in flight per lane.
+    x0 = _tile_logits(row_logits, base, tile_ids, vocab, CHECK_RANGE)
+    b0 = _tile_bits(row_mask, base, word, num_words, HAS_MASK, CHECK_RANGE)
+    if UNROLL == 2:
+        x1 = _tile_logits(row_logits, base + TILE, tile_ids, vocab, CHECK_RANGE)
+        b1 = _tile_bits(row_mask, base + TILE, word, num_words, HAS_MASK, CHECK_RANGE)
+    best, best_it = _fold_tile(x0, b0, best, best_it, it, bit_of_lane, HAS_MASK)
+    if UNROLL == 2:
+        best, best_it = _fold_tile(x1, b1, best, best_it, it + 1, bit_of_lane, HAS_MASK)
+    return best, best_it
 
 
 @triton.jit(do_not_specialize=["num_rows"])
@@ -67,16 +96,19 @@ def masked_argmax_partial_kernel(
     num_words,
     s_row,
     NUM_SPLITS: tl.constexpr,
-    CHUNK: tl.constexpr,  # ids per split, a multiple of BLOCK_W * 32 (shape-derived)
+    CHUNK: tl.constexpr,  # ids per split, a multiple of BLOCK_W * 32 * UNROLL (shape-derived)
     HAS_MASK: tl.constexpr,
     BLOCK_W: tl.constexpr,  # bitmask words per tile: a tile is [BLOCK_W, 32] ids
+    UNROLL: tl.constexpr,  # tiles per loop step (1 or 2)
 ):
     # Per lane: the largest allowed value above -inf and the tile it was first seen in; ids are
     # rebuilt at the end. Each mask word is loaded once per tile and tested against its lane's
-    # bit; whole tiles skip the range checks. Allowed ids whose logits are all -inf are found
+    # bit; whole steps skip the range checks. Allowed ids whose logits are all -inf are found
     # by the combine kernel (this kernel reports "none" for them).
     row = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
+    TILE: tl.constexpr = BLOCK_W * 32
+    STEP: tl.constexpr = TILE * UNROLL
     word = tl.arange(0, BLOCK_W)[:, None]  # [W, 1]
     bit = tl.arange(0, 32)[None, :]  # [1, 32]
     bit_of_lane = tl.full([1, 32], 1, tl.int32) << bit
@@ -86,18 +118,18 @@ def masked_argmax_partial_kernel(
     best = tl.full([BLOCK_W, 32], float("-inf"), tl.float32)
     best_it = tl.full([BLOCK_W, 32], -1, tl.int32)
     first = split * CHUNK
-    for it in range(0, CHUNK // (BLOCK_W * 32)):
-        base = first + it * (BLOCK_W * 32)
-        if base + BLOCK_W * 32 <= vocab:
-            best, best_it = _argmax_tile(row_logits, row_mask, base, best, best_it, it, word,
-                                         bit_of_lane, tile_ids, vocab, num_words, HAS_MASK,
-                                         False)
-        else:  # the ragged last tile (and tiles past the end in the last split)
-            best, best_it = _argmax_tile(row_logits, row_mask, base, best, best_it, it, word,
-                                         bit_of_lane, tile_ids, vocab, num_words, HAS_MASK,
-                                         True)
+    for step in range(0, CHUNK // STEP):
+        base = first + step * STEP
+        if base + STEP <= vocab:
+            best, best_it = _argmax_step(row_logits, row_mask, base, step * UNROLL, best,
+                                         best_it, word, bit_of_lane, tile_ids, vocab, num_words,
+                                         HAS_MASK, False, UNROLL, TILE)
+        else:  # the ragged last step (and steps past the end in the last split)
+            best, best_it = _argmax_step(row_logits, row_mask, base, step * UNROLL, best,
+                                         best_it, word, bit_of_lane, tile_ids, vocab, num_words,
+                                         HAS_MASK, True, UNROLL, TILE)
     seen = best_it >= 0
-    ids = first + best_it * (BLOCK_W * 32) + tile_ids
+    ids = first + best_it * TILE + tile_ids
     top = tl.max(tl.max(tl.where(seen, best, float("-inf")), axis=1), axis=0)
     idx = tl.min(tl.min(tl.where(seen & (best == top), ids, _NO_ID32), axis=1), axis=0)
     tl.store(part_val_ptr + row * NUM_SPLITS + split, top)
@@ -179,22 +211,25 @@ def _check_inputs(logits: torch.Tensor, bitmask: torch.Tensor | None) -> tuple[i
     return num_rows, vocab, num_words
 
 
-def argmax_tile(num_rows: int, vocab: int) -> tuple[int, int]:
-    """``(mask words per tile, warps)`` of the argmax partial kernel, from the H200 sweep in
-    kernels/RESULTS.md ("Run 4"): many rows (a batch's drafts) run best as many small programs
-    (32 words = 1024 ids, 2 warps, 16 ids per thread); a few rows (one sequence's drafts) as
-    wide ones (64 words, 8 warps); small vocabularies get a tile that is not mostly padding."""
+def argmax_tile(num_rows: int, vocab: int) -> tuple[int, int, int]:
+    """``(mask words per tile, warps, tiles per loop step)`` of the argmax partial kernel,
+    from the H200 sweeps in kernels/RESULTS.md: many rows (a batch's drafts) run best as many
+    small programs (32 words = 1024 ids, 2 warps) that load two tiles per step (run 7: 0.0638
+    -> 0.0536 ms at 512 x 151936 with a mask); a few rows (one sequence's drafts) as wide ones
+    (64 words, 8 warps, one tile per step: two measured no faster, run 7); small vocabularies
+    get a tile that is not mostly padding."""
     if vocab <= 2048:
-        return 16, 2
+        return 16, 2, 1
     if num_rows >= 256:
-        return 32, 2
-    return 64, 8
+        return 32, 2, 2
+    return 64, 8, 1
 
 
 def argmax_splits(num_rows: int, tiles: int, sms: int) -> int:
     """Vocabulary splits per row (a function of shapes only, so CUDA-graph safe): about four
     programs per SM in all, and at least 3 for many rows (1 or 2 splits measured up to 15%
-    slower at 512 rows), never more splits than tiles."""
+    slower at 512 rows), never more splits than loop steps (``tiles``: steps of the tile
+    shape)."""
     floor = 3 if num_rows >= 256 else 1
     return min(tiles, max(floor, -(-4 * sms // num_rows)))
 
@@ -204,13 +239,14 @@ def masked_argmax(
     bitmask: torch.Tensor | None,
     *,
     num_splits: int | None = None,
-    tile: tuple[int, int] | None = None,
+    tile: tuple[int, ...] | None = None,
 ) -> torch.Tensor:
     """Triton masked argmax; same contract as ``reference.masked_argmax``.
 
     logits [R, V] (last dim contiguous); bitmask [R, ceil(V/32)] int32 or None -> [R] int64.
     ``num_splits`` overrides the shape-derived vocabulary split count and ``tile`` the
-    ``(mask words per tile, warps)`` of :func:`argmax_tile` (the kernel lab sweeps both).
+    ``(mask words per tile, warps[, tiles per step])`` of :func:`argmax_tile` (the kernel lab
+    sweeps both; a step is 1 tile unless given).
     """
     num_rows, vocab, num_words = _check_inputs(logits, bitmask)
     out = torch.empty(num_rows, dtype=torch.int64, device=logits.device)
@@ -218,16 +254,23 @@ def masked_argmax(
         return out
     if vocab >= 2**31 - 1:
         raise ValueError(f"logits: a vocabulary of {vocab} ids does not fit int32 ids")
-    block_w, warps = argmax_tile(num_rows, vocab) if tile is None else tile
-    if block_w < 1 or block_w & (block_w - 1) or warps not in (1, 2, 4, 8, 16):
-        raise ValueError(f"tile: must be (power-of-two words, 1/2/4/8/16 warps), got {tile}")
-    tile_ids = block_w * 32
-    tiles = max(1, triton.cdiv(vocab, tile_ids))
+    shape = argmax_tile(num_rows, vocab) if tile is None else (*tile, 1)[:3]
+    if len(shape) != 3:
+        raise ValueError(f"tile: must be (words, warps[, tiles per step]), got {tile}")
+    block_w, warps, unroll = shape
+    if (block_w < 1 or block_w & (block_w - 1) or warps not in (1, 2, 4, 8, 16)
+            or unroll not in (1, 2)):
+        raise ValueError(
+            f"tile: must be (power-of-two words, 1/2/4/8/16 warps[, 1/2 tiles per step]), "
+            f"got {tile}"
+        )
+    step_ids = block_w * 32 * unroll
+    steps = max(1, triton.cdiv(vocab, step_ids))
     if num_splits is None:
-        num_splits = argmax_splits(num_rows, tiles, sm_count(logits.device))
+        num_splits = argmax_splits(num_rows, steps, sm_count(logits.device))
     if num_splits < 1:
         raise ValueError(f"num_splits: must be >= 1, got {num_splits}")
-    chunk = triton.cdiv(tiles, num_splits) * tile_ids
+    chunk = triton.cdiv(steps, num_splits) * step_ids
     num_splits = max(1, triton.cdiv(vocab, chunk))
     part_val = torch.empty((num_rows, num_splits), dtype=torch.float32, device=logits.device)
     part_idx = torch.empty((num_rows, num_splits), dtype=torch.int64, device=logits.device)
@@ -235,7 +278,7 @@ def masked_argmax(
     masked_argmax_partial_kernel[(num_rows, num_splits)](
         logits, mask_arg, part_val, part_idx, num_rows, vocab, num_words, logits.stride(0),
         NUM_SPLITS=num_splits, CHUNK=chunk, HAS_MASK=bitmask is not None, BLOCK_W=block_w,
-        num_warps=warps,
+        UNROLL=unroll, num_warps=warps,
     )
     masked_argmax_combine_kernel[(num_rows,)](
         part_val, part_idx, mask_arg, out, vocab, num_words, NUM_SPLITS=num_splits,
