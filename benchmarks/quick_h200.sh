@@ -13,6 +13,7 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 OUT REPS="${REPS:-20}"
 "${PYTHON:-python3}" - <<'PY'
 import json, logging, os, time
+from types import SimpleNamespace
 from pathlib import Path
 
 import torch
@@ -29,6 +30,9 @@ with torch.inference_mode():
     torch.cuda.synchronize(device)
     build_s = time.perf_counter() - t0
     records = bench.bench_quick(shape, drafter, target, device, reps=int(os.environ["REPS"]))
+    # How fast this host is at the Rust core's per-step calls: host-bound figures vary by up to
+    # 2x between machines of the same kind, so read them next to this one.
+    core = bench.bench_core_bookkeeping(SimpleNamespace(kv_block_size=16), shape, calls=20000)
 result = {
     "environment": bench.environment(device),
     "shape": "qwen3-8b",
@@ -36,10 +40,13 @@ result = {
     "build_s": build_s,
     "total_s": time.perf_counter() - t0,
     "quick": records,
+    "core_bookkeeping": core,
 }
 out = Path(os.environ["OUT"])
 (out / "quick.json").write_text(json.dumps(result, indent=2, default=str))
-table = bench.quick_markdown(records)
+table = bench.quick_markdown(records) + (
+    f"\nRust core bookkeeping on this host: {core['us_per_seq_step']:.2f} µs per sequence-step\n"
+)
 (out / "quick.md").write_text(table)
 print(table)
 print(f"build {build_s:.1f} s, total {result['total_s']:.1f} s; wrote {out}/quick.json")

@@ -521,15 +521,6 @@ QUICK_CELLS: tuple[tuple[int, int], ...] = ((4096, 1), (16384, 1), (4096, 32))
 """(context, batch) cells of :func:`bench_quick`: the issue-6 latency targets."""
 
 
-# Graph options the quick bench also times (name, GraphRunner keywords): the batch as two
-# halves on two streams, and the GEMMs that cuBLASLt picks (with and without the halves).
-QUICK_VARIANTS: list[tuple[str, dict[str, Any]]] = [
-    ("two_streams", {"split_from": 2}),
-    ("cublaslt", {"blas": "cublaslt"}),
-    ("cublaslt_two_streams", {"blas": "cublaslt", "split_from": 2}),
-]
-
-
 def bench_quick(
     shape: Shape,
     drafter: Any,
@@ -543,10 +534,8 @@ def bench_quick(
 ) -> list[dict[str, Any]]:
     """Propose latency (graphs on, then the plain path) for a few cells only, each with its
     own proposer; one record per cell, as in the propose section (no loop or precompute)."""
-    from blockdraft.graphs import GraphRunner
-
     out: list[dict[str, Any]] = []
-    grow = (2 + len(QUICK_VARIANTS)) * (reps + warmup) + 2 * shape.block_size + 64
+    grow = 2 * (reps + warmup) + 2 * shape.block_size + 64
     for ctx, n in cells:
         gen = torch.Generator(device=device).manual_seed(seed + ctx)
         prop = _make_proposer(drafter, target, shape, ctx, n, "auto", grow)
@@ -560,20 +549,6 @@ def bench_quick(
             rec["latency_ms"] = _cell_times(
                 lambda: seqs.propose_batch(idx), lambda: seqs.advance(idx), reps, warmup, device
             )
-            if runner is not None and runner.mode == "capture":
-                # The same call through graphs captured with other options (QUICK_VARIANTS).
-                for name, opts in QUICK_VARIANTS:
-                    if opts.get("split_from") is not None and n < 2:
-                        continue
-                    prop._graphs = GraphRunner(prop, "capture", **opts)
-                    try:
-                        rec[f"latency_{name}_ms"] = _cell_times(
-                            lambda: seqs.propose_batch(idx), lambda: seqs.advance(idx), reps,
-                            warmup, device,
-                        )
-                        rec[f"{name}_disabled"] = prop._graphs.disabled
-                    finally:
-                        prop._graphs = runner
             if runner is not None:
                 rec["graph_disabled"] = runner.disabled
                 rec["graph_replays"] = runner.replays
@@ -599,10 +574,8 @@ def quick_markdown(records: Sequence[dict[str, Any]]) -> str:
     """One table of :func:`bench_quick` records against the issue-6 targets."""
     targets = {(4096, 1): 1.2, (16384, 1): 1.4, (4096, 32): 3.0}
     lines = [
-        "| ctx | n | median ms | p90 ms | "
-        + "".join(f"{name.replace('_', ' ')} ms | " for name, _ in QUICK_VARIANTS)
-        + "plain path ms | target ms | graph | fused drafter |",
-        "| --- | --- | --- | --- | " + "--- | " * len(QUICK_VARIANTS) + "--- | --- | --- | --- |",
+        "| ctx | n | median ms | p90 ms | plain path ms | target ms | graph | fused drafter |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in records:
         lat, plain = r["latency_ms"], r.get("latency_plain_ms", {})
@@ -611,11 +584,7 @@ def quick_markdown(records: Sequence[dict[str, Any]]) -> str:
             graph = f"disabled: {r['graph_disabled']}"
         lines.append(
             f"| {r['context']} | {r['batch']} | {_f(lat['median'])} | {_f(lat['p90'])} | "
-            + "".join(
-                f"{_f(r.get(f'latency_{name}_ms', {}).get('median'))} | "
-                for name, _ in QUICK_VARIANTS
-            )
-            + f"{_f(plain.get('median'))} | {_f(targets.get((r['context'], r['batch'])))} | "
+            f"{_f(plain.get('median'))} | {_f(targets.get((r['context'], r['batch'])))} | "
             f"{graph} | {'yes' if r.get('fused_drafter') else 'no'} |"
         )
     return "\n".join(lines) + "\n"

@@ -48,7 +48,6 @@ from typing import TYPE_CHECKING, Any, Literal
 import numpy as np
 import torch
 from torch import Tensor
-from torch.nn import functional as F
 
 from blockdraft import faults
 from blockdraft._core import ConfigError
@@ -273,7 +272,7 @@ class GraphRunner:
             if fresh is not None and fresh[0] == start and fresh[1] == end:
                 rows.append(fresh[2])  # the last commit's rows, as viewed when committed
             else:
-                rows.append(state.acc.narrow(0, start, count))
+                rows.append(state.acc[start:end])
         n = len(preps)
         if n:
             arr[:n, :3] = scalars

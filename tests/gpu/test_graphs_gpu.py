@@ -14,7 +14,6 @@ import torch
 
 from blockdraft import DFlashProposer
 from blockdraft import bench as bd_bench
-from blockdraft.graphs import GraphRunner
 
 pytestmark = pytest.mark.gpu
 
@@ -50,20 +49,14 @@ def test_captured_graphs_give_the_plain_drafts() -> None:
     target = bd_bench.build_target(shape, dev, torch.float32)
     drafter = bd_bench.build_drafter(shape, dev, torch.float32)
     results = []
-    for mode in ("off", "capture", "two-streams", "cublaslt"):
+    for mode in ("off", "capture"):
         prop = DFlashProposer(drafter, target, max_seq_len=1024, num_blocks=400, kv_block_size=16,
-                              max_batch=8, graphs="off" if mode == "off" else "capture")
-        if mode == "two-streams":
-            # batches as two halves on two streams, each layer's attention ordered by events
-            prop._graphs = GraphRunner(prop, "capture", split_from=2)
-        if mode == "cublaslt":  # the GEMMs cuBLASLt picks, recorded at capture
-            prop._graphs = GraphRunner(prop, "capture", blas="cublaslt")
+                              max_batch=8, graphs=mode)  # type: ignore[arg-type]
         results.append(_run(prop, shape, seed=5))
-        if mode != "off":
+        if mode == "capture":
             assert prop._graphs is not None and prop._graphs.disabled is None
             assert prop._graphs.captures >= 2 and prop._graphs.replays >= 10
-    assert results[0] == results[1] == results[2] == results[3]
-    assert torch.backends.cuda.preferred_blas_library() != torch._C._BlasBackend.Cublaslt
+    assert results[0] == results[1]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
