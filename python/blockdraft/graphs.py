@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
@@ -131,6 +131,7 @@ class GraphRunner:
         self.captures = 0
         self.replays = 0
         self.disabled: str | None = None
+        self._store_stream: Any = None  # the ctx K/V store's stream (CUDA only)
         self.gamma = prop.gamma
         self._pos_col = _META + self.width
         self._slot_col = _META + self.width + self.gamma
@@ -188,10 +189,11 @@ class GraphRunner:
         return sorted({size, min(4, self.gamma) * size, self.gamma * size})
 
     def stage_cap(self, size: int, staged: int) -> int:
-        """The smallest capacity of :meth:`stage_caps` holding ``staged`` rows."""
-        for cap in self.stage_caps(size):
-            if cap >= staged:
-                return cap
+        """The smallest capacity of :meth:`stage_caps` holding ``staged`` rows (1, 4 or B
+        rows per sequence, in that order; no list is built: this runs every call)."""
+        for per in (1, min(4, self.gamma), self.gamma):
+            if per * size >= staged:
+                return per * size
         raise AssertionError(f"{staged} staged rows exceed the bucket's {size} x B")
 
     def _launch(self, bucket: _Bucket, n: int, cap: int) -> Tensor | None:
@@ -312,23 +314,53 @@ class GraphRunner:
         m, b = meta.shape[0], prop.gamma
         fast = self.fast
         pc, sc = self._pos_col, self._slot_col
-        prop._write_ctx_kv(
-            stage[:cap],
-            meta[:, pc : pc + b].reshape(-1)[:cap],
-            meta[:, sc : sc + b].reshape(-1)[:cap],
-            fast.fuse_context if fast is not None else prop.drafter.fuse_context,
-        )
+
+        def store() -> None:
+            prop._write_ctx_kv(
+                stage[:cap],
+                meta[:, pc : pc + b].reshape(-1)[:cap],
+                meta[:, sc : sc + b].reshape(-1)[:cap],
+                fast.fuse_context if fast is not None else prop.drafter.fuse_context,
+            )
+
+        # On CUDA the ctx K/V store runs on a second stream: nothing before the first layer's
+        # attention reads the paged cache, so the drafter's inputs, first norm and q/k/v GEMM
+        # run beside it, and the first attention waits for it.
+        joined = self._store_beside(meta.device, store)
         ctx_lens, block_tables, embeds, q_pos = prop._ops.block_inputs(
             meta, _META, self.width, prop._embed, prop.mask_token_id, b, prop.dtype
         )
-        attend = prop._paged_attend(block_tables, ctx_lens, q_pos, fault_hooks=False)
+        paged = prop._paged_attend(block_tables, ctx_lens, q_pos, fault_hooks=False)
+
+        def attend(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+            if layer == 0:
+                joined()
+            return paged(layer, q, k, v)
 
         forward_block = fast.forward_block if fast is not None else prop.drafter.forward_block
         hidden = forward_block(embeds, q_pos, attend)  # [m, B, H]
+        joined()  # joined even if no layer attended (a repeated wait is a no-op)
         rows = hidden[:, 1:].reshape(m * (b - 1), prop.hidden_size)
         logits = prop.drafter.logits(rows, prop._lm_head)  # [m*(B-1), V]
         picked: Tensor = prop._ops.masked_argmax(logits, None).view(m, b - 1)
         return picked
+
+    def _store_beside(self, device: torch.device, store: Callable[[], None]) -> Callable[[], None]:
+        """Run ``store`` on the store stream (CUDA) or right away (elsewhere); returns what
+        makes the current stream wait for it."""
+        if device.type != "cuda":
+            store()
+            return lambda: None
+        main = torch.cuda.current_stream(device)
+        if self._store_stream is None:
+            self._store_stream = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+        side = self._store_stream
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            store()
+        done = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        done.record(side)
+        return lambda: main.wait_event(done)
 
     def _capture(self, bucket: _Bucket, cap: int) -> Any:
         device = self.prop.device

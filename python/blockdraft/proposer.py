@@ -691,9 +691,7 @@ class DFlashProposer:
         except BaseException:
             state.ctx.abort_precompute(plan)
             raise
-        drafts = tokens[0]
-        state.ctx.note_propose(int(position), len(drafts))
-        return drafts
+        return tokens[0]
 
     def propose_batch_max(self) -> int:
         """1 without the batched path or with ``BLOCKDRAFT_DFLASH_BATCH_PROPOSE`` < 2, else that
@@ -761,8 +759,6 @@ class DFlashProposer:
             for p in preps:
                 p.state.ctx.abort_precompute(p.plan)
             raise
-        for p, drafts in zip(preps, tokens):
-            p.state.ctx.note_propose(p.position, len(drafts))
         return tokens
 
     def after_verify(self, st: DFlashState, num_accepted: int) -> None:
@@ -934,19 +930,28 @@ class DFlashProposer:
 
     def _graph_bands(self, preps: Sequence[_Prep], got: Tensor, take: int) -> list[list[int]]:
         """Each sequence's drafts from the graph path's ``got`` [n, B-1] (its rows are the
-        drafts already: no anchor column, no mask); confirms the plans."""
+        drafts already: no anchor column, no mask); confirms the plans.
+
+        The plans are confirmed while the replay runs, before ``tolist`` waits for it: the
+        K/V is stored by work already launched, and every host-side failure point lies
+        before the launch. (A CUDA error surfacing at the wait leaves the plans confirmed;
+        the device context is unusable after one anyway, and aborting a confirmed plan is a
+        no-op.) At n = 32 this takes the confirms off the call's critical path."""
         n = len(preps)
+        if got.shape[0] != n:
+            raise RuntimeError(f"the graph path returned {got.shape[0]} rows for {n} sequences")
+        self._confirm(preps, [take] * n)
         rows: list[list[int]] = (got if take == got.shape[1] else got[:, :take]).tolist()
-        if len(rows) != n:
-            raise RuntimeError(f"the graph path returned {len(rows)} rows for {n} sequences")
-        self._confirm(preps)
         return rows
 
     @staticmethod
-    def _confirm(preps: Sequence[_Prep]) -> None:
-        """The drafts exist: confirm every plan (their K/V is stored)."""
-        for p in preps:
-            p.state.ctx.confirm_precompute(p.plan)
+    def _confirm(preps: Sequence[_Prep], counts: Sequence[int]) -> None:
+        """The drafts exist: confirm every plan (their K/V is stored) and note each proposal
+        (its anchor position, ``counts[i]`` drafts)."""
+        for p, count in zip(preps, counts):
+            ctx = p.state.ctx
+            ctx.confirm_precompute(p.plan)
+            ctx.note_propose(p.position, count)
             p.state._proposed = True
 
     def _draft(self, preps: Sequence[_Prep], take: int, mask: Tensor | None) -> list[list[int]]:
@@ -1012,5 +1017,5 @@ class DFlashProposer:
         bands = self._split_bands(band, n, take)
         # A row with no allowed token (-1 from masked_argmax) ends that sequence's drafts.
         bands = [d[: d.index(-1)] if -1 in d else d for d in bands]
-        self._confirm(preps)
+        self._confirm(preps, [len(d) for d in bands])
         return bands
