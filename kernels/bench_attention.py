@@ -6,6 +6,8 @@ Bytes counted: the ctx K and V the kernel must read (n * ctx * Hkv * D * 2 tenso
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.functional import scaled_dot_product_attention as sdpa
@@ -33,8 +35,8 @@ def main() -> None:
         q_pos = (ctx + torch.arange(B, device=dev)).repeat(n, 1)
         sp = torch.zeros(num_blocks * page, dtype=torch.int32, device=dev)
         scale = dim**-0.5
-        ms = bench_ms(lambda: K.block_attention(q, kb, vb, kc, vc, tables, ctx_lens, q_pos, sp,
-                                                scale=scale, backend="triton"))
+        ms = bench_ms(partial(K.block_attention, q, kb, vb, kc, vc, tables, ctx_lens, q_pos, sp,
+                              scale=scale, backend="triton"))
         nbytes = n * ctx * hkv * dim * 2 * 2
         gbs = nbytes / (ms * 1e-3) / 1e9
         # SDPA on the same data gathered contiguous (gather not timed)

@@ -45,6 +45,7 @@ import time
 import traceback
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -467,14 +468,14 @@ def bench_propose(
                 runner = prop._graphs
                 rec["graph_mode"] = None if runner is None else runner.mode
                 rec["latency_ms"] = _cell_times(
-                    lambda: seqs.propose_batch(idx), lambda: seqs.advance(idx), cfg.reps, cfg.warmup, device
+                    partial(seqs.propose_batch, idx), partial(seqs.advance, idx), cfg.reps, cfg.warmup, device
                 )
                 if runner is not None:
                     prop._graphs = None
                     try:
                         rec["latency_plain_ms"] = _cell_times(
-                            lambda: seqs.propose_batch(idx),
-                            lambda: seqs.advance(idx),
+                            partial(seqs.propose_batch, idx),
+                            partial(seqs.advance, idx),
                             cfg.reps,
                             cfg.warmup,
                             device,
@@ -483,7 +484,7 @@ def bench_propose(
                         prop._graphs = runner
                     rec["graph_disabled"] = runner.disabled
                 loop = _cell_times(
-                    lambda: seqs.propose_loop(idx), lambda: seqs.advance(idx), cfg.loop_reps, 1, device
+                    partial(seqs.propose_loop, idx), partial(seqs.advance, idx), cfg.loop_reps, 1, device
                 )
                 rec["loop_ms"] = loop
                 rec["speedup_vs_loop"] = loop["median"] / rec["latency_ms"]["median"]
@@ -547,7 +548,7 @@ def bench_quick(
             rec["graph_mode"] = None if runner is None else runner.mode
             rec["fused_drafter"] = runner is not None and runner.fast is not None
             rec["latency_ms"] = _cell_times(
-                lambda: seqs.propose_batch(idx), lambda: seqs.advance(idx), reps, warmup, device
+                partial(seqs.propose_batch, idx), partial(seqs.advance, idx), reps, warmup, device
             )
             if runner is not None:
                 rec["graph_disabled"] = runner.disabled
@@ -555,7 +556,7 @@ def bench_quick(
                 prop._graphs = None
                 try:
                     rec["latency_plain_ms"] = _cell_times(
-                        lambda: seqs.propose_batch(idx), lambda: seqs.advance(idx), reps, warmup,
+                        partial(seqs.propose_batch, idx), partial(seqs.advance, idx), reps, warmup,
                         device,
                     )
                 finally:
@@ -659,15 +660,16 @@ def bench_reference(
 
                     def step() -> None:
                         noise = torch.nn.functional.embedding(ids, embed)
-                        h = ref(
+                        # ref and hidden are deleted below, after every call of step
+                        h = ref(  # noqa: F821
                             position_ids=pos[:, ctx : ctx + 1 + b],
                             noise_embedding=noise,
-                            target_hidden=hidden[:, ctx : ctx + 1],
+                            target_hidden=hidden[:, ctx : ctx + 1],  # noqa: F821
                             past_key_values=cache,
                             use_cache=True,
                         )[:, 1:]
                         _crop_to(cache, ctx)
-                        torch.argmax(ref.compute_logits(h, head), dim=-1).tolist()
+                        torch.argmax(ref.compute_logits(h, head), dim=-1).tolist()  # noqa: F821
 
                     rec["forward_ms"] = _cell_times(step, lambda: None, cfg.reps, cfg.warmup, device)
                 log.info("reference ctx %d %s: %.3f ms", ctx, backend, rec["forward_ms"]["median"])
@@ -872,7 +874,7 @@ def bench_kernels(
                 wall = []
                 for _ in range(calls):
                     seqs.advance(idx)
-                    wall.append(_time_ms(lambda: seqs.propose_batch(idx), device))
+                    wall.append(_time_ms(partial(seqs.propose_batch, idx), device))
                 with profile(activities=[ProfilerActivity.CUDA]) as p:
                     for _ in range(calls):
                         seqs.advance(idx)
