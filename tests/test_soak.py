@@ -84,8 +84,8 @@ def soak(
         if calls[0] % real_every == 0:
             rep.real_proposals += len(preps)
             return real_draft(preps, take, mask)
-        for p in preps:
-            p.state.ctx.confirm_precompute(p.plan)
+        # the proposer's own confirm + note, as after a real forward
+        prop._confirm(preps, [take] * len(preps))
         return [[(p.token + 1 + j) % VOCAB for j in range(take)] for p in preps]
 
     prop._draft = draft  # type: ignore[method-assign]
