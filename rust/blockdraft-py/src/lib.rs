@@ -203,6 +203,11 @@ fn positive(v: usize, name: &'static str) -> PyResult<usize> {
     }
 }
 
+/// Rows of the per-sequence context accumulator: `ceiling = max_seq_len` if the cap is 0,
+/// else `min(max_seq_len, cap)`; `window = min(ceiling, budget_tokens + gamma + 1)`
+/// (saturating). `budget_tokens=None` means the ceiling; `cap=None` reads
+/// `BLOCKDRAFT_DFLASH_CTX_CAP` (default 16384). Raises `ValueError` for a zero or negative size,
+/// `ConfigError` for a bad environment value.
 #[pyfunction]
 #[pyo3(signature = (max_seq_len, gamma, budget_tokens=None, cap=None))]
 fn ctx_window(
@@ -220,6 +225,8 @@ fn ctx_window(
     Ok(core::ctx_window(max_seq_len, gamma, budget, cap).map_err(CoreError)?)
 }
 
+/// `max_seq_len` if the cap is 0, else `min(max_seq_len, cap)`; `cap=None` reads the
+/// environment. Raises `ValueError` (`max_seq_len < 1`, a negative cap) or `ConfigError`.
 #[pyfunction]
 #[pyo3(signature = (max_seq_len, cap=None))]
 fn ctx_ceiling(max_seq_len: &Bound<'_, PyAny>, cap: Option<&Bound<'_, PyAny>>) -> PyResult<usize> {
@@ -228,11 +235,14 @@ fn ctx_ceiling(max_seq_len: &Bound<'_, PyAny>, cap: Option<&Bound<'_, PyAny>>) -
     Ok(core::ctx_ceiling(max_seq_len, cap).map_err(CoreError)?)
 }
 
+/// The cap from `BLOCKDRAFT_DFLASH_CTX_CAP` (default 16384, 0 = uncapped). Raises `ConfigError`
+/// when the value is not a non-negative integer.
 #[pyfunction]
 fn read_ctx_cap() -> PyResult<usize> {
     Ok(core::read_ctx_cap().map_err(CoreError)?)
 }
 
+/// 1 without a batched path or when `width < 2`; else `min(width, max(max_batch, 1))`.
 #[pyfunction]
 #[pyo3(signature = (batched_path, width, max_batch))]
 fn propose_batch_max(
@@ -247,6 +257,8 @@ fn propose_batch_max(
     ))
 }
 
+/// Why `propose_batch` must decline before doing any work, or `None` to proceed: `n < 2`,
+/// `n > max_batch`, `num_positions != n`, `num_states != n`, or no batched path.
 #[pyfunction]
 #[pyo3(signature = (n, max_batch, batched_path, num_positions, num_states))]
 fn batch_decline_reason(
@@ -265,6 +277,10 @@ fn batch_decline_reason(
     ))
 }
 
+/// Split `n * block` output tokens into `n` bands of drafts: band i is
+/// `tokens[i*block:(i+1)*block]`, without its row 0 (the anchor) when there is a mask token,
+/// at most `draft_cap` drafts each. `None` when fewer than `n * block` tokens were given.
+/// Raises `ValueError` for `n < 1`, `block < 1` or `draft_cap < 1`.
 #[pyfunction]
 #[pyo3(signature = (tokens, n, block, has_mask_token, draft_cap=None))]
 fn split_bands(
@@ -293,6 +309,8 @@ fn py_bool(b: bool) -> &'static str {
 
 type SharedPool = Arc<Mutex<core::BlockPool>>;
 
+/// A fixed set of `num_blocks` K/V blocks of `block_size` tokens, shared by sequences
+/// (thread-safe). See `blockdraft/_core.pyi` for every method.
 #[pyclass(name = "BlockPool", module = "blockdraft._core", frozen)]
 struct PyBlockPool {
     pool: SharedPool,
@@ -426,6 +444,8 @@ impl Drop for StateShared {
     }
 }
 
+/// What an append must do to the accumulator before writing new rows: move rows
+/// `[src_start, src_start + keep)` to the front.
 #[pyclass(name = "SlidePlan", module = "blockdraft._core", frozen)]
 struct PySlidePlan {
     inner: core::SlidePlan,
@@ -451,6 +471,8 @@ impl PySlidePlan {
     }
 }
 
+/// The accumulator work of one `ContextState.plan_append` call: the optional slide, then the
+/// new rows at `[dst_start, dst_start + n_rows)`; commit it with `ContextState.apply_append`.
 #[pyclass(name = "AppendPlan", module = "blockdraft._core", frozen)]
 struct PyAppendPlan {
     inner: core::AppendPlan,
@@ -492,6 +514,8 @@ impl PyAppendPlan {
     }
 }
 
+/// K/V work for context rows `[row_start, row_end)` of one state: their positions, slots and
+/// the blocks taken for them; resolve it with `confirm_precompute` or `abort_precompute`.
 #[pyclass(name = "PrecomputePlan", module = "blockdraft._core", frozen)]
 struct PyPrecomputePlan {
     inner: core::PrecomputePlan,
@@ -549,6 +573,8 @@ impl PyPrecomputePlan {
     }
 }
 
+/// Bookkeeping of one sequence's drafter context (the seed's `DflashProposerState`): window,
+/// counters, block table and the two-phase plans. See `blockdraft/_core.pyi`.
 #[pyclass(name = "ContextState", module = "blockdraft._core", frozen)]
 struct PyContextState {
     shared: Arc<StateShared>,
