@@ -173,8 +173,9 @@ def test_batch_commit_rejects_bad_input_and_changes_nothing(drafter: Any, target
 def test_triton_batch_commit_is_one_kernel_launch(
     drafter: Any, target: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Rows that all fit their windows go in with one accumulator-kernel call; a batch with a
-    cut (more rows than a window) takes the per-sequence copies. Same rows either way."""
+    """A step's few rows per sequence (up to B, none cut) go in with one accumulator-kernel
+    call; a batch with a cut (more rows than a window) or with more than B rows per sequence
+    (a prefill) takes the per-sequence copies. Same rows either way."""
     from blockdraft.kernels import accumulator
 
     calls: list[int] = []
@@ -187,9 +188,10 @@ def test_triton_batch_commit_is_one_kernel_launch(
     monkeypatch.setattr(accumulator, "acc_append_unchecked", counting)
     batch, b_states, single, s_states = _pair(drafter, target, "triton", [20, 20, 5])
     rows = torch.randn(15, K_H, generator=torch.Generator().manual_seed(1))
-    for cut in (False, True):
-        counts = [3, 0, 4] if not cut else [2, 1, 12]  # 12 rows > window 5 + B + 1 = 10
-        positions = [list(range(30 * cut, 30 * cut + c)) for c in counts]
+    # B = 4: 7 rows for 2 sequences (one launch); 12 rows > window 5 + B + 1 = 10 (a cut);
+    # 11 rows for 2 sequences > 2 x B (copies)
+    for k, counts in enumerate(([3, 0, 4], [2, 1, 12], [5, 0, 6])):
+        positions = [list(range(30 * k, 30 * k + c)) for c in counts]
         batch.commit_ctx_batch(b_states, rows[: sum(counts)], positions)
         offset = 0
         for state, pos in zip(s_states, positions):

@@ -563,15 +563,19 @@ class DFlashProposer:
         if len(positions) != len(live):
             raise ValueError(f"{len(live)} states but {len(positions)} position lists")
         self._check_rows(hidden_rows)
-        work: list[tuple[DFlashState, AppendPlan, int]] = []  # state, plan, first source row
+        # per state with rows: the state, its plan, its first source row, its row count
+        work: list[tuple[DFlashState, AppendPlan, int, int]] = []
         offset = 0
         for state, raw in zip(live, positions):
             pos = self._positions(raw)
             count = len(pos)
             if count:
-                keep = min(count, state.window)
-                plan = state.ctx.plan_append(pos[count - keep :] if keep < count else pos)
-                work.append((state, plan, offset + count - keep))
+                window = state.ctx.window
+                if count > window:  # keep the newest rows
+                    plan = state.ctx.plan_append(pos[count - window :])
+                    work.append((state, plan, offset + count - window, window))
+                else:
+                    work.append((state, state.ctx.plan_append(pos), offset, count))
             offset += count
         if offset != hidden_rows.shape[0]:
             raise ValueError(f"{hidden_rows.shape[0]} rows but {offset} positions in all")
@@ -582,30 +586,26 @@ class DFlashProposer:
         first_acc = work[0][0].acc
         assert first_acc is not None
         new_rows = self._detached_rows(hidden_rows, first_acc).contiguous()
-        for state, plan, _ in work:
-            self._slide(state, plan)
         accs: list[Tensor] = []
-        counts: list[int] = []
         starts: list[int] = []
-        whole = True  # every state keeps all its rows, in order: one launch takes them as is
-        cursor = 0
-        for state, plan, src in work:
+        counts: list[int] = []
+        for state, plan, _, count in work:
+            self._slide(state, plan)
             assert state.acc is not None
             accs.append(state.acc)
-            counts.append(plan.n_rows)
             starts.append(plan.dst_start)
-            whole = whole and src == cursor
-            cursor = src + plan.n_rows
-        if self.backend == "triton" and whole and cursor == new_rows.shape[0]:
+            counts.append(count)
+        # One kernel launch takes the rows as they are when no state's rows were cut (so they
+        # lie in order, back to back) and they are a step's few per sequence (the steady
+        # state: up to B); bigger commits (prefills) copy per sequence, with no per-row map.
+        if self.backend == "triton" and offset == sum(counts) <= self.gamma * len(work):
             from blockdraft.kernels.accumulator import acc_append_unchecked
 
             acc_append_unchecked(accs, new_rows, counts, starts)
         else:
-            for (state, plan, src), acc in zip(work, accs):
-                acc[plan.dst_start : plan.dst_start + plan.n_rows].copy_(
-                    new_rows[src : src + plan.n_rows]
-                )
-        for state, plan, _ in work:
+            for (state, plan, src, count), acc, dst in zip(work, accs, starts):
+                acc[dst : dst + count].copy_(new_rows[src : src + count])
+        for state, plan, _, _ in work:
             state.ctx.apply_append(plan)
             state._fresh = None
 
