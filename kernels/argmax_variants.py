@@ -8,9 +8,10 @@ Run 7 (kernels/RESULTS.md) ran this against the kernel shipped before it: the ma
 shipped kernel (``argmax_tile`` gives the two tiles per step for >= 256 rows), so "shipped"
 below is that kernel when run today.
 
-Each variant is its own ``@triton.jit`` partial kernel with the shipped partial contract (per
-row and split: the best allowed value above -inf as fp32 and its lowest id as int64, ``_NO_ID``
-for none), so the shipped combine kernel finishes the job (rows whose allowed logits are all
+Every variant is one ``KIND`` of two ``@triton.jit`` partial kernels (``value_partial_kernel``:
+the shipped math and its changes; ``key_partial_kernel``: integer keys), both with the shipped
+partial contract (per row and split: the best allowed value above -inf as fp32 and its lowest
+id as int64, ``_NO_ID`` for none), so the shipped combine kernel finishes the job (rows whose allowed logits are all
 -inf, -1 for rows with nothing allowed). NaN logits are skipped as in the shipped kernel
 (``x > best`` is false for NaN), i.e. read as -inf; the torch reference does not take NaN.
 
@@ -275,12 +276,15 @@ def _value_result(best, best_it, lane_ids, first, TILE: tl.constexpr):
     return top, idx
 
 
-@triton.jit
-def _value_partial(logits_ptr, bitmask_ptr, part_val_ptr, part_idx_ptr, vocab, num_words, s_row,
-                   NUM_SPLITS: tl.constexpr, CHUNK: tl.constexpr, HAS_MASK: tl.constexpr,
-                   BLOCK_W: tl.constexpr, UNROLL: tl.constexpr, EVICT: tl.constexpr,
-                   CACHE: tl.constexpr, KIND: tl.constexpr, FMT: tl.constexpr):
-    # Per lane: the largest allowed value above -inf and the tile it was first seen in.
+@triton.jit(do_not_specialize=["num_rows"])
+def value_partial_kernel(logits_ptr, bitmask_ptr, part_val_ptr, part_idx_ptr, num_rows, vocab,
+                         num_words, s_row, NUM_SPLITS: tl.constexpr, CHUNK: tl.constexpr,
+                         HAS_MASK: tl.constexpr, BLOCK_W: tl.constexpr, UNROLL: tl.constexpr,
+                         EVICT: tl.constexpr, CACHE: tl.constexpr, KIND: tl.constexpr,
+                         FMT: tl.constexpr):
+    # KIND 0 (`unroll`), 1 (`fused`), 5 (`fused_pair`: logits_ptr holds the raw bits, FMT
+    # their format). Per lane: the largest allowed value above -inf and the tile it was first
+    # seen in.
     TILE: tl.constexpr = BLOCK_W * 32
     row, split, word, bit_of_lane, tile_ids, pairs, bit_of_pair, row_logits, row_mask, first = \
         _setup(logits_ptr, bitmask_ptr, num_words, s_row, CHUNK, BLOCK_W)
@@ -332,13 +336,13 @@ def _key_value(top, off, thresh, FMT: tl.constexpr, KEY_H: tl.constexpr):
     return tl.where(top >= thresh, val, _NINF)
 
 
-@triton.jit
-def _key_partial(logits_ptr, bitmask_ptr, part_val_ptr, part_idx_ptr, vocab, num_words, s_row,
-                 NUM_SPLITS: tl.constexpr, CHUNK: tl.constexpr, HAS_MASK: tl.constexpr,
-                 BLOCK_W: tl.constexpr, UNROLL: tl.constexpr, EVICT: tl.constexpr,
-                 CACHE: tl.constexpr, FMT: tl.constexpr, KEY_H: tl.constexpr,
-                 KEY_D: tl.constexpr, KIND: tl.constexpr):
-    # KIND 2: exact keys. 3 / 4 (pairs): raw-bits keys, then exact keys again for a split
+@triton.jit(do_not_specialize=["num_rows"])
+def key_partial_kernel(logits_ptr, bitmask_ptr, part_val_ptr, part_idx_ptr, num_rows, vocab,
+                       num_words, s_row, NUM_SPLITS: tl.constexpr, CHUNK: tl.constexpr,
+                       HAS_MASK: tl.constexpr, BLOCK_W: tl.constexpr, UNROLL: tl.constexpr,
+                       EVICT: tl.constexpr, CACHE: tl.constexpr, FMT: tl.constexpr,
+                       KEY_H: tl.constexpr, KEY_D: tl.constexpr, KIND: tl.constexpr):
+    # KIND 2 (`ikey`): exact keys. 3 / 4 (`ikey_fast`, `ikey_pair`): raw-bits keys, then exact keys again for a split
     # whose winner is not in (+0, +inf]. logits_ptr: the raw bits (int16; int32 for fp32).
     TILE: tl.constexpr = BLOCK_W * 32
     KMIN: tl.constexpr = -(1 << (2 * KEY_H - 1))
@@ -386,71 +390,6 @@ def _key_partial(logits_ptr, bitmask_ptr, part_val_ptr, part_idx_ptr, vocab, num
     _store(part_val_ptr, part_idx_ptr, row, split, val, idx, NUM_SPLITS)
 
 
-# One @triton.jit partial kernel per variant (the shipped kernel's arguments, plus UNROLL and
-# the load policy; the integer-key kernels take the logits' raw bits and their format).
-
-
-@triton.jit(do_not_specialize=["num_rows"])
-def unroll_partial_kernel(logits_ptr, bitmask_ptr, part_val_ptr, part_idx_ptr, num_rows, vocab,
-                          num_words, s_row, NUM_SPLITS: tl.constexpr, CHUNK: tl.constexpr,
-                          HAS_MASK: tl.constexpr, BLOCK_W: tl.constexpr, UNROLL: tl.constexpr,
-                          EVICT: tl.constexpr, CACHE: tl.constexpr):
-    _value_partial(logits_ptr, bitmask_ptr, part_val_ptr, part_idx_ptr, vocab, num_words, s_row,
-                   NUM_SPLITS, CHUNK, HAS_MASK, BLOCK_W, UNROLL, EVICT, CACHE, 0, 0)
-
-
-@triton.jit(do_not_specialize=["num_rows"])
-def fused_partial_kernel(logits_ptr, bitmask_ptr, part_val_ptr, part_idx_ptr, num_rows, vocab,
-                         num_words, s_row, NUM_SPLITS: tl.constexpr, CHUNK: tl.constexpr,
-                         HAS_MASK: tl.constexpr, BLOCK_W: tl.constexpr, UNROLL: tl.constexpr,
-                         EVICT: tl.constexpr, CACHE: tl.constexpr):
-    _value_partial(logits_ptr, bitmask_ptr, part_val_ptr, part_idx_ptr, vocab, num_words, s_row,
-                   NUM_SPLITS, CHUNK, HAS_MASK, BLOCK_W, UNROLL, EVICT, CACHE, 1, 0)
-
-
-@triton.jit(do_not_specialize=["num_rows"])
-def fused_pair_partial_kernel(logits_ptr, bitmask_ptr, part_val_ptr, part_idx_ptr, num_rows,
-                              vocab, num_words, s_row, NUM_SPLITS: tl.constexpr,
-                              CHUNK: tl.constexpr, HAS_MASK: tl.constexpr,
-                              BLOCK_W: tl.constexpr, UNROLL: tl.constexpr, EVICT: tl.constexpr,
-                              CACHE: tl.constexpr, FMT: tl.constexpr):
-    _value_partial(logits_ptr, bitmask_ptr, part_val_ptr, part_idx_ptr, vocab, num_words, s_row,
-                   NUM_SPLITS, CHUNK, HAS_MASK, BLOCK_W, UNROLL, EVICT, CACHE, 5, FMT)
-
-
-@triton.jit(do_not_specialize=["num_rows"])
-def ikey_partial_kernel(logits_ptr, bitmask_ptr, part_val_ptr, part_idx_ptr, num_rows, vocab,
-                        num_words, s_row, NUM_SPLITS: tl.constexpr, CHUNK: tl.constexpr,
-                        HAS_MASK: tl.constexpr, BLOCK_W: tl.constexpr, UNROLL: tl.constexpr,
-                        EVICT: tl.constexpr, CACHE: tl.constexpr, FMT: tl.constexpr,
-                        KEY_H: tl.constexpr, KEY_D: tl.constexpr):
-    _key_partial(logits_ptr, bitmask_ptr, part_val_ptr, part_idx_ptr, vocab, num_words, s_row,
-                 NUM_SPLITS, CHUNK, HAS_MASK, BLOCK_W, UNROLL, EVICT, CACHE, FMT, KEY_H, KEY_D,
-                 2)
-
-
-@triton.jit(do_not_specialize=["num_rows"])
-def ikey_fast_partial_kernel(logits_ptr, bitmask_ptr, part_val_ptr, part_idx_ptr, num_rows,
-                             vocab, num_words, s_row, NUM_SPLITS: tl.constexpr,
-                             CHUNK: tl.constexpr, HAS_MASK: tl.constexpr, BLOCK_W: tl.constexpr,
-                             UNROLL: tl.constexpr, EVICT: tl.constexpr, CACHE: tl.constexpr,
-                             FMT: tl.constexpr, KEY_H: tl.constexpr, KEY_D: tl.constexpr):
-    _key_partial(logits_ptr, bitmask_ptr, part_val_ptr, part_idx_ptr, vocab, num_words, s_row,
-                 NUM_SPLITS, CHUNK, HAS_MASK, BLOCK_W, UNROLL, EVICT, CACHE, FMT, KEY_H, KEY_D,
-                 3)
-
-
-@triton.jit(do_not_specialize=["num_rows"])
-def ikey_pair_partial_kernel(logits_ptr, bitmask_ptr, part_val_ptr, part_idx_ptr, num_rows,
-                             vocab, num_words, s_row, NUM_SPLITS: tl.constexpr,
-                             CHUNK: tl.constexpr, HAS_MASK: tl.constexpr, BLOCK_W: tl.constexpr,
-                             UNROLL: tl.constexpr, EVICT: tl.constexpr, CACHE: tl.constexpr,
-                             FMT: tl.constexpr, KEY_H: tl.constexpr, KEY_D: tl.constexpr):
-    _key_partial(logits_ptr, bitmask_ptr, part_val_ptr, part_idx_ptr, vocab, num_words, s_row,
-                 NUM_SPLITS, CHUNK, HAS_MASK, BLOCK_W, UNROLL, EVICT, CACHE, FMT, KEY_H, KEY_D,
-                 4)
-
-
 # --------------------------------------------------------------------------- launchers
 
 # per logits dtype: FMT, KEY_H (keys: the logit's bits << KEY_H), raw-bits dtype, +inf's key
@@ -487,10 +426,11 @@ def pairable(logits: torch.Tensor) -> bool:
             and logits.stride(0) % 2 == 0 and logits.data_ptr() % 4 == 0)
 
 
-def _launch(kernel: Any, raw: bool, keys: bool, logits: torch.Tensor,
+def _launch(kind: int, raw: bool, logits: torch.Tensor,
             bitmask: torch.Tensor | None, num_splits: int | None, tile: tuple[int, int] | None,
             unroll: int, load: str) -> torch.Tensor:
-    # the shipped launcher's steps; `raw`: pass the logits' bits and FMT (+ KEY_H, KEY_D)
+    # the shipped launcher's steps; `raw`: pass the logits' bits and FMT (+ KEY_H, KEY_D for
+    # the key kinds 2-4)
     num_rows, vocab, num_words = sel._check_inputs(logits, bitmask)
     out = torch.empty(num_rows, dtype=torch.int64, device=logits.device)
     if num_rows == 0:
@@ -503,10 +443,12 @@ def _launch(kernel: Any, raw: bool, keys: bool, logits: torch.Tensor,
     part_idx = torch.empty((num_rows, splits), dtype=torch.int64, device=logits.device)
     mask_arg = bitmask if bitmask is not None else part_idx
     evict, cache = _LOADS[load]
-    src, extra = logits, {}
+    keys = kind in (2, 3, 4)
+    kernel = key_partial_kernel if keys else value_partial_kernel
+    src, extra = logits, {"KIND": kind, "FMT": 0}
     if raw:
         fmt, key_h, bits_dtype, inf_key = _FORMATS[logits.dtype]
-        src, extra = logits.view(bits_dtype), {"FMT": fmt}
+        src, extra["FMT"] = logits.view(bits_dtype), fmt
         if keys:  # D: +NaN keys wrap below -inf's (see the module docstring)
             extra.update(KEY_H=key_h, KEY_D=(1 << (2 * key_h - 1)) - inf_key - (1 << key_h))
     kernel[(num_rows, splits)](
@@ -525,7 +467,7 @@ def _launch(kernel: Any, raw: bool, keys: bool, logits: torch.Tensor,
 Launcher = Callable[..., torch.Tensor]
 
 
-def _variant(kernel: Any, raw: bool, keys: bool, unpaired: Launcher | None = None) -> Launcher:
+def _variant(kind: int, raw: bool, unpaired: Launcher | None = None) -> Launcher:
     """``launch(logits, bitmask, num_splits=None, tile=None, unroll=1, load="")``; a pair
     variant hands logits it cannot read as int32 pairs to ``unpaired``."""
     def launch(logits: torch.Tensor, bitmask: torch.Tensor | None, num_splits: int | None = None,
@@ -533,7 +475,7 @@ def _variant(kernel: Any, raw: bool, keys: bool, unpaired: Launcher | None = Non
                load: str = "") -> torch.Tensor:
         if unpaired is not None and not pairable(logits):
             return unpaired(logits, bitmask, num_splits, tile, unroll, load)
-        return _launch(kernel, raw, keys, logits, bitmask, num_splits, tile, unroll, load)
+        return _launch(kind, raw, logits, bitmask, num_splits, tile, unroll, load)
 
     return launch
 
@@ -545,15 +487,16 @@ def _shipped(logits: torch.Tensor, bitmask: torch.Tensor | None, num_splits: int
     return sel.masked_argmax(logits, bitmask, num_splits=num_splits, tile=tile)
 
 
-_fused = _variant(fused_partial_kernel, False, False)
-_ikey_fast = _variant(ikey_fast_partial_kernel, True, True)
+# variant -> (KIND of the two kernels above, whether the kernel reads the logits' raw bits)
+_fused = _variant(1, False)
+_ikey_fast = _variant(3, True)
 VARIANTS: dict[str, Launcher] = {
-    "unroll": _variant(unroll_partial_kernel, False, False),
+    "unroll": _variant(0, False),
     "fused": _fused,
-    "fused_pair": _variant(fused_pair_partial_kernel, True, False, unpaired=_fused),
-    "ikey": _variant(ikey_partial_kernel, True, True),
+    "fused_pair": _variant(5, True, unpaired=_fused),
+    "ikey": _variant(2, True),
     "ikey_fast": _ikey_fast,
-    "ikey_pair": _variant(ikey_pair_partial_kernel, True, True, unpaired=_ikey_fast),
+    "ikey_pair": _variant(4, True, unpaired=_ikey_fast),
 }
 ALL: dict[str, Launcher] = {"shipped": _shipped, **VARIANTS}
 
