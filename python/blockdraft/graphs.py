@@ -28,10 +28,11 @@ The host keeps a pinned mirror of ``meta`` and rewrites only what changed, in on
 sequences (:meth:`GraphRunner._fill`): per row the three scalars, plus the blocks a precompute
 plan appended (a row's whole table is re-read from the core only when the row holds another
 state or its table changed in some other way, e.g. after a slide); the scalars and the staged
-positions/slots are written at the end (columns; whole rows via a scratch array). One host-to-device copy per call moves it.
-The states' device block tables are not made per call (``DFlashState.block_table_dev`` builds
-one from the core on access). Rows past ``n`` (bucket padding) have no
-context and their drafts are ignored.
+positions/slots are written at the end (columns; whole rows via a scratch array). One
+host-to-device copy per call moves it. The states' device block tables are not made per call
+(``DFlashState.block_table_dev`` builds one from the core on access). Rows past ``n`` (bucket
+padding) have no context and their drafts are ignored. Inside the graph the ctx K/V store runs
+on a second stream beside the first layer's input work (:meth:`GraphRunner._store_beside`).
 
 Attention splits are derived from ``W`` (shapes only), so a graph stays valid for every context
 length up to the window ceiling. ``mode="static"`` runs the same buffers eagerly on any device:
@@ -133,6 +134,8 @@ class GraphRunner:
         self.disabled: str | None = None
         self._store_stream: Any = None  # the ctx K/V store's stream (CUDA only)
         self.gamma = prop.gamma
+        # staged rows per sequence with a graph of their own, ascending (see stage_caps)
+        self._stage_per = (1, min(4, self.gamma), self.gamma)
         self._pos_col = _META + self.width
         self._slot_col = _META + self.width + self.gamma
         # The fused view of the drafter (stacked weights); None keeps the drafter's own forward.
@@ -186,12 +189,11 @@ class GraphRunner:
         own for a bucket of ``size`` rows: 1, 4 and B rows per sequence. The K/V GEMMs run over
         the whole capacity, so a step that commits one row per sequence (nothing accepted)
         does not pay for B."""
-        return sorted({size, min(4, self.gamma) * size, self.gamma * size})
+        return sorted({per * size for per in self._stage_per})
 
     def stage_cap(self, size: int, staged: int) -> int:
-        """The smallest capacity of :meth:`stage_caps` holding ``staged`` rows (1, 4 or B
-        rows per sequence, in that order; no list is built: this runs every call)."""
-        for per in (1, min(4, self.gamma), self.gamma):
+        """The smallest capacity of :meth:`stage_caps` holding ``staged`` rows."""
+        for per in self._stage_per:
             if per * size >= staged:
                 return per * size
         raise AssertionError(f"{staged} staged rows exceed the bucket's {size} x B")
