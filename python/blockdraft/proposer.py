@@ -513,18 +513,15 @@ class DFlashProposer:
         pos = self._positions(positions)
         if len(pos) != hidden_rows.shape[0]:
             raise ValueError(f"{hidden_rows.shape[0]} rows but {len(pos)} positions")
-        if len(pos) > state.window:
-            hidden_rows = hidden_rows[-state.window :]
-            pos = pos[-state.window :]
-        plan = state.ctx.plan_append(pos)
+        plan, skip, count = self._plan_commit(state, pos)
         # Every allocation happens before the accumulator is touched: a failure (device OOM)
         # must leave its rows as they were, since the core still describes the old layout.
         if faults._ACTIVE is not None:
             faults.hit("accumulator")
-        new_rows = self._detached_rows(hidden_rows, acc)
+        new_rows = self._detached_rows(hidden_rows[skip:] if skip else hidden_rows, acc)
         self._slide(state, plan)
         start = plan.dst_start
-        end = start + plan.n_rows
+        end = start + count
         rows = acc[start:end]
         rows.copy_(new_rows)
         state.ctx.apply_append(plan)
@@ -568,15 +565,10 @@ class DFlashProposer:
         offset = 0
         for state, raw in zip(live, positions):
             pos = self._positions(raw)
-            count = len(pos)
-            if count:
-                window = state.ctx.window
-                if count > window:  # keep the newest rows
-                    plan = state.ctx.plan_append(pos[count - window :])
-                    work.append((state, plan, offset + count - window, window))
-                else:
-                    work.append((state, state.ctx.plan_append(pos), offset, count))
-            offset += count
+            if pos:
+                plan, skip, count = self._plan_commit(state, pos)
+                work.append((state, plan, offset + skip, count))
+            offset += len(pos)
         if offset != hidden_rows.shape[0]:
             raise ValueError(f"{hidden_rows.shape[0]} rows but {offset} positions in all")
         if not work:
@@ -631,6 +623,13 @@ class DFlashProposer:
             return [operator.index(p) for p in raw]
         except TypeError:
             raise TypeError("positions must be ints (a float position is never rounded)") from None
+
+    @staticmethod
+    def _plan_commit(state: DFlashState, pos: list[int]) -> tuple[AppendPlan, int, int]:
+        """The append plan of ``pos`` (changes nothing): ``(plan, rows skipped, rows kept)``;
+        more rows than the window keep only the newest ``window``."""
+        skip = max(0, len(pos) - state.ctx.window)
+        return state.ctx.plan_append(pos[skip:] if skip else pos), skip, len(pos) - skip
 
     @staticmethod
     def _detached_rows(hidden_rows: Tensor, acc: Tensor) -> Tensor:
