@@ -51,7 +51,7 @@ with torch.inference_mode():
         print(ctx, n, {k: round(statistics.median(v), 4) for k, v in res.items()}, flush=True)
         seqs.free()
         del prop, runners
-core = bench.bench_core_bookkeeping(types.SimpleNamespace(kv_block_size=16), shape, calls=20000)
+core = bench.bench_core_bookkeeping(16, shape, calls=20000)
 out["core_us"] = core["us_per_seq_step"]
 print("core", core["us_per_seq_step"])
 json.dump(out, open(os.path.join(os.environ["OUT"], "ab.json"), "w"), indent=1)

@@ -13,7 +13,6 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 OUT REPS="${REPS:-20}"
 "${PYTHON:-python3}" - <<'PY'
 import json, logging, os, time
-from types import SimpleNamespace
 from pathlib import Path
 
 import torch
@@ -32,7 +31,7 @@ with torch.inference_mode():
     records = bench.bench_quick(shape, drafter, target, device, reps=int(os.environ["REPS"]))
     # How fast this host is at the Rust core's per-step calls: host-bound figures vary by up to
     # 2x between machines of the same kind, so read them next to this one.
-    core = bench.bench_core_bookkeeping(SimpleNamespace(kv_block_size=16), shape, calls=20000)
+    core = bench.bench_core_bookkeeping(16, shape, calls=20000)
 result = {
     "environment": bench.environment(device),
     "shape": "qwen3-8b",

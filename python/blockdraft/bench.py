@@ -760,7 +760,7 @@ def bench_host(
                 }
             )
             out[-1].update(_host_glue(prop, seqs, idx, calls))
-        out.append(bench_core_bookkeeping(prop, shape, calls=2000))
+        out.append(bench_core_bookkeeping(prop.kv_block_size, shape, calls=2000))
     finally:
         seqs.free()
         _release(prop)
@@ -815,12 +815,13 @@ def _host_glue(prop: Any, seqs: _Seqs, idx: list[int], calls: int) -> dict[str, 
             "commit_us_per_seq": commit, "step_us_per_seq": per_call / n + commit}
 
 
-def bench_core_bookkeeping(prop: Any, shape: Shape, calls: int) -> dict[str, Any]:
+def bench_core_bookkeeping(block_size: int, shape: Shape, calls: int) -> dict[str, Any]:
     """The Rust core's calls of one steady-state step (append 1 row, plan/confirm the K/V,
-    note the proposal, record the verify) on a fresh state, without touching any tensor."""
+    note the proposal, record the verify) on a fresh state with blocks of ``block_size`` rows,
+    without touching any tensor."""
     from blockdraft._core import BlockPool, ContextState
 
-    pool = BlockPool(calls // prop.kv_block_size + 2, prop.kv_block_size)
+    pool = BlockPool(calls // block_size + 2, block_size)
     st = ContextState(pool, 1 << 20, 0)
     pos = 0
     try:
