@@ -25,9 +25,9 @@ with torch.inference_mode():
         seqs = _Seqs(prop, shape, ctx, n, torch.Generator(device=dev).manual_seed(ctx))
         idx = list(range(n))
         real_bands = prop._graph_bands
-        def old_bands(preps, got, take, _p=prop):
+        def old_bands(step, got, take, _p=prop):
             rows = (got if take == got.shape[1] else got[:, :take]).tolist()
-            _p._confirm(preps, [take] * len(preps))
+            _p._confirm(step, take)
             return rows
         runners = {}
         for store in ("stream", "inline"):

@@ -179,13 +179,13 @@ def test_triton_batch_commit_is_one_kernel_launch(
     from blockdraft.kernels import accumulator
 
     calls: list[int] = []
-    real = accumulator.acc_append_unchecked
+    real = accumulator.acc_append_mapped
 
-    def counting(accs: Any, rows: Any, counts: Any, starts: Any) -> None:
-        calls.append(len(accs))
-        real(accs, rows, counts, starts)
+    def counting(addrs: Any, rows: Any, row_map: Any) -> None:
+        calls.append(len(addrs))
+        real(addrs, rows, row_map)
 
-    monkeypatch.setattr(accumulator, "acc_append_unchecked", counting)
+    monkeypatch.setattr(accumulator, "acc_append_mapped", counting)
     batch, b_states, single, s_states = _pair(drafter, target, "triton", [20, 20, 5])
     rows = torch.randn(15, K_H, generator=torch.Generator().manual_seed(1))
     # B = 4: 7 rows for 2 sequences (one launch); 12 rows > window 5 + B + 1 = 10 (a cut);

@@ -125,7 +125,7 @@ def test_precompute_in_the_graph_gives_the_plain_drafts(backend: str) -> None:
     real_launch = runner._launch
 
     def recording(bucket: Any, n: int, cap: int) -> Any:
-        launches.append((bucket.size, bucket.staged, cap))
+        launches.append((bucket.size, bucket.meta.staged, cap))
         return real_launch(bucket, n, cap)
 
     runner._launch = recording  # type: ignore[method-assign]
@@ -142,7 +142,7 @@ def test_precompute_in_the_graph_gives_the_plain_drafts(backend: str) -> None:
     assert len(plain_eager) == 8
     assert sum(graph_eager) == 3
     # The last call (step 7, n=3 -> bucket 4) staged 3 + 3 + 4 rows (commits of steps 5 and 6).
-    assert runner._slots[4].staged == 10
+    assert runner._slots[4].meta.staged == 10
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

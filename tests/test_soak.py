@@ -21,7 +21,6 @@ from __future__ import annotations
 import os
 import random
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,7 +30,7 @@ from scorecard import score
 from tinypair import K_H, tiny_drafter, tiny_target
 
 from blockdraft import PoolExhaustedError, faults
-from blockdraft.proposer import DFlashProposer, DFlashState, _Prep
+from blockdraft.proposer import DFlashProposer, DFlashState, _Step
 from core_checks import check_world
 
 LIVE = 8
@@ -79,14 +78,14 @@ def soak(
     real_draft = prop._draft
     calls = [0]
 
-    def draft(preps: Sequence[_Prep], take: int, mask: Any) -> list[list[int]]:
+    def draft(step: _Step, take: int, mask: Any) -> list[list[int]]:
         calls[0] += 1
         if calls[0] % real_every == 0:
-            rep.real_proposals += len(preps)
-            return real_draft(preps, take, mask)
+            rep.real_proposals += len(step.plans)
+            return real_draft(step, take, mask)
         # the proposer's own confirm + note, as after a real forward
-        prop._confirm(preps, [take] * len(preps))
-        return [[(p.token + 1 + j) % VOCAB for j in range(take)] for p in preps]
+        prop._confirm(step, take)
+        return [[(tok + 1 + j) % VOCAB for j in range(take)] for tok in step.tokens]
 
     prop._draft = draft  # type: ignore[method-assign]
     rows = torch.randn(64, K_H, device=device)

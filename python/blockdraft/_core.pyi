@@ -8,7 +8,8 @@ according to the plans returned here.
 Users import these names from :mod:`blockdraft`, never from ``blockdraft._core``.
 """
 
-from typing import Final, NoReturn, final
+from collections.abc import Sequence
+from typing import Any, Final, NoReturn, final
 
 __version__: Final[str]
 
@@ -354,6 +355,137 @@ def split_bands(
     Raises:
         ValueError: ``n < 1``, ``block < 1`` or ``draft_cap < 1``.
     """
+
+# ---------------------------------------------------------------- whole-step entry points
+# One call does a step's bookkeeping for every sequence of a batch (rust/blockdraft-py/src/step.rs).
+
+def plan_proposals(
+    what: str,
+    states: Sequence[ContextState],
+    tokens: Sequence[int],
+    positions: Sequence[int],
+    vocab: int,
+    owner: int,
+    fail_at: int | None = None,
+) -> list[PrecomputePlan]:
+    """Check every anchor of a proposal over ``states``, then plan every sequence's ctx K/V.
+
+    All or nothing: on any error no plan stays outstanding. ``what`` names the caller in error
+    messages; ``owner`` is the proposer every state must belong to; a token must lie in
+    ``[0, vocab)``, a position in ``[0, 2**62)`` after the state's last context position.
+    ``fail_at`` (fault injection, ``blockdraft.faults.hits``): planning that sequence raises
+    ``PoolExhaustedError``.
+
+    Raises:
+        InvalidStateError: not a ``ContextState``, another proposer's, or freed.
+        TypeError: a token or position that is not an int (``bool`` included).
+        ValueError: a bad token or position, a state given twice, lengths that differ.
+        PoolExhaustedError: not enough free blocks for every plan.
+    """
+
+def confirm_proposals(
+    plans: list[PrecomputePlan], positions: Sequence[int], counts: int | Sequence[int]
+) -> None:
+    """The drafts exist: confirm each plan and record its proposal at ``positions[i]`` with
+    ``counts[i]`` drafts (an int: the same for all). Stops at the first error.
+
+    Raises:
+        InvalidStateError: a stale, foreign or resolved plan, or a freed state.
+    """
+
+def abort_plans(plans: list[PrecomputePlan]) -> None:
+    """Give back every plan's blocks; a resolved plan is ignored."""
+
+def verify_all(what: str, states: Sequence[ContextState], accepted: Sequence[int], owner: int) -> None:
+    """``after_verify(accepted[i])`` on every state of proposer ``owner``; stops at the first
+    error (the states before it are recorded).
+
+    Raises:
+        InvalidStateError: not a ``ContextState``, another proposer's, or freed.
+        ValueError: a count above the last proposal's drafts or negative, a state given twice,
+            lengths that differ.
+    """
+
+@final
+class AppendBatch:
+    """The accumulator work of one commit over many states (from :func:`plan_appends`).
+
+    Entries are the states that get rows, in the call's order.
+    """
+
+    @property
+    def n_rows(self) -> int:
+        """Rows given in all (cut ones included)."""
+    @property
+    def index(self) -> list[int]:
+        """Per entry: the index of its state in the call."""
+    @property
+    def src_starts(self) -> list[int]:
+        """Per entry: its first kept row in the call's rows."""
+    @property
+    def dst_starts(self) -> list[int]:
+        """Per entry: its first accumulator row to write."""
+    @property
+    def counts(self) -> list[int]:
+        """Per entry: how many rows it keeps."""
+    @property
+    def kept(self) -> int:
+        """Rows kept in all."""
+    @property
+    def slides(self) -> list[tuple[int, int, int]]:
+        """``(entry, src_start, keep)`` of each slide to do before writing the rows."""
+    def row_map(self) -> list[int]:
+        """Per kept row its entry, then per kept row its destination row (the accumulator
+        kernel's map)."""
+    def apply(self) -> None:
+        """The rows are written: record every append.
+
+        Raises:
+            InvalidStateError: a plan gone stale (the state changed since it was planned).
+        """
+
+def plan_appends(
+    what: str, states: Sequence[ContextState], positions: Sequence[Sequence[int]], owner: int
+) -> AppendBatch:
+    """Plan a commit of ``positions[i]`` (may be empty) to each state; a state given more rows
+    than its window keeps only the newest. Changes nothing.
+
+    Raises:
+        InvalidStateError: not a ``ContextState``, another proposer's, or freed.
+        TypeError: positions that are not ints.
+        ValueError: negative, unordered or not after the context; a state given twice;
+            lengths that differ.
+    """
+
+@final
+class GraphMeta:
+    """The graph path's metadata writer over a pinned host tensor (``blockdraft_core::step``):
+    per call every sequence's scalars, block table and staged context rows, with a mirror of
+    what each row holds so unchanged tables are not rewritten."""
+
+    def __new__(cls, host: Any, width: int, gamma: int, mask_id: int) -> GraphMeta:
+        """``host``: a contiguous CPU int64 tensor ``[rows, 3 + width + 2 * gamma]``, written
+        in place from now on (initialised at once). Keep it private to the writer.
+
+        Raises:
+            ValueError: another shape, dtype or device, or a zero size.
+        """
+    @property
+    def staged(self) -> int:
+        """Staged rows of the last filled call."""
+    def fill(
+        self, plans: list[PrecomputePlan], tokens: list[int], positions: list[int]
+    ) -> tuple[int, list[int], list[tuple[int, int, int]]] | None:
+        """Write one call: the outstanding plans of its sequences and their anchors.
+
+        Returns ``(staged, eager, staged_rows)``: staged row count, the sequences whose plans
+        are longer than ``gamma`` (the caller stores their K/V first), and
+        ``(sequence, row_start, row_end)`` of each staged plan in order; ``None`` when a table
+        is wider than ``width`` (the call takes the plain path).
+
+        Raises:
+            ValueError: more plans than rows, or lengths that differ.
+        """
 
 def _panic_for_tests(pool: BlockPool | None = None) -> NoReturn:
     """Panic inside the extension (tests only): raises pyo3's ``PanicException``.

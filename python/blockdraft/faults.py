@@ -13,7 +13,7 @@ Sites (each raises what the real failure raises):
 
 | site | where | raises |
 | --- | --- | --- |
-| ``pool_blocks`` | before each ``plan_precompute`` (pool blocks for new ctx K/V) | ``PoolExhaustedError`` |
+| ``pool_blocks`` | before each sequence's ``plan_precompute`` (pool blocks for new ctx K/V; in ``plan_proposals``, through :func:`hits`) | ``PoolExhaustedError`` |
 | ``accumulator`` | a state's accumulator, and the staging copies of ``commit_ctx`` | ``torch.OutOfMemoryError`` |
 | ``block_table_dev`` | the device block tables of a proposal | ``torch.OutOfMemoryError`` |
 | ``kv_cache`` | the paged ctx K/V write into newly taken blocks | ``torch.OutOfMemoryError`` |
@@ -91,6 +91,21 @@ def hit(site: str) -> None:
     if not plan.fired and site == plan.site and plan.hits[site] == plan.nth:
         plan.fired = True
         raise _error(site, plan.nth)
+
+
+def hits(site: str, count: int) -> int | None:
+    """``count`` hits of ``site`` at once, for a hook that covers many sequences in one core
+    call (``pool_blocks`` in ``plan_proposals``): the 0-based index of the hit that fires the
+    armed fault, which the caller hands to the core to fail there, or ``None``."""
+    plan = _ACTIVE
+    if plan is None:
+        return None
+    before = plan.hits[site]
+    plan.hits[site] += count
+    if not plan.fired and site == plan.site and before < plan.nth <= before + count:
+        plan.fired = True
+        return plan.nth - before - 1
+    return None
 
 
 @contextmanager

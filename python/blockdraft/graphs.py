@@ -24,12 +24,11 @@ rows; a longer plan (a prefill, a first call) has its K/V stored eagerly before 
 The drafter layers run through :class:`~blockdraft.models.fast.FastDrafter` (stacked weights,
 fused elementwise kernels) when the drafter has that view.
 
-The host keeps a pinned mirror of ``meta`` and rewrites only what changed, in one pass over the
-sequences (:meth:`GraphRunner._fill`): per row the three scalars, plus the blocks a precompute
-plan appended (a row's whole table is re-read from the core only when the row holds another
-state or its table changed in some other way, e.g. after a slide); the scalars and the staged
-positions/slots are written at the end (columns; whole rows via a scratch array). One
-host-to-device copy per call moves it. The states' device block tables are not made per call
+The host keeps a pinned copy of ``meta``, written in place by the Rust core's
+``GraphMeta.fill`` in one call for all the sequences (:meth:`GraphRunner._fill`): per row the
+three scalars, plus the blocks a precompute plan appended (a row's whole table is rewritten
+only when the row holds another state or its table changed in some other way, e.g. after a
+slide), and the staged positions/slots. One host-to-device copy per call moves it. The states' device block tables are not made per call
 (``DFlashState.block_table_dev`` builds one from the core on access). Rows past ``n`` (bucket
 padding) have no context and their drafts are ignored. Inside the graph the ctx K/V store runs
 on a second stream beside the first layer's input work (:meth:`GraphRunner._store_beside`).
@@ -46,12 +45,11 @@ import math
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
-import numpy as np
 import torch
 from torch import Tensor
 
 from blockdraft import faults
-from blockdraft._core import ConfigError
+from blockdraft._core import ConfigError, GraphMeta
 from blockdraft.models.fast import FastDrafter
 
 if TYPE_CHECKING:
@@ -91,17 +89,11 @@ class _Bucket:
         self.size = size
         cols = _META + width + 2 * gamma
         self.host = torch.zeros((size, cols), dtype=torch.int64, pin_memory=pin)
-        self.host_np = self.host.numpy()
-        self.host_np[:, 1] = mask_id
-        self.host_np[:, _META + width + gamma :] = -1  # no staged rows: every slot is PAD_SLOT
+        # The core's writer of `host` (it sets the initial contents: mask anchors, no slots),
+        # with its mirror of which state each row holds.
+        self.meta = GraphMeta(self.host, width, gamma, mask_id)
         self.dev = torch.zeros((size, cols), dtype=torch.int64, device=device)
         self.stage = torch.zeros((size * gamma, row_width), dtype=dtype, device=device)
-        self.staged = 0  # staged rows of the last call (their slots need resetting)
-        # the positions/slots of a call's staged rows, in order (host scratch for _fill)
-        self.staged_flat = np.full((2, size * gamma), -1, dtype=np.int64)
-        # Which state each row mirrors, and how many of its blocks the row holds.
-        self.owners: list[object | None] = [None] * size
-        self.lens = [0] * size
         # Per staging capacity (see GraphRunner.stage_caps): the captured graph and its output.
         self.graphs: dict[int, Any] = {}
         self.outs: dict[int, Tensor] = {}
@@ -153,17 +145,17 @@ class GraphRunner:
     def accepts(self, n: int) -> bool:
         return self.disabled is None and self.bucket_for(n) is not None
 
-    def draft(self, preps: Sequence[Any]) -> Tensor | None:
+    def draft(self, step: Any) -> Tensor | None:
         """Drafts ``[n, B-1]`` int64 on the device for the prepared sequences, or ``None`` when
         this call must take the plain path (a table wider than the graphs' width).
 
-        ``preps`` are the proposer's ``_Prep`` records; their precompute plans are outstanding
+        ``step`` is the proposer's ``_Step``; its precompute plans are outstanding
         and their K/V is not stored yet: when this returns drafts it has stored it (plans of at
         most B rows inside the graph, longer ones eagerly first); when it returns ``None`` it
         has stored nothing and the caller stores and drafts on the plain path. Call it under
         ``torch.no_grad()`` (the proposer's ``_draft`` does).
         """
-        n = len(preps)
+        n = len(step.plans)
         size = self.bucket_for(n)
         if size is None or self.disabled is not None:
             return None
@@ -175,7 +167,7 @@ class GraphRunner:
                 self.mode == "capture", prop.mask_token_id,
             )
             self._slots[size] = bucket
-        staged = self._fill(bucket, preps)
+        staged = self._fill(bucket, step)
         if staged is None:
             return None
         if faults._ACTIVE is not None:
@@ -219,94 +211,31 @@ class GraphRunner:
 
     # ------------------------------------------------------------------ internals
 
-    def _fill(self, bucket: _Bucket, preps: Sequence[Any]) -> int | None:
+    def _fill(self, bucket: _Bucket, step: Any) -> int | None:
         """Write the call into the bucket's buffers; returns the number of staged rows, or
         ``None`` when a block table is wider than the graphs (nothing stored then).
 
-        Per row of ``meta``: the three scalars, the blocks a precompute plan appends (the whole
-        table only when the row held another state or its table changed otherwise), the
-        positions/slots of the plan's new ctx rows; their accumulator rows go to ``stage``.
-        Plans longer than B rows are stored eagerly here instead. One pass over the sequences:
-        this is the per-sequence host work of a graph-path call."""
-        arr = bucket.host_np
-        width = self.width
-        b, pc, sc = self.gamma, self._pos_col, self._slot_col
-        owners, lens = bucket.owners, bucket.lens
-        # Meta rows holding the last call's staged entries: this call rewrites its own rows and
-        # resets the rest at the end (an early return leaves both, and `staged`, as they are).
-        prev_rows = -(-bucket.staged // b)
-        rows: list[Tensor] = []
-        eager: list[tuple[Any, Any]] = []
-        scalars: list[tuple[int, int, int]] = []
-        staged_pos: list[int] = []
-        staged_slot: list[int] = []
-        for i, p in enumerate(preps):
-            state = p.state
-            plan = p.plan
-            ctx = state.ctx
-            if owners[i] is not state or lens[i] != ctx.num_blocks:
-                table = ctx.block_table
-                if len(table) > width:
-                    owners[i] = None
-                    return None
-                arr[i, _META : _META + len(table)] = table
-                owners[i] = state
-                lens[i] = len(table)
-            new = plan.new_blocks
-            if new:
-                first = lens[i]
-                if first + len(new) > width:
-                    owners[i] = None
-                    return None
-                arr[i, _META + first : _META + first + len(new)] = new
-                # Mirrors the table as it is once the plan is confirmed; an aborted plan shows
-                # up next call as a length mismatch and the row is re-read.
-                lens[i] = first + len(new)
-            start, end = plan.row_start, plan.row_end
-            scalars.append((end, p.token, p.position))
-            count = end - start
-            if count <= 0:
-                continue
-            if count > b:
-                eager.append((state, plan))
-                continue
-            staged_pos += plan.positions
-            staged_slot += plan.slots
-            fresh = state._fresh
-            if fresh is not None and fresh[0] == start and fresh[1] == end:
-                rows.append(fresh[2])  # the last commit's rows, as viewed when committed
-            else:
-                rows.append(state.acc[start:end])
-        n = len(preps)
-        if n:
-            arr[:n, :3] = scalars
-        for i in range(n, bucket.size):
-            if owners[i] is not None or arr[i, 0] != 0:
-                arr[i, :3] = (0, self.prop.mask_token_id, 0)
-                owners[i] = None
-        j = len(staged_pos)
-        used = -(-j // b)
-        if j:
-            # staged row j sits at meta row j // B, entry j % B (unused entries: PAD_SLOT);
-            # `flat` is the staged entries in that order, copied in as `used` whole rows
-            flat = bucket.staged_flat
-            flat[0, :j] = staged_pos
-            flat[1, :j] = staged_slot
-            flat[1, j : used * b] = -1
-            arr[:used, pc : pc + b] = flat[0, : used * b].reshape(used, b)
-            arr[:used, sc : sc + b] = flat[1, : used * b].reshape(used, b)
-        if prev_rows > used:
-            arr[used:prev_rows, sc : sc + b] = -1
-        bucket.staged = j
+        The core writes ``meta`` (:class:`~blockdraft._core.GraphMeta`); the staged plans'
+        accumulator rows go to ``stage`` in one copy. Plans longer than B rows are stored
+        eagerly here instead. This is the per-sequence host work of a graph-path call: one
+        core call and one list of row views."""
+        got = bucket.meta.fill(step.plans, step.tokens, step.positions)
+        if got is None:
+            return None
+        staged, eager, staged_rows = got
+        states = step.states
         if eager:
-            self.prop._store_ctx_kv(eager)
-        if rows and faults._ACTIVE is not None:
+            self.prop._store_ctx_kv([(states[i], step.plans[i]) for i in eager])
+        if not staged:
+            return 0
+        if faults._ACTIVE is not None:
             faults.hit("kv_cache")
+        rows = [_rows(states[i], start, end) for i, start, end in staged_rows]
         if len(rows) > 1:
-            torch.cat(rows, 0, out=bucket.stage[:j])
-        elif rows:
-            bucket.stage[:j].copy_(rows[0])
-        return j
+            torch.cat(rows, 0, out=bucket.stage[:staged])
+        else:
+            bucket.stage[:staged].copy_(rows[0])
+        return int(staged)
 
     def _forward(self, meta: Tensor, stage: Tensor, cap: int) -> Tensor:
         """meta [m, 3 + W + 2B], stage [m*B, k*H] -> drafts [m, B-1] int64 (the plain path's
@@ -386,6 +315,17 @@ class GraphRunner:
             bucket.size, cap,
         )
         return graph
+
+
+def _rows(state: Any, start: int, end: int) -> Tensor:
+    """Accumulator rows ``[start, end)`` of a proposer state: the view its last ``commit_ctx``
+    kept when that is the range, else a new one."""
+    fresh = state._fresh
+    if fresh is not None and fresh[0] == start and fresh[1] == end:
+        view: Tensor = fresh[2]
+        return view
+    view = state.acc[start:end]
+    return view
 
 
 def resolve_mode(mode: str, device: torch.device) -> Literal["capture", "static"] | None:

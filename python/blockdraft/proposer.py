@@ -5,12 +5,18 @@ sequence holds, which context rows it keeps and at which positions, how many row
 the paged cache, whether a batch is accepted); this module owns the tensors and moves them
 according to the core's plans:
 
-* ``commit_ctx``: ``plan_append`` -> accumulator copy (slide first when the plan says so) ->
-  ``apply_append``.
-* ``propose`` / ``propose_batch``: ``plan_precompute`` -> one GEMM for every layer's ctx K/V ->
-  ``ctx_kv_store`` into the paged cache -> drafter ``forward_block`` attending over the paged
-  cache -> target ``lm_head`` -> masked argmax -> ``confirm_precompute``. Any failure before the
-  confirm aborts the plans, which gives the blocks back and leaves every state as it was.
+* ``commit_ctx`` / ``commit_ctx_batch``: ``plan_appends`` -> accumulator copy (slide first
+  when a plan says so) -> ``AppendBatch.apply``.
+* ``propose`` / ``propose_batch``: ``plan_proposals`` (every anchor checked, every sequence's
+  ``plan_precompute``) -> one GEMM for every layer's ctx K/V -> ``ctx_kv_store`` into the
+  paged cache -> drafter ``forward_block`` attending over the paged cache -> target
+  ``lm_head`` -> masked argmax -> ``confirm_proposals``. Any failure before the confirm aborts
+  the plans, which gives the blocks back and leaves every state as it was.
+
+The core's whole-step entry points (``plan_appends``, ``plan_proposals``,
+``confirm_proposals``, ``verify_all``, ``GraphMeta.fill``) take every sequence of a call at
+once: the per-sequence host work of a step is a few list comprehensions, not a dozen
+Python-to-Rust calls (issue 6's host target).
 """
 
 from __future__ import annotations
@@ -18,7 +24,6 @@ from __future__ import annotations
 import itertools
 import logging
 import math
-import operator
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -30,7 +35,7 @@ from torch.nn import functional as F
 
 from blockdraft import _core, faults
 from blockdraft._core import (
-    AppendPlan,
+    AppendBatch,
     BlockPool,
     ConfigError,
     ContextState,
@@ -143,15 +148,15 @@ class DFlashState:
     ``last_num_accepted``, ``freed``, ``owner``) are the same-named getters of ``ctx``.
     """
 
-    __slots__ = ("_fresh", "_proposed", "_table", "acc", "ctx")
+    __slots__ = ("_addr", "_fresh", "_table", "acc", "ctx")
 
     def __init__(self, ctx: ContextState, acc: Tensor) -> None:
         self.ctx = ctx
         self.acc: Tensor | None = acc
+        self._addr = acc.data_ptr()  # the accumulator kernel's table entry for this state
         # (first row, end row, view of acc) of the last commit: the rows a proposal usually
         # stages next (a different plan range means it does not apply).
         self._fresh: tuple[int, int, Tensor] | None = None
-        self._proposed = False  # a proposal was confirmed since allocation
         # (core version, device table): the last table made by `block_table_dev`.
         self._table: tuple[int, Tensor] | None = None
 
@@ -160,7 +165,8 @@ class DFlashState:
         """The block table on the device ``[num_blocks]`` int32 (``None`` before the first
         proposal and after free), made from the core's table when it changed since the last
         access: no proposal makes one per sequence."""
-        if not self._proposed or self.acc is None:
+        # `prefill_done`: a proposal was confirmed since allocation (free resets it)
+        if self.acc is None or not self.ctx.prefill_done:
             return None
         version = self.ctx.version
         if self._table is None or self._table[0] != version:
@@ -221,13 +227,19 @@ class DFlashState:
 
 
 @dataclass(slots=True)
-class _Prep:
-    """One sequence's share of a proposal: its state, anchor and outstanding K/V plan."""
+class _Step:
+    """One proposal over ``n`` sequences, as parallel lists: the states (and their core
+    states), anchors, and the outstanding K/V plans from ``plan_proposals``."""
 
-    state: DFlashState
-    token: int
-    position: int
-    plan: PrecomputePlan
+    states: list[DFlashState]
+    ctxs: list[ContextState]
+    tokens: list[int]
+    positions: list[int]
+    plans: list[PrecomputePlan]
+
+    def abort(self) -> None:
+        """Give back every plan's blocks (confirmed plans are ignored)."""
+        _core.abort_plans(self.plans)
 
 
 class DFlashProposer:
@@ -507,27 +519,21 @@ class DFlashProposer:
             TypeError / ValueError: bad rows or positions (nothing changed).
         """
         state = self._live(st, "commit_ctx")
-        acc = state.acc
-        assert acc is not None
         self._check_rows(hidden_rows)
         pos = self._positions(positions)
         if len(pos) != hidden_rows.shape[0]:
             raise ValueError(f"{hidden_rows.shape[0]} rows but {len(pos)} positions")
-        plan, skip, count = self._plan_commit(state, pos)
-        # Every allocation happens before the accumulator is touched: a failure (device OOM)
-        # must leave its rows as they were, since the core still describes the old layout.
-        if faults._ACTIVE is not None:
-            faults.hit("accumulator")
-        new_rows = self._detached_rows(hidden_rows[skip:] if skip else hidden_rows, acc)
-        self._slide(state, plan)
-        start = plan.dst_start
-        end = start + count
-        rows = acc[start:end]
-        rows.copy_(new_rows)
-        state.ctx.apply_append(plan)
+        if not len(pos):
+            raise ValueError("positions must not be empty")
+        batch = _core.plan_appends("commit_ctx", [state.ctx], [pos], self._owner)
+        self._write_rows([state], batch, hidden_rows)
         # The graph path stages exactly these rows at the next proposal (the common case):
-        # keeping the view saves making it again there.
-        state._fresh = (start, end, rows)
+        # keeping the view saves making it again there. (A view of `acc` by row range: it
+        # stays right for that range for as long as the accumulator lives.)
+        start = batch.dst_starts[0]
+        end = start + batch.counts[0]
+        assert state.acc is not None
+        state._fresh = (start, end, state.acc[start:end])
 
     def commit_ctx_batch(
         self,
@@ -536,8 +542,8 @@ class DFlashProposer:
         positions: Sequence[Sequence[int] | Tensor],
     ) -> None:
         """:meth:`commit_ctx` for many sequences at once, as a serving step has them after one
-        verify forward: one copy launch for all the rows (the accumulator kernel on the Triton
-        backend) instead of one per sequence.
+        verify forward: one core call plans every append, and one copy launch (the
+        accumulator kernel on the Triton backend) writes all the rows.
 
         Args:
             states: distinct live states of this proposer.
@@ -554,52 +560,53 @@ class DFlashProposer:
             TypeError / ValueError: bad rows or positions, a state given twice, or row counts
                 that do not add up to ``hidden_rows`` (nothing changed).
         """
-        live = [self._live(st, "commit_ctx_batch") for st in states]
-        if len({id(s) for s in live}) != len(live):
-            raise ValueError("commit_ctx_batch: the same state appears twice")
-        if len(positions) != len(live):
-            raise ValueError(f"{len(live)} states but {len(positions)} position lists")
+        ctxs = self._ctxs(states, "commit_ctx_batch")
+        if len(positions) != len(ctxs):
+            raise ValueError(f"{len(ctxs)} states but {len(positions)} position lists")
         self._check_rows(hidden_rows)
-        # per state with rows: the state, its plan, its first source row, its row count
-        work: list[tuple[DFlashState, AppendPlan, int, int]] = []
-        offset = 0
-        for state, raw in zip(live, positions):
-            pos = self._positions(raw)
-            if pos:
-                plan, skip, count = self._plan_commit(state, pos)
-                work.append((state, plan, offset + skip, count))
-            offset += len(pos)
-        if offset != hidden_rows.shape[0]:
-            raise ValueError(f"{hidden_rows.shape[0]} rows but {offset} positions in all")
-        if not work:
-            return
+        lists = [p.tolist() if isinstance(p, Tensor) else p for p in positions]
+        batch = _core.plan_appends("commit_ctx_batch", ctxs, lists, self._owner)
+        if batch.n_rows != hidden_rows.shape[0]:
+            raise ValueError(f"{hidden_rows.shape[0]} rows but {batch.n_rows} positions in all")
+        self._write_rows(states, batch, hidden_rows)
+
+    def _write_rows(self, states: Sequence[DFlashState], batch: AppendBatch, hidden_rows: Tensor) -> None:
+        """Carry out a checked ``AppendBatch``: the slides, the rows into the accumulators, then
+        record it in the core. Every allocation happens before an accumulator is touched: a
+        failure (device OOM) leaves the rows as they were, since the core still describes the
+        old layout."""
         if faults._ACTIVE is not None:
             faults.hit("accumulator")
-        first_acc = work[0][0].acc
-        assert first_acc is not None
-        new_rows = self._detached_rows(hidden_rows, first_acc).contiguous()
-        accs: list[Tensor] = []
-        starts: list[int] = []
-        counts: list[int] = []
-        for state, plan, _, count in work:
-            self._slide(state, plan)
-            assert state.acc is not None
-            accs.append(state.acc)
-            starts.append(plan.dst_start)
-            counts.append(count)
-        # One kernel launch takes the rows as they are when no state's rows were cut (so they
-        # lie in order, back to back) and they are a step's few per sequence (the steady
-        # state: up to B); bigger commits (prefills) copy per sequence, with no per-row map.
-        if self.backend == "triton" and offset == sum(counts) <= self.gamma * len(work):
-            from blockdraft.kernels.accumulator import acc_append_unchecked
+        index = batch.index
+        if not index:
+            return
+        accs: list[Tensor] = [states[i].acc for i in index]  # type: ignore[misc]
+        new_rows = self._detached_rows(hidden_rows, accs[0])
+        for e, src, keep in batch.slides:
+            # the newest rows to the front (copied out first: the ranges overlap)
+            acc = accs[e]
+            acc[:keep] = acc[src : src + keep].clone()
+        kept = batch.kept
+        # One kernel launch takes many sequences' rows as they are when no state's rows were
+        # cut (so they lie in order, back to back) and they are a step's few per sequence (the
+        # steady state: up to B); one sequence, bigger commits (prefills) and the torch backend
+        # copy per sequence.
+        if self.backend == "triton" and 1 < len(index) and batch.n_rows == kept <= self.gamma * len(index):
+            from blockdraft.kernels.accumulator import acc_append_mapped
 
-            acc_append_unchecked(accs, new_rows, counts, starts)
+            acc_append_mapped([states[i]._addr for i in index], new_rows.contiguous(), batch.row_map())
         else:
-            for (state, plan, src, count), acc, dst in zip(work, accs, starts):
+            for acc, src, dst, count in zip(accs, batch.src_starts, batch.dst_starts, batch.counts):
                 acc[dst : dst + count].copy_(new_rows[src : src + count])
-        for state, plan, _, _ in work:
-            state.ctx.apply_append(plan)
-            state._fresh = None
+        batch.apply()
+
+    def _ctxs(self, states: Sequence[object], what: str) -> list[ContextState]:
+        """The core states of ``states`` (the core checks their owner, liveness and that none
+        repeats); a non-state raises ``InvalidStateError``."""
+        ctxs = [st.ctx for st in states if type(st) is DFlashState]
+        if len(ctxs) != len(states):
+            ctxs = [self._own(st, what).ctx for st in states]
+        return ctxs
 
     def _check_rows(self, hidden_rows: object) -> None:
         """``hidden_rows`` must be a floating ``[R, k*H]`` tensor on the proposer's device type."""
@@ -617,19 +624,13 @@ class DFlashProposer:
             )
 
     @staticmethod
-    def _positions(positions: Sequence[int] | Tensor) -> list[int]:
-        try:
-            raw = positions.tolist() if isinstance(positions, Tensor) else positions
-            return [operator.index(p) for p in raw]
-        except TypeError:
-            raise TypeError("positions must be ints (a float position is never rounded)") from None
-
-    @staticmethod
-    def _plan_commit(state: DFlashState, pos: list[int]) -> tuple[AppendPlan, int, int]:
-        """The append plan of ``pos`` (changes nothing): ``(plan, rows skipped, rows kept)``;
-        more rows than the window keep only the newest ``window``."""
-        skip = max(0, len(pos) - state.ctx.window)
-        return state.ctx.plan_append(pos[skip:] if skip else pos), skip, len(pos) - skip
+    def _positions(positions: Sequence[int] | Tensor) -> Sequence[int]:
+        """Positions as the core takes them (a tensor as its list; the core checks the ints:
+        a float position is never rounded)."""
+        if isinstance(positions, Tensor):
+            out: list[int] = positions.tolist()
+            return out
+        return positions
 
     @staticmethod
     def _detached_rows(hidden_rows: Tensor, acc: Tensor) -> Tensor:
@@ -638,17 +639,6 @@ class DFlashProposer:
         if hidden_rows.requires_grad:
             hidden_rows = hidden_rows.detach()
         return hidden_rows.to(device=acc.device, dtype=acc.dtype)
-
-    @staticmethod
-    def _slide(state: DFlashState, plan: AppendPlan) -> None:
-        """The plan's slide, if any: its newest rows to the front (copied out first: the
-        ranges overlap)."""
-        slide = plan.slide
-        if slide is not None:
-            acc = state.acc
-            assert acc is not None
-            kept = acc[slide.src_start : slide.src_start + slide.keep].clone()
-            acc[: slide.keep] = kept
 
     def propose(
         self,
@@ -676,19 +666,15 @@ class DFlashProposer:
             ValueError: bad token, position, ``num_drafts`` or bitmask (nothing changed).
             PoolExhaustedError: no blocks for the new context K/V (nothing changed).
         """
-        state = self._live(st, "propose")
+        state = self._own(st, "propose")
         self._check_num_drafts(num_drafts)
-        self._check_anchor(state, last_token, position)
         take = self._num_take(num_drafts)
         mask = self._bitmask(grammar_bitmask, take) if grammar_bitmask is not None else None
-        if faults._ACTIVE is not None:
-            faults.hit("pool_blocks")
-        plan = state.ctx.plan_precompute()
-        preps = [_Prep(state, int(last_token), int(position), plan)]
+        step = self._plan_step("propose", [state], [state.ctx], [last_token], [position])
         try:
-            tokens = self._draft(preps, take, mask)
+            tokens = self._draft(step, take, mask)
         except BaseException:
-            state.ctx.abort_precompute(plan)
+            step.abort()
             raise
         return tokens[0]
 
@@ -727,38 +713,55 @@ class DFlashProposer:
         if reason is not None:
             log.debug("DFlash propose_batch declined: %s", reason)
             return None
-        preps: list[_Prep] = []
+        step: _Step | None = None
         try:
             self._check_num_drafts(num_drafts)
             take = self._num_take(num_drafts)
-            seen: set[int] = set()
-            for st, tok, pos in zip(states, last_tokens, positions):
-                state = self._live(st, "propose_batch")
-                if id(state) in seen:
-                    raise ValueError("the same state appears twice in one batch")
-                seen.add(id(state))
-                self._check_anchor(state, tok, pos)
+            ctxs = self._ctxs(states, "propose_batch")
+            if not self.levers.batched_precompute:
+                self._precompute_each(states, ctxs, last_tokens, positions)
+            step = self._plan_step("propose_batch", list(states), ctxs, last_tokens, positions)
+            return self._draft(step, take, None)
         except Exception as exc:  # noqa: BLE001 - declining is the contract
-            log.warning("DFlash batched propose prep: %s - per-sequence path", exc)
-            return None
-        try:
-            for st, tok, pos in zip(states, last_tokens, positions):
-                if not self.levers.batched_precompute:
-                    self._precompute_now(st)
-                if faults._ACTIVE is not None:
-                    faults.hit("pool_blocks")
-                preps.append(_Prep(st, int(tok), int(pos), st.ctx.plan_precompute()))
-            tokens = self._draft(preps, take, None)
-        except Exception as exc:  # noqa: BLE001 - declining is the contract
-            for p in preps:
-                p.state.ctx.abort_precompute(p.plan)
+            if step is not None:
+                step.abort()
             log.warning("DFlash batched propose: %s - per-sequence path", exc)
             return None
         except BaseException:
-            for p in preps:
-                p.state.ctx.abort_precompute(p.plan)
+            if step is not None:
+                step.abort()
             raise
-        return tokens
+
+    def _plan_step(
+        self,
+        what: str,
+        states: list[DFlashState],
+        ctxs: list[ContextState],
+        tokens: Sequence[int],
+        positions: Sequence[int],
+    ) -> _Step:
+        """Check every anchor and plan every sequence's ctx K/V (all or nothing: on an error
+        no plan is outstanding)."""
+        fail_at = faults.hits("pool_blocks", len(ctxs)) if faults._ACTIVE is not None else None
+        plans = _core.plan_proposals(
+            what, ctxs, tokens, positions, self._vocab_in, self._owner, fail_at
+        )
+        return _Step(states, ctxs, list(tokens), list(positions), plans)
+
+    def _precompute_each(
+        self,
+        states: Sequence[DFlashState],
+        ctxs: list[ContextState],
+        tokens: Sequence[int],
+        positions: Sequence[int],
+    ) -> None:
+        """The batched precompute lever off: every sequence's ctx K/V by itself, after the
+        anchors are checked (a check plans and gives the plans back)."""
+        _core.abort_plans(
+            _core.plan_proposals("propose_batch", ctxs, tokens, positions, self._vocab_in, self._owner)
+        )
+        for st in states:
+            self._precompute_now(st)
 
     def after_verify(self, st: DFlashState, num_accepted: int) -> None:
         """Record the verification of the last proposal (resets ``last_num_drafted``).
@@ -769,6 +772,18 @@ class DFlashProposer:
         """
         state = self._own(st, "after_verify")
         state.ctx.after_verify(int(num_accepted))
+
+    def after_verify_batch(self, states: Sequence[DFlashState], num_accepted: Sequence[int]) -> None:
+        """:meth:`after_verify` for many states in one core call (a serving step's verify).
+
+        Raises:
+            InvalidStateError: a foreign or freed state (the states before it are recorded).
+            TypeError / ValueError: a count that is not an int, negative, or more than the
+                state's drafts; a state given twice; lengths that differ.
+        """
+        _core.verify_all(
+            "after_verify_batch", self._ctxs(states, "after_verify_batch"), num_accepted, self._owner
+        )
 
     def free_state(self, st: object) -> None:
         """Give back every block and the accumulator; reset every counter. Idempotent.
@@ -781,7 +796,6 @@ class DFlashProposer:
         state.ctx.free()
         state.acc = None
         state._fresh = None
-        state._proposed = False
         state._table = None
 
     # ------------------------------------------------------------------ internals
@@ -795,24 +809,6 @@ class DFlashProposer:
     def _num_take(self, num_drafts: int) -> int:
         cap = self.levers.draft_cap
         return num_drafts if cap is None else min(num_drafts, cap)
-
-    def _check_anchor(self, state: DFlashState, token: int, position: int) -> None:
-        if isinstance(token, bool) or not isinstance(token, int):
-            raise TypeError(f"last_token must be an int, not {type(token).__name__}")
-        if isinstance(position, bool) or not isinstance(position, int):
-            raise TypeError(f"position must be an int, not {type(position).__name__}")
-        if not 0 <= token < self._vocab_in:
-            raise ValueError(f"last_token {token} is outside the vocabulary")
-        if position < 0:
-            raise ValueError(f"position must be >= 0, not {position}")
-        if position >= 2**62:
-            # Draft positions (position + B) must fit the int64 position tensors.
-            raise ValueError(f"position must be < 2**62, not {position}")
-        last = state.ctx.last_position
-        if last is not None and position <= last:
-            raise ValueError(
-                f"position {position} is not after the last context position {last}"
-            )
 
     def _bitmask(self, mask: Tensor | Sequence[int], rows: int) -> Tensor:
         words = (self.vocab_size + 31) // 32
@@ -927,7 +923,7 @@ class DFlashProposer:
             raise RuntimeError(f"the drafter forward returned fewer than {n * self.gamma} rows")
         return bands
 
-    def _graph_bands(self, preps: Sequence[_Prep], got: Tensor, take: int) -> list[list[int]]:
+    def _graph_bands(self, step: _Step, got: Tensor, take: int) -> list[list[int]]:
         """Each sequence's drafts from the graph path's ``got`` [n, B-1] (its rows are the
         drafts already: no anchor column, no mask); confirms the plans.
 
@@ -936,49 +932,45 @@ class DFlashProposer:
         before the launch. (A CUDA error surfacing at the wait leaves the plans confirmed;
         the device context is unusable after one anyway, and aborting a confirmed plan is a
         no-op.) At n = 32 this takes the confirms off the call's critical path."""
-        n = len(preps)
+        n = len(step.plans)
         if got.shape[0] != n:
             raise RuntimeError(f"the graph path returned {got.shape[0]} rows for {n} sequences")
-        self._confirm(preps, [take] * n)
+        self._confirm(step, take)
         rows: list[list[int]] = (got if take == got.shape[1] else got[:, :take]).tolist()
         return rows
 
     @staticmethod
-    def _confirm(preps: Sequence[_Prep], counts: Sequence[int]) -> None:
+    def _confirm(step: _Step, counts: int | Sequence[int]) -> None:
         """The drafts exist: confirm every plan (their K/V is stored) and note each proposal
-        (its anchor position, ``counts[i]`` drafts)."""
-        for p, count in zip(preps, counts):
-            ctx = p.state.ctx
-            ctx.confirm_precompute(p.plan)
-            ctx.note_propose(p.position, count)
-            p.state._proposed = True
+        (its anchor position; ``counts[i]`` drafts, or ``counts`` for every sequence)."""
+        _core.confirm_proposals(step.plans, step.positions, counts)
 
-    def _draft(self, preps: Sequence[_Prep], take: int, mask: Tensor | None) -> list[list[int]]:
+    def _draft(self, step: _Step, take: int, mask: Tensor | None) -> list[list[int]]:
         """See :meth:`_draft_nograd`; enters ``no_grad`` only when gradients are on (callers
         such as the engine already run under ``inference_mode``: the context costs µs)."""
         if torch.is_grad_enabled():
             with torch.no_grad():
-                return self._draft_nograd(preps, take, mask)
-        return self._draft_nograd(preps, take, mask)
+                return self._draft_nograd(step, take, mask)
+        return self._draft_nograd(step, take, mask)
 
     def _draft_nograd(
-        self, preps: Sequence[_Prep], take: int, mask: Tensor | None
+        self, step: _Step, take: int, mask: Tensor | None
     ) -> list[list[int]]:
         """Store outstanding ctx K/V, run one drafter forward, pick drafts, confirm the plans.
 
-        Returns ``len(preps)`` lists of ``take`` drafts. Raises on any failure with every plan
+        Returns ``len(step.plans)`` lists of ``take`` drafts. Raises on any failure with every plan
         still outstanding (the caller aborts them).
         """
         runner = self._graphs
-        if runner is not None and mask is None and not self._selector and runner.accepts(len(preps)):
+        n = len(step.plans)
+        if runner is not None and mask is None and not self._selector and runner.accepts(n):
             # The graph path stores the outstanding ctx K/V itself (inside the graph when every
             # plan has at most B rows); None means it stored nothing.
-            got = runner.draft(preps)
+            got = runner.draft(step)
             if got is not None:
-                return self._graph_bands(preps, got, take)
-        self._store_ctx_kv([(p.state, p.plan) for p in preps])
-        n = len(preps)
-        tables = [p.state.ctx.block_table + list(p.plan.new_blocks) for p in preps]
+                return self._graph_bands(step, got, take)
+        self._store_ctx_kv(list(zip(step.states, step.plans)))
+        tables = [ctx.block_table + plan.new_blocks for ctx, plan in zip(step.ctxs, step.plans)]
         width = max(1, max(len(t) for t in tables))
         if faults._ACTIVE is not None:
             faults.hit("block_table_dev")
@@ -988,10 +980,10 @@ class DFlashProposer:
                 block_tables[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
         block_tables = block_tables.to(self.device)
         ctx_lens = torch.tensor(
-            [p.plan.row_end for p in preps], dtype=torch.int32, device=self.device
+            [plan.row_end for plan in step.plans], dtype=torch.int32, device=self.device
         )
-        anchors = torch.tensor([p.token for p in preps], dtype=torch.int64, device=self.device)
-        starts = torch.tensor([p.position for p in preps], dtype=torch.int64, device=self.device)
+        anchors = torch.tensor(step.tokens, dtype=torch.int64, device=self.device)
+        starts = torch.tensor(step.positions, dtype=torch.int64, device=self.device)
         embeds, q_pos = self._block_inputs(anchors, starts)
         attend = self._paged_attend(block_tables, ctx_lens, q_pos)
         if faults._ACTIVE is not None:
@@ -1016,5 +1008,5 @@ class DFlashProposer:
         bands = self._split_bands(band, n, take)
         # A row with no allowed token (-1 from masked_argmax) ends that sequence's drafts.
         bands = [d[: d.index(-1)] if -1 in d else d for d in bands]
-        self._confirm(preps, [len(d) for d in bands])
+        self._confirm(step, [len(d) for d in bands])
         return bands

@@ -111,26 +111,23 @@ def acc_append(
         if s + c > acc.shape[0]:
             raise ValueError(f"dst_starts[{i}]: rows [{s}, {s + c}) exceed accumulator of "
                              f"{acc.shape[0]} rows")
-    acc_append_unchecked(accs, rows, counts, starts)
+    row_map = [i for i, c in enumerate(counts) for _ in range(c)]
+    row_map += [s + j for s, c in zip(starts, counts) for j in range(c)]
+    acc_append_mapped([a.data_ptr() for a in accs], rows, row_map)
 
 
-def acc_append_unchecked(
-    accs: Sequence[torch.Tensor],
-    rows: torch.Tensor,
-    row_counts: Sequence[int],
-    dst_starts: Sequence[int],
-) -> None:
+def acc_append_mapped(addrs: Sequence[int], rows: torch.Tensor, row_map: Sequence[int]) -> None:
     """:func:`acc_append` without its argument checks (which cost µs per accumulator), for a
-    caller whose accumulators meet the contract by construction: the proposer's own, made
-    contiguous ``[W, C]`` in its dtype on its device. One host-to-device copy (the row map and
-    the accumulator addresses in one tensor) and one launch."""
+    caller whose accumulators meet the contract by construction (the proposer's own, made
+    contiguous ``[W, C]`` in its dtype on its device), given as their base addresses.
+
+    ``row_map``: per row of ``rows`` the index of its accumulator in ``addrs``, then per row
+    its destination row (the core's ``AppendBatch.row_map``). One host-to-device copy (the
+    row map and the addresses in one tensor) and one launch."""
     num_rows, num_cols = rows.shape
     if num_rows == 0 or num_cols == 0:
         return
-    meta = [i for i, c in enumerate(row_counts) for _ in range(c)]
-    meta += [s + j for s, c in zip(dst_starts, row_counts) for j in range(c)]
-    meta += [a.data_ptr() for a in accs]
-    buf = torch.tensor(meta, dtype=torch.int64).to(rows.device, non_blocking=True)
+    buf = torch.tensor([*row_map, *addrs], dtype=torch.int64).to(rows.device, non_blocking=True)
     grid = (num_rows, triton.cdiv(num_cols, _APPEND_BLOCK_C))
     acc_append_kernel[grid](rows, buf, buf[2 * num_rows :], num_rows, num_cols,
                             BLOCK_C=_APPEND_BLOCK_C, num_warps=4)

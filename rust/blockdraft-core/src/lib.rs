@@ -5,6 +5,7 @@
 //! - [`state`]: one sequence's context rows, committed K/V and block table, changed only
 //!   through two-phase plans.
 //! - [`batch`]: the batch policy of `propose_batch` and band splitting.
+//! - [`step`]: a proposal's anchor rules and the graph path's metadata matrix.
 //!
 //! Functions that touch blocks take the pool explicitly (`&mut BlockPool`); the caller decides
 //! how it is shared. The only global input is the environment variable read by
@@ -16,12 +17,14 @@ pub mod batch;
 pub mod error;
 pub mod pool;
 pub mod state;
+pub mod step;
 pub mod window;
 
 pub use batch::{batch_decline_reason, propose_batch_max, split_bands};
 pub use error::{Error, Result};
 pub use pool::BlockPool;
 pub use state::{AppendPlan, ContextState, PrecomputePlan, SlidePlan};
+pub use step::{check_anchor, Filled, GraphMeta, TooWide, MAX_ANCHOR_POSITION};
 pub use window::{
     ctx_ceiling, ctx_window, parse_ctx_cap, read_ctx_cap, DEFAULT_CTX_CAP, ENV_CTX_CAP,
 };

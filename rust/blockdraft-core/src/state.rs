@@ -241,16 +241,43 @@ impl ContextState {
     /// [`Error::Freed`]; [`Error::InvalidArgument`] for empty, negative or unordered positions,
     /// positions not after the last context position, or more rows than the window.
     pub fn plan_append(&self, positions: &[i64]) -> Result<AppendPlan> {
-        self.ensure_live()?;
+        self.check_positions(positions)?;
         let n = positions.len();
-        if n == 0 {
-            return Err(Error::invalid_argument("positions", "must not be empty"));
-        }
         if n > self.window {
             return Err(Error::invalid_argument(
                 "positions",
                 format!("{n} rows exceed the window of {} rows", self.window),
             ));
+        }
+        let len = self.ctx_len();
+        let (slide, dst_start) = if len + n > self.window {
+            // Keep the newest rows that leave room for all n new ones.
+            let keep = self.window - n;
+            (
+                Some(SlidePlan {
+                    src_start: len - keep,
+                    keep,
+                }),
+                keep,
+            )
+        } else {
+            (None, len)
+        };
+        Ok(AppendPlan {
+            state_id: self.id,
+            version: self.version,
+            slide,
+            dst_start,
+            positions: positions.to_vec(),
+        })
+    }
+
+    /// The position rules of an append: live state, non-empty, non-negative, strictly
+    /// increasing, after the last context position.
+    fn check_positions(&self, positions: &[i64]) -> Result<()> {
+        self.ensure_live()?;
+        if positions.is_empty() {
+            return Err(Error::invalid_argument("positions", "must not be empty"));
         }
         if let Some(&p) = positions.iter().find(|&&p| p < 0) {
             return Err(Error::invalid_argument(
@@ -275,27 +302,22 @@ impl ContextState {
                 ));
             }
         }
-        let len = self.ctx_len();
-        let (slide, dst_start) = if len + n > self.window {
-            // Keep the newest rows that leave room for all n new ones.
-            let keep = self.window - n;
-            (
-                Some(SlidePlan {
-                    src_start: len - keep,
-                    keep,
-                }),
-                keep,
-            )
-        } else {
-            (None, len)
-        };
-        Ok(AppendPlan {
-            state_id: self.id,
-            version: self.version,
-            slide,
-            dst_start,
-            positions: positions.to_vec(),
-        })
+        Ok(())
+    }
+
+    /// [`Self::plan_append`] of the newest `window` of `positions` (all of them when they fit):
+    /// a commit longer than the window keeps only the rows the window can hold. Returns the plan
+    /// and how many leading positions were cut.
+    ///
+    /// # Errors
+    /// As [`Self::plan_append`] (the checks see every given position, cut or not).
+    pub fn plan_append_newest(&self, positions: &[i64]) -> Result<(AppendPlan, usize)> {
+        let skip = positions.len().saturating_sub(self.window);
+        if skip > 0 {
+            // The cut rows must still be valid positions: check them as one append would.
+            self.check_positions(positions)?;
+        }
+        Ok((self.plan_append(&positions[skip..])?, skip))
     }
 
     /// Commit an append plan after the accumulator rows were written.

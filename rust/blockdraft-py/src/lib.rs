@@ -8,6 +8,8 @@
 
 #![warn(clippy::pedantic)]
 
+mod step;
+
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use blockdraft_core as core;
@@ -833,5 +835,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(batch_decline_reason, m)?)?;
     m.add_function(wrap_pyfunction!(split_bands, m)?)?;
     m.add_function(wrap_pyfunction!(panic_for_tests, m)?)?;
+    step::register(m)?;
     Ok(())
 }

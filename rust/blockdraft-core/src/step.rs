@@ -1,0 +1,479 @@
+//! One steady-state step over many sequences: the anchor rules of a proposal, and the metadata
+//! matrix the graph path reads (DESIGN §3, `python/blockdraft/graphs.py`).
+//!
+//! The graph path replays a CUDA graph per batch-size bucket; per call only a small `i64`
+//! matrix changes. [`GraphMeta`] writes it from the states' plans and keeps a mirror of which
+//! state each row describes, so a row's block table is rewritten only when the row changes
+//! hands or the table changed in a way the plans do not explain (a slide, an aborted plan).
+//!
+//! Layout of the matrix (`rows x cols`, row-major, `cols = 3 + width + 2 * gamma`):
+//!
+//! | columns | what |
+//! | --- | --- |
+//! | 0 | context rows with K/V (the plan's `row_end`) |
+//! | 1 | anchor token |
+//! | 2 | anchor position |
+//! | `3 .. 3 + width` | block table, zero padded |
+//! | next `gamma` | positions of the staged context rows |
+//! | next `gamma` | slots of the staged context rows ([`PAD_SLOT`](crate::PAD_SLOT) = unused) |
+//!
+//! Staged row `j` of a call (the `j`-th context row whose K/V the graph stores) sits at matrix
+//! row `j / gamma`, entry `j % gamma`; rows past the call's sequences have no context.
+
+use crate::error::{Error, Result};
+use crate::state::{ContextState, PrecomputePlan};
+use crate::PAD_SLOT;
+
+/// Anchor positions must leave room for the block's `position + gamma` in an `i64` tensor.
+pub const MAX_ANCHOR_POSITION: i64 = 1 << 62;
+
+/// The rules of a proposal's anchor on a live state: `0 <= token < vocab`,
+/// `0 <= position < 2**62`, and `position` after the state's last context position.
+///
+/// # Errors
+/// [`Error::Freed`]; [`Error::InvalidArgument`] naming `last_token` or `position`.
+pub fn check_anchor(state: &ContextState, token: i64, position: i64, vocab: usize) -> Result<()> {
+    if state.freed() {
+        return Err(Error::Freed);
+    }
+    if token < 0 || usize::try_from(token).is_ok_and(|t| t >= vocab) {
+        return Err(Error::invalid_argument(
+            "last_token",
+            format!("{token} is outside the vocabulary of {vocab} tokens"),
+        ));
+    }
+    if position < 0 {
+        return Err(Error::invalid_argument(
+            "position",
+            format!("must be >= 0, got {position}"),
+        ));
+    }
+    if position >= MAX_ANCHOR_POSITION {
+        return Err(Error::invalid_argument(
+            "position",
+            format!("must be < 2**62, got {position}"),
+        ));
+    }
+    if let Some(last) = state.last_position() {
+        if position <= last {
+            return Err(Error::invalid_argument(
+                "position",
+                format!("{position} is not after the last context position {last}"),
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// What one filled call asks of the caller besides replaying.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct Filled {
+    /// Context rows staged in the matrix (their K/V is stored inside the graph).
+    pub staged: usize,
+    /// Sequences whose plan has more than `gamma` rows: the caller stores their K/V first.
+    pub eager: Vec<usize>,
+    /// `(sequence, row_start, row_end)` of each staged plan, in staging order: the caller copies
+    /// these accumulator rows into the staging buffer, back to back.
+    pub staged_rows: Vec<(usize, usize, usize)>,
+}
+
+/// The metadata writer of one bucket (see the module docs for the layout).
+#[derive(Debug, Clone)]
+pub struct GraphMeta {
+    rows: usize,
+    width: usize,
+    gamma: usize,
+    mask_id: i64,
+    /// Per row: the id of the state it mirrors and how many of its blocks the row holds.
+    owners: Vec<Option<(u64, usize)>>,
+    /// Staged rows of the last call (their slots are reset by the next one).
+    staged: usize,
+    /// Per sequence of the call in progress: `(row_end, token, position)`.
+    scalars: Vec<[i64; 3]>,
+    /// Positions and slots of the call's staged rows, in order.
+    staged_pos: Vec<i64>,
+    staged_slot: Vec<i64>,
+    filled: Filled,
+}
+
+/// A block table too wide for the graphs: the caller takes the plain path.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TooWide;
+
+impl GraphMeta {
+    /// A writer for `rows` sequences with block tables of up to `width` entries and blocks of
+    /// `gamma` drafter rows; rows without a sequence carry `mask_id` as their anchor.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] when `rows`, `width` or `gamma` is 0.
+    pub fn new(rows: usize, width: usize, gamma: usize, mask_id: i64) -> Result<Self> {
+        for (name, v) in [("rows", rows), ("width", width), ("gamma", gamma)] {
+            if v == 0 {
+                return Err(Error::invalid_argument(name, "must be >= 1, got 0"));
+            }
+        }
+        Ok(Self {
+            rows,
+            width,
+            gamma,
+            mask_id,
+            owners: vec![None; rows],
+            staged: 0,
+            scalars: Vec::with_capacity(rows),
+            staged_pos: Vec::with_capacity(rows * gamma),
+            staged_slot: Vec::with_capacity(rows * gamma),
+            filled: Filled::default(),
+        })
+    }
+
+    #[must_use]
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+    #[must_use]
+    pub fn cols(&self) -> usize {
+        3 + self.width + 2 * self.gamma
+    }
+    #[must_use]
+    pub fn width(&self) -> usize {
+        self.width
+    }
+    #[must_use]
+    pub fn gamma(&self) -> usize {
+        self.gamma
+    }
+    /// Staged rows of the last filled call.
+    #[must_use]
+    pub fn staged(&self) -> usize {
+        self.staged
+    }
+
+    fn pos_col(&self) -> usize {
+        3 + self.width
+    }
+    fn slot_col(&self) -> usize {
+        3 + self.width + self.gamma
+    }
+
+    /// The matrix of a writer that has filled nothing: no context, mask anchors, every slot
+    /// unused. Forgets every row's owner.
+    ///
+    /// # Panics
+    /// When `buf` is not `rows * cols` long.
+    pub fn init(&mut self, buf: &mut [i64]) {
+        let cols = self.cols();
+        assert_eq!(
+            buf.len(),
+            self.rows * cols,
+            "the metadata buffer has the wrong size"
+        );
+        let slot_col = self.slot_col();
+        for row in buf.chunks_exact_mut(cols) {
+            row.fill(0);
+            row[1] = self.mask_id;
+            row[slot_col..].fill(PAD_SLOT);
+        }
+        self.owners.fill(None);
+        self.staged = 0;
+    }
+
+    /// Start a call (before the first [`Self::row`]).
+    pub fn begin(&mut self) {
+        self.scalars.clear();
+        self.staged_pos.clear();
+        self.staged_slot.clear();
+        self.filled = Filled::default();
+    }
+
+    /// The call's next sequence (0, 1, ... in order): the state `id` with its committed
+    /// `table`, its outstanding `plan`, and its anchor `(token, position)`.
+    ///
+    /// # Errors
+    /// [`TooWide`] when the table with the plan's new blocks exceeds `width`: the call must take
+    /// the plain path (the row's mirror is dropped; nothing else changed that matters, since
+    /// the scalars and staged entries are written by [`Self::finish`] only).
+    ///
+    /// # Panics
+    /// When the call already has `rows` sequences or `buf` has the wrong size.
+    pub fn row(
+        &mut self,
+        buf: &mut [i64],
+        id: u64,
+        table: &[usize],
+        plan: &PrecomputePlan,
+        (token, position): (i64, i64),
+    ) -> Result<(), TooWide> {
+        let cols = self.cols();
+        assert_eq!(
+            buf.len(),
+            self.rows * cols,
+            "the metadata buffer has the wrong size"
+        );
+        let seq = self.scalars.len();
+        assert!(seq < self.rows, "more sequences than rows");
+        let row = &mut buf[seq * cols..(seq + 1) * cols];
+        let mut held = match self.owners[seq] {
+            Some((owner, len)) if owner == id && len == table.len() => len,
+            _ => {
+                if table.len() > self.width {
+                    self.owners[seq] = None;
+                    return Err(TooWide);
+                }
+                for (dst, &b) in row[3..3 + table.len()].iter_mut().zip(table) {
+                    *dst = as_i64(b);
+                }
+                table.len()
+            }
+        };
+        let new = &plan.new_blocks;
+        if held + new.len() > self.width {
+            self.owners[seq] = None;
+            return Err(TooWide);
+        }
+        for (dst, &b) in row[3 + held..3 + held + new.len()].iter_mut().zip(new) {
+            *dst = as_i64(b);
+        }
+        // The mirror describes the table once the plan is confirmed; an aborted plan shows up
+        // next call as a length mismatch and the row is rewritten from the state.
+        held += new.len();
+        self.owners[seq] = Some((id, held));
+        self.scalars.push([as_i64(plan.row_end), token, position]);
+        let count = plan.row_end - plan.row_start;
+        if count > self.gamma {
+            self.filled.eager.push(seq);
+        } else if count > 0 {
+            self.staged_pos.extend_from_slice(&plan.positions);
+            self.staged_slot
+                .extend(plan.slots.iter().map(|&s| as_i64(s)));
+            self.filled
+                .staged_rows
+                .push((seq, plan.row_start, plan.row_end));
+        }
+        Ok(())
+    }
+
+    /// End the call: write every sequence's scalars and the staged entries, clear the rows
+    /// past the call's sequences and the staged entries the last call left beyond this one's.
+    ///
+    /// # Panics
+    /// When `buf` has the wrong size.
+    pub fn finish(&mut self, buf: &mut [i64]) -> &Filled {
+        let cols = self.cols();
+        assert_eq!(
+            buf.len(),
+            self.rows * cols,
+            "the metadata buffer has the wrong size"
+        );
+        let (gamma, pos_col, slot_col) = (self.gamma, self.pos_col(), self.slot_col());
+        for (row, scalars) in buf.chunks_exact_mut(cols).zip(&self.scalars) {
+            row[..3].copy_from_slice(scalars);
+        }
+        for seq in self.scalars.len()..self.rows {
+            let row = &mut buf[seq * cols..(seq + 1) * cols];
+            if self.owners[seq].is_some() || row[0] != 0 {
+                row[..3].copy_from_slice(&[0, self.mask_id, 0]);
+                self.owners[seq] = None;
+            }
+        }
+        let staged = self.staged_pos.len();
+        let used = staged.div_ceil(gamma);
+        for (r, row) in buf.chunks_exact_mut(cols).take(used).enumerate() {
+            for entry in 0..gamma {
+                let k = r * gamma + entry;
+                if k < staged {
+                    row[pos_col + entry] = self.staged_pos[k];
+                    row[slot_col + entry] = self.staged_slot[k];
+                } else {
+                    row[slot_col + entry] = PAD_SLOT;
+                }
+            }
+        }
+        // Rows that held the last call's staged entries beyond this call's: unused again.
+        for row in buf
+            .chunks_exact_mut(cols)
+            .take(self.staged.div_ceil(gamma))
+            .skip(used)
+        {
+            row[slot_col..slot_col + gamma].fill(PAD_SLOT);
+        }
+        self.staged = staged;
+        self.filled.staged = staged;
+        &self.filled
+    }
+}
+
+/// Block ids and row counts come from a pool of at most `isize::MAX` entries.
+fn as_i64(v: usize) -> i64 {
+    i64::try_from(v).expect("a count beyond i64")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::pool::BlockPool;
+
+    /// The matrix the layout describes, built from scratch: what every fill must equal on the
+    /// columns the graph reads.
+    fn rebuild(meta: &GraphMeta, calls: &[(Vec<usize>, PrecomputePlan, i64, i64)]) -> Vec<i64> {
+        let cols = meta.cols();
+        let mut buf = vec![0i64; meta.rows * cols];
+        let mut staged = Vec::new();
+        for (i, (table, plan, tok, pos)) in calls.iter().enumerate() {
+            let row = &mut buf[i * cols..(i + 1) * cols];
+            row[0] = as_i64(plan.row_end);
+            row[1] = *tok;
+            row[2] = *pos;
+            for (k, b) in table.iter().chain(&plan.new_blocks).enumerate() {
+                row[3 + k] = as_i64(*b);
+            }
+            let count = plan.row_end - plan.row_start;
+            if count > 0 && count <= meta.gamma {
+                staged.extend(
+                    plan.positions
+                        .iter()
+                        .zip(&plan.slots)
+                        .map(|(&p, &s)| (p, s)),
+                );
+            }
+        }
+        for row in buf.chunks_exact_mut(cols).skip(calls.len()) {
+            row[1] = meta.mask_id;
+        }
+        for (k, (p, s)) in staged.iter().enumerate() {
+            let (r, e) = (k / meta.gamma, k % meta.gamma);
+            buf[r * cols + meta.pos_col() + e] = *p;
+            buf[r * cols + meta.slot_col() + e] = as_i64(*s);
+        }
+        for k in staged.len()..meta.rows * meta.gamma {
+            let (r, e) = (k / meta.gamma, k % meta.gamma);
+            buf[r * cols + meta.slot_col() + e] = PAD_SLOT;
+        }
+        buf
+    }
+
+    /// The columns the graph reads: scalars, the table up to its length, every slot, and the
+    /// positions of staged entries (other positions are never read: their slot is `PAD_SLOT`).
+    fn read_view(meta: &GraphMeta, buf: &[i64], tables: &[usize]) -> Vec<i64> {
+        let cols = meta.cols();
+        let mut out = Vec::new();
+        for (i, row) in buf.chunks_exact(cols).enumerate() {
+            out.extend_from_slice(&row[..3]);
+            let len = tables.get(i).copied().unwrap_or(0);
+            out.extend_from_slice(&row[3..3 + len]);
+            for e in 0..meta.gamma {
+                let slot = row[meta.slot_col() + e];
+                out.push(slot);
+                out.push(if slot == PAD_SLOT {
+                    0
+                } else {
+                    row[meta.pos_col() + e]
+                });
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn anchor_rules() {
+        let mut pool = BlockPool::new(8, 4).unwrap();
+        let mut st = ContextState::new(&mut pool, 16, 0).unwrap();
+        assert!(check_anchor(&st, 0, 0, 10).is_ok());
+        let plan = st.plan_append(&[3, 5]).unwrap();
+        st.apply_append(&mut pool, &plan).unwrap();
+        for (tok, pos, name) in [
+            (-1, 6, "last_token"),
+            (10, 6, "last_token"),
+            (1, -1, "position"),
+            (1, 5, "position"),
+            (1, MAX_ANCHOR_POSITION, "position"),
+        ] {
+            match check_anchor(&st, tok, pos, 10) {
+                Err(Error::InvalidArgument { name: got, .. }) => assert_eq!(got, name),
+                other => panic!("({tok}, {pos}): {other:?}"),
+            }
+        }
+        assert!(check_anchor(&st, 9, 6, 10).is_ok());
+        st.free(&mut pool).unwrap();
+        assert_eq!(check_anchor(&st, 1, 6, 10), Err(Error::Freed));
+    }
+
+    #[test]
+    fn fills_equal_a_rebuild_over_steps() {
+        // Three sequences of blocks of 4 rows, steps of 1..=gamma rows, one slide; the bucket
+        // has 4 rows, so one stays empty.
+        let (bs, gamma, width) = (4, 3, 8);
+        let mut pool = BlockPool::new(64, bs).unwrap();
+        let mut states: Vec<ContextState> = (0..3)
+            .map(|_| ContextState::new(&mut pool, 20, 0).unwrap())
+            .collect();
+        let mut next = [0i64; 3];
+        let mut meta = GraphMeta::new(4, width, gamma, 99).unwrap();
+        let mut buf = vec![7i64; 4 * meta.cols()];
+        meta.init(&mut buf);
+        for step in 0..12usize {
+            let mut calls = Vec::new();
+            let mut plans = Vec::new();
+            let n = if step % 4 == 3 { 2 } else { 3 };
+            for (i, st) in states.iter_mut().enumerate().take(n) {
+                let rows = if step == 0 {
+                    5 + i
+                } else {
+                    1 + (step + i) % gamma
+                };
+                let pos: Vec<i64> = (next[i]..next[i] + as_i64(rows)).collect();
+                next[i] += as_i64(rows) + 1;
+                let (plan, _) = st.plan_append_newest(&pos).unwrap();
+                st.apply_append(&mut pool, &plan).unwrap();
+                let pre = st.plan_precompute(&mut pool).unwrap();
+                calls.push((st.block_table().to_vec(), pre.clone(), as_i64(i), next[i]));
+                plans.push(pre);
+            }
+            meta.begin();
+            for (i, (table, plan, tok, pos)) in calls.iter().enumerate() {
+                meta.row(&mut buf, states[i].id(), table, plan, (*tok, *pos))
+                    .unwrap();
+            }
+            let filled = meta.finish(&mut buf).clone();
+            let tables: Vec<usize> = calls
+                .iter()
+                .map(|(t, p, ..)| t.len() + p.new_blocks.len())
+                .collect();
+            assert_eq!(
+                read_view(&meta, &buf, &tables),
+                read_view(&meta, &rebuild(&meta, &calls), &tables),
+                "step {step}"
+            );
+            let expect_eager: Vec<usize> = calls
+                .iter()
+                .enumerate()
+                .filter(|(_, (_, p, ..))| p.row_end - p.row_start > gamma)
+                .map(|(i, _)| i)
+                .collect();
+            assert_eq!(filled.eager, expect_eager);
+            // Confirm all but (on odd steps) the last, which is aborted: its row must be
+            // rewritten from the state next time.
+            for (i, plan) in plans.iter().enumerate() {
+                if step % 2 == 1 && i + 1 == plans.len() {
+                    states[i].abort_precompute(&mut pool, plan).unwrap();
+                } else {
+                    states[i].confirm_precompute(plan).unwrap();
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn too_wide_tables_are_refused() {
+        let mut pool = BlockPool::new(16, 2).unwrap();
+        let mut st = ContextState::new(&mut pool, 32, 0).unwrap();
+        let plan = st.plan_append(&[0, 1, 2, 3, 4]).unwrap();
+        st.apply_append(&mut pool, &plan).unwrap();
+        let pre = st.plan_precompute(&mut pool).unwrap();
+        let mut meta = GraphMeta::new(1, 2, 4, 0).unwrap();
+        let mut buf = vec![0i64; meta.cols()];
+        meta.init(&mut buf);
+        meta.begin();
+        assert_eq!(meta.row(&mut buf, st.id(), &[], &pre, (1, 5)), Err(TooWide));
+        assert!(GraphMeta::new(0, 1, 1, 0).is_err());
+    }
+}
