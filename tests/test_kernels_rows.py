@@ -332,3 +332,34 @@ def test_block_inputs_validation() -> None:
         mod.block_inputs(torch.zeros(2, 4, dtype=torch.int64), 3, 2, embed, 9, 2, torch.float32)
     with pytest.raises(ValueError, match="block"):
         mod.block_inputs(torch.zeros(2, 9, dtype=torch.int64), 3, 2, embed, 9, 0, torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_stage_gather_reads_rows_by_address(dtype: torch.dtype) -> None:
+    """The graph path's gather: staged row j (metadata row j // B, entry j % B) is the
+    accumulator row its source column points at; unused entries (slot -1, address 0 here)
+    give zero rows and are never read."""
+    need_triton(CPU)
+    from blockdraft.kernels.accumulator import stage_gather
+
+    gamma, width, cols = 3, 2, 1037
+    gen = torch.Generator().manual_seed(5)
+    accs = [torch.randn(w, cols, generator=gen).to(dtype) for w in (5, 9)]
+    picks = [(0, 1), (0, 4), (1, 0), (1, 8), (1, 3)]  # (accumulator, row) of staged rows
+    rows = 3
+    slot_col = 3 + width + gamma
+    meta = torch.zeros((rows, 3 + width + 3 * gamma), dtype=torch.int64)
+    meta[:, slot_col : slot_col + gamma] = -1
+    elem = accs[0].element_size()
+    for j, (a, r) in enumerate(picks):
+        meta[j // gamma, slot_col + j % gamma] = 100 + j
+        meta[j // gamma, slot_col + gamma + j % gamma] = accs[a].data_ptr() + r * cols * elem
+    stage = torch.full((rows * gamma, cols), 7.0, dtype=dtype)
+    stage_gather(meta, slot_col, gamma, stage)
+    for j, (a, r) in enumerate(picks):
+        assert torch.equal(stage[j], accs[a][r]), j
+    assert not stage[len(picks) :].any()
+    # a capacity below the staged rows gathers only those
+    part = torch.full((2, cols), 7.0, dtype=dtype)
+    stage_gather(meta, slot_col, gamma, part)
+    assert torch.equal(part, torch.stack([accs[0][1], accs[0][4]]))

@@ -463,9 +463,12 @@ class GraphMeta:
     per call every sequence's scalars, block table and staged context rows, with a mirror of
     what each row holds so unchanged tables are not rewritten."""
 
-    def __new__(cls, host: Any, width: int, gamma: int, mask_id: int) -> GraphMeta:
-        """``host``: a contiguous CPU int64 tensor ``[rows, 3 + width + 2 * gamma]``, written
-        in place from now on (initialised at once). Keep it private to the writer.
+    def __new__(
+        cls, host: Any, width: int, gamma: int, mask_id: int, stride: int = 0
+    ) -> GraphMeta:
+        """``host``: a contiguous CPU int64 tensor ``[rows, 3 + width + 3 * gamma]``, written
+        in place from now on (initialised at once; keep it private to the writer); ``stride``:
+        bytes between two rows of a source (see ``fill``'s ``bases``).
 
         Raises:
             ValueError: another shape, dtype or device, or a zero size.
@@ -474,9 +477,15 @@ class GraphMeta:
     def staged(self) -> int:
         """Staged rows of the last filled call."""
     def fill(
-        self, plans: list[PrecomputePlan], tokens: list[int], positions: list[int]
+        self,
+        plans: list[PrecomputePlan],
+        tokens: list[int],
+        positions: list[int],
+        bases: list[int] | None = None,
     ) -> tuple[int, list[int], list[tuple[int, int, int]]] | None:
-        """Write one call: the outstanding plans of its sequences and their anchors.
+        """Write one call: the outstanding plans of its sequences and their anchors; with
+        ``bases``, each sequence's source base address: the source column then holds
+        ``base + row * stride`` for each staged row (the graph gathers the rows itself).
 
         Returns ``(staged, eager, staged_rows)``: staged row count, the sequences whose plans
         are longer than ``gamma`` (the caller stores their K/V first), and

@@ -390,9 +390,12 @@ class _Seqs:
         return out
 
     def verify(self, idx: Sequence[int]) -> None:
-        """Record a verify of 0 accepted drafts for each of ``idx`` (a random pair's step)."""
-        for i in idx:
-            self.prop.after_verify(self.states[i], 0)
+        """Record a verify of 0 accepted drafts for each of ``idx`` (a random pair's step):
+        ``after_verify`` for one sequence, ``after_verify_batch`` for more."""
+        if len(idx) == 1:
+            self.prop.after_verify(self.states[idx[0]], 0)
+        else:
+            self.prop.after_verify_batch([self.states[i] for i in idx], [0] * len(idx))
 
     def propose_loop(self, idx: Sequence[int]) -> None:
         b = self.shape.block_size - 1
@@ -790,6 +793,7 @@ def _host_glue(prop: Any, seqs: _Seqs, idx: list[int], calls: int) -> dict[str, 
         seqs.warm(idx, 3)
         times = []
         commits = []
+        verifies = []
         for _ in range(calls):
             _sync(prop.device)
             t0 = time.perf_counter()
@@ -799,7 +803,9 @@ def _host_glue(prop: Any, seqs: _Seqs, idx: list[int], calls: int) -> dict[str, 
             t0 = time.perf_counter()
             seqs.propose_batch(idx, verify=False)
             times.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
             seqs.verify(idx)
+            verifies.append(time.perf_counter() - t0)
     finally:
         runner._launch = real
     if launched[0] < calls + 3:
@@ -809,10 +815,13 @@ def _host_glue(prop: Any, seqs: _Seqs, idx: list[int], calls: int) -> dict[str, 
         )
     per_call = statistics.median(times) * 1e6
     # The step's commit of one new ctx row per sequence (`commit_ctx` at n = 1,
-    # `commit_ctx_batch` above, their copy launches included).
+    # `commit_ctx_batch` above, their copy launches included) and its verify record
+    # (`after_verify` / `after_verify_batch`).
     commit = statistics.median(commits) * 1e6 / n
+    verify = statistics.median(verifies) * 1e6 / n
     return {"glue_us_per_call": per_call, "glue_us_per_seq": per_call / n,
-            "commit_us_per_seq": commit, "step_us_per_seq": per_call / n + commit}
+            "commit_us_per_seq": commit, "verify_us_per_seq": verify,
+            "step_us_per_seq": per_call / n + commit + verify}
 
 
 def bench_core_bookkeeping(block_size: int, shape: Shape, calls: int) -> dict[str, Any]:
@@ -1276,7 +1285,8 @@ def to_markdown(result: dict[str, Any]) -> str:
             if "commit_us_per_seq" in r:
                 lines.append(
                     f"  - the step's `commit_ctx` of one row: {_f(r['commit_us_per_seq'], 2)} µs "
-                    f"per sequence; **a whole step (commit + propose): "
+                    f"per sequence; its verify record: {_f(r.get('verify_us_per_seq'), 2)} µs; "
+                    f"**a whole step (commit + propose + verify): "
                     f"{_f(r['step_us_per_seq'], 2)} µs per sequence**"
                 )
         lines.append("")

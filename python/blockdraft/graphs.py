@@ -10,14 +10,17 @@ captures that sequence once per (batch-size bucket, staging capacity) and replay
 only the metadata and the staged ctx rows change, written in place into static buffers per
 bucket::
 
-    meta [bucket, 3 + W + 2B] int64 on the device:
+    meta [bucket, 3 + W + 3B] int64 on the device:
         column 0: ctx rows with K/V (the plan's row_end), 1: anchor token, 2: anchor position,
         columns 3..3+W: the block table (W = ceil(ceiling / block_size) entries, zero padded),
-        then B positions and B slots of the staged ctx rows (staged row j is meta row j // B,
-        entry j % B; unused entries have slot PAD_SLOT = -1, which the store skips)
-    stage [bucket * B, k*H]: the accumulator rows of the outstanding plans, packed in order
-        (one copy launch per call: ``torch.cat(..., out=stage)``; a sequence's rows are the
-        view of its accumulator kept by its last ``commit_ctx`` when that covers them)
+        then B positions, B slots and B source addresses of the staged ctx rows (staged row j
+        is meta row j // B, entry j % B; unused entries have slot PAD_SLOT = -1, which the
+        store skips; the layout is the Rust core's, ``blockdraft_core::step``)
+    stage [bucket * B, k*H]: the accumulator rows of the outstanding plans, packed in order.
+        On Triton the graph fills it itself (``stage_gather``, by the source addresses: the
+        host copies no rows); elsewhere one copy launch per call fills it
+        (``torch.cat(..., out=stage)``; a sequence's rows are the view of its accumulator
+        kept by its last ``commit_ctx`` when that covers them)
 
 A sequence commits ``accepted + 1`` (1..B) rows per step, so its plan always fits its B staged
 rows; a longer plan (a prefill, a first call) has its K/V stored eagerly before the replay.
@@ -87,11 +90,12 @@ class _Bucket:
         mask_id: int,
     ):
         self.size = size
-        cols = _META + width + 2 * gamma
+        cols = _META + width + 3 * gamma
         self.host = torch.zeros((size, cols), dtype=torch.int64, pin_memory=pin)
         # The core's writer of `host` (it sets the initial contents: mask anchors, no slots),
         # with its mirror of which state each row holds.
-        self.meta = GraphMeta(self.host, width, gamma, mask_id)
+        row_bytes = row_width * torch.empty((), dtype=dtype).element_size()
+        self.meta = GraphMeta(self.host, width, gamma, mask_id, row_bytes)
         self.dev = torch.zeros((size, cols), dtype=torch.int64, device=device)
         self.stage = torch.zeros((size * gamma, row_width), dtype=dtype, device=device)
         # Per staging capacity (see GraphRunner.stage_caps): the captured graph and its output.
@@ -130,6 +134,9 @@ class GraphRunner:
         self._stage_per = (1, min(4, self.gamma), self.gamma)
         self._pos_col = _META + self.width
         self._slot_col = _META + self.width + self.gamma
+        # On Triton the replay gathers the staged accumulator rows itself, by the addresses
+        # the core writes into the metadata; elsewhere the host copies them into `stage`.
+        self.gather = prop.backend == "triton"
         # The fused view of the drafter (stacked weights); None keeps the drafter's own forward.
         self.fast: FastDrafter | None = FastDrafter.from_drafter(prop.drafter, prop.backend)
 
@@ -215,21 +222,25 @@ class GraphRunner:
         """Write the call into the bucket's buffers; returns the number of staged rows, or
         ``None`` when a block table is wider than the graphs (nothing stored then).
 
-        The core writes ``meta`` (:class:`~blockdraft._core.GraphMeta`); the staged plans'
-        accumulator rows go to ``stage`` in one copy. Plans longer than B rows are stored
-        eagerly here instead. This is the per-sequence host work of a graph-path call: one
-        core call and one list of row views."""
-        got = bucket.meta.fill(step.plans, step.tokens, step.positions)
+        The core writes ``meta`` (:class:`~blockdraft._core.GraphMeta`). On Triton it also
+        writes where each staged row lies and the replay gathers them; elsewhere the staged
+        plans' accumulator rows go to ``stage`` here, in one copy. Plans longer than B rows
+        are stored eagerly here instead. This is the per-sequence host work of a graph-path
+        call: one core call (and off Triton one list of row views)."""
+        states = step.states
+        bases = [st._addr for st in states] if self.gather else None
+        got = bucket.meta.fill(step.plans, step.tokens, step.positions, bases)
         if got is None:
             return None
         staged, eager, staged_rows = got
-        states = step.states
         if eager:
             self.prop._store_ctx_kv([(states[i], step.plans[i]) for i in eager])
         if not staged:
             return 0
         if faults._ACTIVE is not None:
             faults.hit("kv_cache")
+        if self.gather:
+            return int(staged)
         rows = [_rows(states[i], start, end) for i, start, end in staged_rows]
         if len(rows) > 1:
             torch.cat(rows, 0, out=bucket.stage[:staged])
@@ -247,6 +258,10 @@ class GraphRunner:
         pc, sc = self._pos_col, self._slot_col
 
         def store() -> None:
+            if self.gather:
+                from blockdraft.kernels.accumulator import stage_gather
+
+                stage_gather(meta, sc, b, stage[:cap])
             prop._write_ctx_kv(
                 stage[:cap],
                 meta[:, pc : pc + b].reshape(-1)[:cap],

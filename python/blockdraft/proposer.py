@@ -526,14 +526,25 @@ class DFlashProposer:
         if not len(pos):
             raise ValueError("positions must not be empty")
         batch = _core.plan_appends("commit_ctx", [state.ctx], [pos], self._owner)
-        self._write_rows([state], batch, hidden_rows)
-        # The graph path stages exactly these rows at the next proposal (the common case):
-        # keeping the view saves making it again there. (A view of `acc` by row range: it
-        # stays right for that range for as long as the accumulator lives.)
+        if faults._ACTIVE is not None:
+            faults.hit("accumulator")
+        acc = state.acc
+        assert acc is not None
+        # As `_write_rows` does for many, with one view of the destination rows, which the
+        # graph path stages at the next proposal (the common case): keeping it saves making it
+        # again there. (A view of `acc` by row range stays right for that range for as long as
+        # the accumulator lives.)
+        new_rows = self._detached_rows(hidden_rows, acc)
+        skip = batch.src_starts[0]
+        if skip:
+            new_rows = new_rows[skip:]
+        self._slide(batch, [acc])
         start = batch.dst_starts[0]
-        end = start + batch.counts[0]
-        assert state.acc is not None
-        state._fresh = (start, end, state.acc[start:end])
+        end = start + new_rows.shape[0]
+        rows = acc[start:end]
+        rows.copy_(new_rows)
+        batch.apply()
+        state._fresh = (start, end, rows)
 
     def commit_ctx_batch(
         self,
@@ -582,10 +593,7 @@ class DFlashProposer:
             return
         accs: list[Tensor] = [states[i].acc for i in index]  # type: ignore[misc]
         new_rows = self._detached_rows(hidden_rows, accs[0])
-        for e, src, keep in batch.slides:
-            # the newest rows to the front (copied out first: the ranges overlap)
-            acc = accs[e]
-            acc[:keep] = acc[src : src + keep].clone()
+        self._slide(batch, accs)
         kept = batch.kept
         # One kernel launch takes many sequences' rows as they are when no state's rows were
         # cut (so they lie in order, back to back) and they are a step's few per sequence (the
@@ -599,6 +607,14 @@ class DFlashProposer:
             for acc, src, dst, count in zip(accs, batch.src_starts, batch.dst_starts, batch.counts):
                 acc[dst : dst + count].copy_(new_rows[src : src + count])
         batch.apply()
+
+    @staticmethod
+    def _slide(batch: AppendBatch, accs: list[Tensor]) -> None:
+        """The batch's slides (``accs``: per entry its accumulator): the newest rows to the
+        front, copied out first (the ranges overlap)."""
+        for e, src, keep in batch.slides:
+            acc = accs[e]
+            acc[:keep] = acc[src : src + keep].clone()
 
     def _ctxs(self, states: Sequence[object], what: str) -> list[ContextState]:
         """The core states of ``states`` (the core checks their owner, liveness and that none

@@ -1,7 +1,8 @@
 # Triton ships no type information and @triton.jit kernels take untyped tensor/pointer
 # arguments; the host launchers below are fully annotated.
 # mypy: disable-error-code="import-untyped,untyped-decorator,no-untyped-def"
-"""Accumulator rows: batched append of captured target rows, and the slide.
+"""Accumulator rows: batched append of captured target rows, the slide, and the graph path's
+gather of staged rows.
 
 Each sequence owns its own accumulator tensor ``[W_i, C]`` (``C = k * H``), so one launch
 reaches all of them through a device table of base pointers built by the launcher.
@@ -70,6 +71,46 @@ def acc_slide_kernel(
         x = tl.load(base + (src + dst)[:, None] * num_cols + cols[None, :], mask=mask)
         tl.store(base + dst[:, None] * num_cols + cols[None, :], x, mask=mask)
         j0 += ROWS
+
+
+@triton.jit
+def stage_gather_kernel(
+    meta_ptr,  # [m, meta_cols] int64: the graph path's metadata (blockdraft_core::step layout)
+    stage_ptr,  # [cap, C] contiguous: the gathered rows
+    meta_cols,
+    slot_col,  # first slot column; the source addresses follow `GAMMA` columns later
+    num_cols,
+    GAMMA: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
+    # Staged row j is metadata row j // GAMMA, entry j % GAMMA: its slot says whether it is
+    # used, its source column where it lies (an accumulator row, by address).
+    j = tl.program_id(0).to(tl.int64)
+    cblk = tl.program_id(1).to(tl.int64)
+    at = meta_ptr + (j // GAMMA) * meta_cols + slot_col + j % GAMMA
+    slot = tl.load(at)
+    addr = tl.load(at + GAMMA)
+    cols = cblk * BLOCK_C + tl.arange(0, BLOCK_C).to(tl.int64)
+    in_row = cols < num_cols
+    src = addr.to(tl.pointer_type(stage_ptr.dtype.element_ty))
+    # An unused entry (slot < 0) reads nothing: its address may be stale or 0.
+    x = tl.load(src + cols, mask=in_row & (slot >= 0), other=0)
+    tl.store(stage_ptr + j * num_cols + cols, x, mask=in_row)
+
+
+def stage_gather(meta: torch.Tensor, slot_col: int, gamma: int, stage: torch.Tensor) -> None:
+    """Gather the graph path's staged accumulator rows into ``stage`` [cap, C] on the device,
+    by the source addresses in ``meta`` (the column group after the slots; see
+    ``blockdraft_core::step``): a launch that a CUDA graph can replay, so the host copies no
+    rows. Unused entries (``PAD_SLOT``) give zero rows. The sources must be live tensors of
+    ``stage``'s dtype and row width, on its device; the caller (the graph runner, with the
+    proposer's accumulators) guarantees that, nothing here can check it."""
+    cap, num_cols = stage.shape
+    if cap == 0 or num_cols == 0:
+        return
+    grid = (cap, triton.cdiv(num_cols, _APPEND_BLOCK_C))
+    stage_gather_kernel[grid](meta, stage, meta.shape[1], slot_col, num_cols,
+                              GAMMA=gamma, BLOCK_C=_APPEND_BLOCK_C, num_warps=4)
 
 
 def _check_accs(accs: Sequence[torch.Tensor], num_cols: int | None,

@@ -6,7 +6,7 @@
 //! state each row describes, so a row's block table is rewritten only when the row changes
 //! hands or the table changed in a way the plans do not explain (a slide, an aborted plan).
 //!
-//! Layout of the matrix (`rows x cols`, row-major, `cols = 3 + width + 2 * gamma`):
+//! Layout of the matrix (`rows x cols`, row-major, `cols = 3 + width + 3 * gamma`):
 //!
 //! | columns | what |
 //! | --- | --- |
@@ -16,9 +16,12 @@
 //! | `3 .. 3 + width` | block table, zero padded |
 //! | next `gamma` | positions of the staged context rows |
 //! | next `gamma` | slots of the staged context rows ([`PAD_SLOT`](crate::PAD_SLOT) = unused) |
+//! | next `gamma` | where each staged row is read from: `base + row * stride` (0 without a base) |
 //!
 //! Staged row `j` of a call (the `j`-th context row whose K/V the graph stores) sits at matrix
-//! row `j / gamma`, entry `j % gamma`; rows past the call's sequences have no context.
+//! row `j / gamma`, entry `j % gamma`; rows past the call's sequences have no context. The
+//! source column lets the replayed graph gather the staged rows itself: the caller gives each
+//! sequence's accumulator base address and the row stride in bytes (opaque numbers here).
 
 use crate::error::{Error, Result};
 use crate::state::{ContextState, PrecomputePlan};
@@ -84,6 +87,8 @@ pub struct GraphMeta {
     width: usize,
     gamma: usize,
     mask_id: i64,
+    /// Bytes between two rows of a source (see the module docs).
+    stride: i64,
     /// Per row: the id of the state it mirrors and how many of its blocks the row holds.
     owners: Vec<Option<(u64, usize)>>,
     /// Staged rows of the last call (their slots are reset by the next one).
@@ -93,6 +98,7 @@ pub struct GraphMeta {
     /// Positions and slots of the call's staged rows, in order.
     staged_pos: Vec<i64>,
     staged_slot: Vec<i64>,
+    staged_src: Vec<i64>,
     filled: Filled,
 }
 
@@ -102,11 +108,12 @@ pub struct TooWide;
 
 impl GraphMeta {
     /// A writer for `rows` sequences with block tables of up to `width` entries and blocks of
-    /// `gamma` drafter rows; rows without a sequence carry `mask_id` as their anchor.
+    /// `gamma` drafter rows; rows without a sequence carry `mask_id` as their anchor; source
+    /// rows lie `stride` bytes apart.
     ///
     /// # Errors
     /// [`Error::InvalidArgument`] when `rows`, `width` or `gamma` is 0.
-    pub fn new(rows: usize, width: usize, gamma: usize, mask_id: i64) -> Result<Self> {
+    pub fn new(rows: usize, width: usize, gamma: usize, mask_id: i64, stride: i64) -> Result<Self> {
         for (name, v) in [("rows", rows), ("width", width), ("gamma", gamma)] {
             if v == 0 {
                 return Err(Error::invalid_argument(name, "must be >= 1, got 0"));
@@ -117,11 +124,13 @@ impl GraphMeta {
             width,
             gamma,
             mask_id,
+            stride,
             owners: vec![None; rows],
             staged: 0,
             scalars: Vec::with_capacity(rows),
             staged_pos: Vec::with_capacity(rows * gamma),
             staged_slot: Vec::with_capacity(rows * gamma),
+            staged_src: Vec::with_capacity(rows * gamma),
             filled: Filled::default(),
         })
     }
@@ -132,7 +141,7 @@ impl GraphMeta {
     }
     #[must_use]
     pub fn cols(&self) -> usize {
-        3 + self.width + 2 * self.gamma
+        3 + self.width + 3 * self.gamma
     }
     #[must_use]
     pub fn width(&self) -> usize {
@@ -154,6 +163,9 @@ impl GraphMeta {
     fn slot_col(&self) -> usize {
         3 + self.width + self.gamma
     }
+    fn src_col(&self) -> usize {
+        3 + self.width + 2 * self.gamma
+    }
 
     /// The matrix of a writer that has filled nothing: no context, mask anchors, every slot
     /// unused. Forgets every row's owner.
@@ -171,7 +183,7 @@ impl GraphMeta {
         for row in buf.chunks_exact_mut(cols) {
             row.fill(0);
             row[1] = self.mask_id;
-            row[slot_col..].fill(PAD_SLOT);
+            row[slot_col..slot_col + self.gamma].fill(PAD_SLOT);
         }
         self.owners.fill(None);
         self.staged = 0;
@@ -182,11 +194,13 @@ impl GraphMeta {
         self.scalars.clear();
         self.staged_pos.clear();
         self.staged_slot.clear();
+        self.staged_src.clear();
         self.filled = Filled::default();
     }
 
     /// The call's next sequence (0, 1, ... in order): the state `id` with its committed
-    /// `table`, its outstanding `plan`, and its anchor `(token, position)`.
+    /// `table`, its outstanding `plan`, its anchor `(token, position)`, and the `base` its
+    /// staged rows are read from (row `r` at `base + r * stride`; `None`: 0 in the column).
     ///
     /// # Errors
     /// [`TooWide`] when the table with the plan's new blocks exceeds `width`: the call must take
@@ -202,6 +216,7 @@ impl GraphMeta {
         table: &[usize],
         plan: &PrecomputePlan,
         (token, position): (i64, i64),
+        base: Option<i64>,
     ) -> Result<(), TooWide> {
         let cols = self.cols();
         assert_eq!(
@@ -245,6 +260,11 @@ impl GraphMeta {
             self.staged_pos.extend_from_slice(&plan.positions);
             self.staged_slot
                 .extend(plan.slots.iter().map(|&s| as_i64(s)));
+            let stride = self.stride;
+            self.staged_src.extend(
+                (plan.row_start..plan.row_end)
+                    .map(|r| base.map_or(0, |b| b.wrapping_add(as_i64(r).wrapping_mul(stride)))),
+            );
             self.filled
                 .staged_rows
                 .push((seq, plan.row_start, plan.row_end));
@@ -265,6 +285,7 @@ impl GraphMeta {
             "the metadata buffer has the wrong size"
         );
         let (gamma, pos_col, slot_col) = (self.gamma, self.pos_col(), self.slot_col());
+        let src_col = self.src_col();
         for (row, scalars) in buf.chunks_exact_mut(cols).zip(&self.scalars) {
             row[..3].copy_from_slice(scalars);
         }
@@ -283,6 +304,7 @@ impl GraphMeta {
                 if k < staged {
                     row[pos_col + entry] = self.staged_pos[k];
                     row[slot_col + entry] = self.staged_slot[k];
+                    row[src_col + entry] = self.staged_src[k];
                 } else {
                     row[slot_col + entry] = PAD_SLOT;
                 }
@@ -328,21 +350,24 @@ mod tests {
             }
             let count = plan.row_end - plan.row_start;
             if count > 0 && count <= meta.gamma {
+                let base = base_of(i);
                 staged.extend(
                     plan.positions
                         .iter()
                         .zip(&plan.slots)
-                        .map(|(&p, &s)| (p, s)),
+                        .zip(plan.row_start..)
+                        .map(|((&p, &s), r)| (p, s, base + as_i64(r) * STRIDE)),
                 );
             }
         }
         for row in buf.chunks_exact_mut(cols).skip(calls.len()) {
             row[1] = meta.mask_id;
         }
-        for (k, (p, s)) in staged.iter().enumerate() {
+        for (k, (p, s, src)) in staged.iter().enumerate() {
             let (r, e) = (k / meta.gamma, k % meta.gamma);
             buf[r * cols + meta.pos_col() + e] = *p;
             buf[r * cols + meta.slot_col() + e] = as_i64(*s);
+            buf[r * cols + meta.src_col() + e] = *src;
         }
         for k in staged.len()..meta.rows * meta.gamma {
             let (r, e) = (k / meta.gamma, k % meta.gamma);
@@ -351,8 +376,16 @@ mod tests {
         buf
     }
 
+    const STRIDE: i64 = 48;
+
+    /// Sequence `i`'s (made-up) source base address.
+    fn base_of(i: usize) -> i64 {
+        (1 << 40) + as_i64(i) * (1 << 20)
+    }
+
     /// The columns the graph reads: scalars, the table up to its length, every slot, and the
-    /// positions of staged entries (other positions are never read: their slot is `PAD_SLOT`).
+    /// positions and sources of staged entries (others are never read: their slot is
+    /// `PAD_SLOT`).
     fn read_view(meta: &GraphMeta, buf: &[i64], tables: &[usize]) -> Vec<i64> {
         let cols = meta.cols();
         let mut out = Vec::new();
@@ -363,11 +396,10 @@ mod tests {
             for e in 0..meta.gamma {
                 let slot = row[meta.slot_col() + e];
                 out.push(slot);
-                out.push(if slot == PAD_SLOT {
-                    0
-                } else {
-                    row[meta.pos_col() + e]
-                });
+                if slot != PAD_SLOT {
+                    out.push(row[meta.pos_col() + e]);
+                    out.push(row[meta.src_col() + e]);
+                }
             }
         }
         out
@@ -407,7 +439,7 @@ mod tests {
             .map(|_| ContextState::new(&mut pool, 20, 0).unwrap())
             .collect();
         let mut next = [0i64; 3];
-        let mut meta = GraphMeta::new(4, width, gamma, 99).unwrap();
+        let mut meta = GraphMeta::new(4, width, gamma, 99, STRIDE).unwrap();
         let mut buf = vec![7i64; 4 * meta.cols()];
         meta.init(&mut buf);
         for step in 0..12usize {
@@ -430,8 +462,15 @@ mod tests {
             }
             meta.begin();
             for (i, (table, plan, tok, pos)) in calls.iter().enumerate() {
-                meta.row(&mut buf, states[i].id(), table, plan, (*tok, *pos))
-                    .unwrap();
+                meta.row(
+                    &mut buf,
+                    states[i].id(),
+                    table,
+                    plan,
+                    (*tok, *pos),
+                    Some(base_of(i)),
+                )
+                .unwrap();
             }
             let filled = meta.finish(&mut buf).clone();
             let tables: Vec<usize> = calls
@@ -469,11 +508,14 @@ mod tests {
         let plan = st.plan_append(&[0, 1, 2, 3, 4]).unwrap();
         st.apply_append(&mut pool, &plan).unwrap();
         let pre = st.plan_precompute(&mut pool).unwrap();
-        let mut meta = GraphMeta::new(1, 2, 4, 0).unwrap();
+        let mut meta = GraphMeta::new(1, 2, 4, 0, 8).unwrap();
         let mut buf = vec![0i64; meta.cols()];
         meta.init(&mut buf);
         meta.begin();
-        assert_eq!(meta.row(&mut buf, st.id(), &[], &pre, (1, 5)), Err(TooWide));
-        assert!(GraphMeta::new(0, 1, 1, 0).is_err());
+        assert_eq!(
+            meta.row(&mut buf, st.id(), &[], &pre, (1, 5), None),
+            Err(TooWide)
+        );
+        assert!(GraphMeta::new(0, 1, 1, 0, 8).is_err());
     }
 }

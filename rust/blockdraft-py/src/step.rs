@@ -367,16 +367,17 @@ impl PyGraphMeta {
 
 #[pymethods]
 impl PyGraphMeta {
-    /// `host`: a contiguous CPU int64 tensor `[rows, 3 + width + 2 * gamma]` (written in place
-    /// from now on: ``init`` runs at once).
+    /// `host`: a contiguous CPU int64 tensor `[rows, 3 + width + 3 * gamma]` (written in place
+    /// from now on: ``init`` runs at once); `stride`: bytes between two rows of a source.
     #[new]
-    #[pyo3(signature = (host, width, gamma, mask_id))]
+    #[pyo3(signature = (host, width, gamma, mask_id, stride=0))]
     fn py_new(
         py: Python<'_>,
         host: &Bound<'_, PyAny>,
         width: usize,
         gamma: usize,
         mask_id: i64,
+        stride: i64,
     ) -> PyResult<Self> {
         let shape: Vec<usize> = host.getattr("shape")?.extract()?;
         let device: String = host.getattr("device")?.getattr("type")?.extract()?;
@@ -388,7 +389,7 @@ impl PyGraphMeta {
                 "host must be 2-D, got {shape:?}"
             )));
         };
-        let meta = core::GraphMeta::new(rows, width, gamma, mask_id).map_err(CoreError)?;
+        let meta = core::GraphMeta::new(rows, width, gamma, mask_id, stride).map_err(CoreError)?;
         if device != "cpu" || elem != 8 || is_float || !contiguous || cols != meta.cols() {
             return Err(PyValueError::new_err(format!(
                 "host must be a contiguous CPU int64 tensor [rows, {}], got {shape:?} on {device}",
@@ -414,21 +415,27 @@ impl PyGraphMeta {
     }
 
     /// Write one call: the outstanding `plans` of the call's sequences (from `plan_proposals`)
-    /// and their anchors. Returns `(staged, eager, staged_rows)`: the staged row count, the
+    /// and their anchors; with `bases`, each sequence's source base address (the source
+    /// column then says where each staged row is read from). Returns `(staged, eager, staged_rows)`: the staged row count, the
     /// sequences whose plans are too long to stage (their K/V is the caller's to store first),
     /// and `(sequence, row_start, row_end)` of each staged plan in order; or `None` when a
     /// table is wider than the graphs (the call takes the plain path).
     #[allow(clippy::type_complexity, clippy::needless_pass_by_value)]
+    #[pyo3(signature = (plans, tokens, positions, bases=None))]
     fn fill(
         &self,
         py: Python<'_>,
         plans: &Bound<'_, PyList>,
         tokens: Vec<i64>,
         positions: Vec<i64>,
+        bases: Option<Vec<i64>>,
     ) -> PyResult<Option<(usize, Vec<usize>, Vec<(usize, usize, usize)>)>> {
         let n = plans.len();
         same_len("tokens", tokens.len(), n)?;
         same_len("positions", positions.len(), n)?;
+        if let Some(b) = &bases {
+            same_len("bases", b.len(), n)?;
+        }
         let mut meta = lock(&self.meta, "graph metadata")?;
         if n > meta.rows() {
             return Err(PyValueError::new_err(format!(
@@ -449,6 +456,7 @@ impl PyGraphMeta {
                     state.block_table(),
                     &plan.inner,
                     (tokens[i], positions[i]),
+                    bases.as_ref().map(|b| b[i]),
                 )
                 .is_err()
             {
