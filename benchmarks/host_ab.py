@@ -22,6 +22,8 @@ from blockdraft import bench
 device, dtype = torch.device("cuda"), torch.bfloat16
 shape = bench.SHAPES["qwen3-8b"]
 reps = int(os.environ.get("REPS", "30"))
+# the host's speed before anything else ran in this process, and again at the end
+core_start = bench.bench_core_bookkeeping(16, shape, calls=20000)["us_per_seq_step"]
 t0 = time.perf_counter()
 with torch.inference_mode():
     target = bench.build_target(shape, device, dtype, 0)
@@ -38,6 +40,7 @@ out = {
     "quick": quick,
     "host": host,
     "core_us_per_seq_step": core["us_per_seq_step"],
+    "core_us_per_seq_step_at_start": core_start,
     "total_s": time.perf_counter() - t0,
 }
 name = f"ab-{out['tag']}-{os.environ.get('ROUND', '0')}.json"
@@ -46,5 +49,6 @@ lat = {f"{r['context']}x{r['batch']}": round(r["latency_ms"]["median"], 4) for r
 steps = {r["batch"]: {k: round(r[k], 2) for k in ("glue_us_per_seq", "commit_us_per_seq",
                                                    "verify_us_per_seq", "step_us_per_seq") if k in r}
          for r in host if "batch" in r}
-print(out["tag"], "latency ms", lat, "host us/seq", steps, "core", round(core["us_per_seq_step"], 2),
+print(out["tag"], "latency ms", lat, "host us/seq", steps, "core start/end",
+      round(core_start, 2), round(core["us_per_seq_step"], 2),
       f"({out['total_s']:.0f} s)", flush=True)
