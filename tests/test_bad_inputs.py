@@ -165,6 +165,15 @@ API_CASES = [
     Case("verify a freed state", InvalidStateError, ("freed",), lambda w: w.prop.after_verify(w.freed, 0)),
     Case("verify a foreign state", InvalidStateError, ("another proposer",), lambda w: w.prop.after_verify(w.foreign, 0)),
     Case("free a foreign state", InvalidStateError, ("another proposer",), lambda w: w.prop.free_state(w.foreign)),
+    # after_verify_batch (each error at the first state or before any: nothing is recorded)
+    Case("batch: accept more than drafted", ValueError, ("num_accepted",), lambda w: w.prop.after_verify_batch([w.st, w.st2], [3, 0])),
+    Case("batch: accept negative", ValueError, ("num_accepted",), lambda w: w.prop.after_verify_batch([w.st], [-1])),
+    Case("batch: a freed state", InvalidStateError, ("freed",), lambda w: w.prop.after_verify_batch([w.freed, w.st], [0, 0])),
+    Case("batch: a foreign state", InvalidStateError, ("another proposer",), lambda w: w.prop.after_verify_batch([w.st, w.foreign], [0, 0])),
+    Case("batch: a core state", InvalidStateError, ("not a DFlash",), lambda w: w.prop.after_verify_batch([w.st2.ctx], [0])),  # type: ignore[list-item]
+    Case("batch: a state twice", ValueError, ("twice",), lambda w: w.prop.after_verify_batch([w.st, w.st], [0, 0])),
+    Case("batch: fewer counts", ValueError, ("accepted counts",), lambda w: w.prop.after_verify_batch([w.st, w.st2], [0])),
+    Case("batch: a float count", TypeError, ("num_accepted",), lambda w: w.prop.after_verify_batch([w.st], [0.5])),  # type: ignore[list-item]
 ]
 
 

@@ -15,6 +15,7 @@ import math
 import os
 from typing import Any
 
+import pytest
 import torch
 from hypothesis import settings
 from hypothesis import strategies as st
@@ -139,6 +140,29 @@ class ProposerMachine(RuleBasedStateMachine):
         acc = int(s.last_num_drafted * frac)
         self.prop.after_verify(s, acc)
         assert s.last_num_drafted == 0 and s.last_num_accepted == acc
+        score.operations += 1
+
+    @rule(data=st.data(), k=st.integers(1, 3))
+    def after_verify_batch(self, data: st.DataObject, k: int) -> None:
+        """Many verify records in one core call: as ``after_verify`` per state; a bad count
+        (more than drafted) records the states before it and none after."""
+        pool = [s for s in self.states if not s.freed]
+        if len(pool) < k:
+            return
+        picks = data.draw(st.permutations(pool).map(lambda p: p[:k]))
+        counts = [data.draw(st.integers(0, s.last_num_drafted + 1)) for s in picks]
+        bad = next((i for i, (s, c) in enumerate(zip(picks, counts)) if c > s.last_num_drafted), None)
+        drafted = [s.last_num_drafted for s in picks]
+        if bad is None:
+            self.prop.after_verify_batch(picks, counts)
+        else:
+            with pytest.raises(ValueError, match="num_accepted"):
+                self.prop.after_verify_batch(picks, counts)
+        for i, (s, c) in enumerate(zip(picks, counts)):
+            if bad is None or i < bad:
+                assert s.last_num_drafted == 0 and s.last_num_accepted == c
+            else:
+                assert s.last_num_drafted == drafted[i]
         score.operations += 1
 
     @rule(target=dead, s=consumes(live))
