@@ -1,0 +1,76 @@
+"""Where the wall time of one graph-path `propose` goes on a CUDA GPU (random qwen3-8b pair,
+bf16, batch 1; contexts from $CTXS, default 4096): a torch.profiler trace of CALLS steady-state
+calls (each preceded, untimed, by a one-row commit), split per call into host time before the
+first kernel, the device span from the first kernel's start to the last one's end (with the
+sum of kernel durations and the gaps between kernels), and host time after the last kernel.
+
+    OUT=/some/dir python3 benchmarks/n1_timeline.py    # prints a table, writes $OUT/n1_timeline.json
+"""
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from blockdraft import bench
+
+device, dtype = torch.device("cuda"), torch.bfloat16
+shape = bench.SHAPES["qwen3-8b"]
+calls = int(os.environ.get("CALLS", "20"))
+out: dict[str, object] = {"environment": bench.environment(device)}
+with torch.inference_mode():
+    target = bench.build_target(shape, device, dtype, 0)
+    drafter = bench.build_drafter(shape, device, dtype, 1)
+    for ctx in (int(c) for c in os.environ.get("CTXS", "4096").split(",")):
+        prop = bench._make_proposer(drafter, target, shape, ctx, 1, "auto", 4 * calls + 64)
+        seqs = bench._Seqs(prop, shape, ctx, 1, torch.Generator(device=device).manual_seed(ctx))
+        for _ in range(5):
+            seqs.advance([0])
+            seqs.propose_batch([0])
+        torch.cuda.synchronize()
+        marks = []
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(calls):
+                seqs.advance([0])
+                torch.cuda.synchronize()
+                t0 = time.perf_counter_ns()
+                seqs.propose_batch([0])
+                t1 = time.perf_counter_ns()
+                marks.append((t0, t1))
+        # profiler timestamps are µs on the host's steady clock; align by the calls' own spans
+        evs = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        kern = sorted((e.time_range.start, e.time_range.end, e.name) for e in evs)
+        # split kernels into calls by the large idle gaps (each call is preceded by a sync)
+        groups, cur = [], [kern[0]]
+        for k in kern[1:]:
+            if k[0] - cur[-1][1] > 150:  # µs: the commit + sync between calls
+                groups.append(cur)
+                cur = []
+            cur.append(k)
+        groups.append(cur)
+        rows = []
+        for g in groups:
+            span = g[-1][1] - g[0][0]
+            busy = sum(e - s for s, e, _ in g)
+            rows.append({"kernels": len(g), "span_us": span, "busy_us": busy, "gaps_us": span - busy})
+        wall = [(t1 - t0) / 1e3 for t0, t1 in marks]
+        rec = {
+            "context": ctx,
+            "wall_us_median": statistics.median(wall),
+            "groups": len(groups),
+            "kernels_per_call": statistics.median(r["kernels"] for r in rows),
+            "span_us_median": statistics.median(r["span_us"] for r in rows),
+            "busy_us_median": statistics.median(r["busy_us"] for r in rows),
+            "gaps_us_median": statistics.median(r["gaps_us"] for r in rows),
+            "largest_gaps": sorted(
+                ((round(b[0] - a[1], 1), a[2][:50], b[2][:50]) for g in groups[-3:]
+                 for a, b in zip(g, g[1:])), reverse=True)[:10],
+        }
+        out[str(ctx)] = rec
+        print(json.dumps(rec, indent=1), flush=True)
+        seqs.free()
+        bench._release(prop)
+Path(os.environ.get("OUT", "."), "n1_timeline.json").write_text(json.dumps(out, indent=1, default=str))
