@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import torch
-from torch.profiler import ProfilerActivity, profile
+from torch.profiler import ProfilerActivity, profile, record_function
 
 from blockdraft import bench
 
@@ -37,25 +37,32 @@ with torch.inference_mode():
                 seqs.advance([0])
                 torch.cuda.synchronize()
                 t0 = time.perf_counter_ns()
-                seqs.propose_batch([0])
+                with record_function("propose_call"):
+                    seqs.propose_batch([0])
                 t1 = time.perf_counter_ns()
                 marks.append((t0, t1))
         # profiler timestamps are µs on the host's steady clock; align by the calls' own spans
         evs = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
         kern = sorted((e.time_range.start, e.time_range.end, e.name) for e in evs)
-        # split kernels into calls by the large idle gaps (each call is preceded by a sync)
-        groups, cur = [], [kern[0]]
-        for k in kern[1:]:
-            if k[0] - cur[-1][1] > 150:  # µs: the commit + sync between calls
+        # one group per call: from its metadata copy (the one pinned host-to-device copy of a
+        # call) up to the next call's commit (its random rows: the `normal_` kernel)
+        groups, cur = [], None
+        for k in kern:
+            if k[2].startswith("Memcpy HtoD (Pinned"):
+                cur = [k]
                 groups.append(cur)
-                cur = []
-            cur.append(k)
-        groups.append(cur)
+            elif "distribution" in k[2] or "normal" in k[2]:
+                cur = None
+            elif cur is not None:
+                cur.append(k)
+        spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+                       if e.name == "propose_call" and e.device_type == torch.autograd.DeviceType.CPU)
         rows = []
-        for g in groups:
+        for g, (c0, c1) in zip(groups, spans):
             span = g[-1][1] - g[0][0]
             busy = sum(e - s for s, e, _ in g)
-            rows.append({"kernels": len(g), "span_us": span, "busy_us": busy, "gaps_us": span - busy})
+            rows.append({"kernels": len(g), "span_us": span, "busy_us": busy, "gaps_us": span - busy,
+                         "before_us": g[0][0] - c0, "after_us": c1 - g[-1][1]})
         wall = [(t1 - t0) / 1e3 for t0, t1 in marks]
         rec = {
             "context": ctx,
@@ -65,6 +72,9 @@ with torch.inference_mode():
             "span_us_median": statistics.median(r["span_us"] for r in rows),
             "busy_us_median": statistics.median(r["busy_us"] for r in rows),
             "gaps_us_median": statistics.median(r["gaps_us"] for r in rows),
+            "host_before_first_kernel_us_median": statistics.median(r["before_us"] for r in rows),
+            "host_after_last_kernel_us_median": statistics.median(r["after_us"] for r in rows),
+            "calls_matched": len(rows),
             "largest_gaps": sorted(
                 ((round(b[0] - a[1], 1), a[2][:50], b[2][:50]) for g in groups[-3:]
                  for a, b in zip(g, g[1:])), reverse=True)[:10],
