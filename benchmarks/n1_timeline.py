@@ -79,8 +79,12 @@ with torch.inference_mode():
                 ((round(b[0] - a[1], 1), a[2][:50], b[2][:50]) for g in groups[-3:]
                  for a, b in zip(g, g[1:])), reverse=True)[:10],
         }
+        last = groups[-1]
+        rec["last_call_kernels"] = [(round(a - last[0][0], 1), round(b - a, 1), name[:60])
+                                    for a, b, name in last]
         out[str(ctx)] = rec
-        print(json.dumps(rec, indent=1), flush=True)
+        print(json.dumps({k: v for k, v in rec.items() if k != "last_call_kernels"}, indent=1),
+              flush=True)
         seqs.free()
         bench._release(prop)
 Path(os.environ.get("OUT", "."), "n1_timeline.json").write_text(json.dumps(out, indent=1, default=str))
