@@ -201,3 +201,19 @@ def test_triton_batch_commit_is_one_kernel_launch(
         assert _accs_equal(b_states, s_states)
     assert calls == [2]
     assert b_states[2].ctx_len == b_states[2].window == 10
+
+
+def test_positions_as_any_iterable_of_ints(drafter: Any, target: Any) -> None:
+    """Positions may be a list, tuple, range, int tensor or any iterable of ints; a
+    non-iterable is a clear ``TypeError``."""
+    prop = make_proposer(drafter, target, max_seq_len=64, num_blocks=32)
+    st = prop.alloc_state_for(30)
+    rows = torch.randn(8, K_H, generator=torch.Generator().manual_seed(3))
+    prop.commit_ctx(st, rows[:2], (0, 1))
+    prop.commit_ctx(st, rows[2:4], torch.tensor([2, 3]))
+    prop.commit_ctx(st, rows[4:6], (p for p in (4, 5)))
+    prop.commit_ctx_batch([st], rows[6:8], [iter([6, 7])])
+    assert st.ctx_positions == list(range(8))
+    with expect_clear_error(TypeError, "positions"):
+        prop.commit_ctx(st, rows[:1], 8)  # type: ignore[arg-type]
+    assert st.ctx_len == 8

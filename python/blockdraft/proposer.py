@@ -575,7 +575,7 @@ class DFlashProposer:
         if len(positions) != len(ctxs):
             raise ValueError(f"{len(ctxs)} states but {len(positions)} position lists")
         self._check_rows(hidden_rows)
-        lists = [p.tolist() if isinstance(p, Tensor) else p for p in positions]
+        lists = [self._positions(p) for p in positions]
         batch = _core.plan_appends("commit_ctx_batch", ctxs, lists, self._owner)
         if batch.n_rows != hidden_rows.shape[0]:
             raise ValueError(f"{hidden_rows.shape[0]} rows but {batch.n_rows} positions in all")
@@ -641,12 +641,20 @@ class DFlashProposer:
 
     @staticmethod
     def _positions(positions: Sequence[int] | Tensor) -> Sequence[int]:
-        """Positions as the core takes them (a tensor as its list; the core checks the ints:
-        a float position is never rounded)."""
+        """Positions as the core takes them: a list, tuple or range as it is, a tensor as its
+        list, any other iterable listed (the core checks the ints: a float position is never
+        rounded)."""
+        if isinstance(positions, (list, tuple, range)):
+            return positions
         if isinstance(positions, Tensor):
             out: list[int] = positions.tolist()
             return out
-        return positions
+        try:
+            return list(positions)
+        except TypeError:
+            raise TypeError(
+                f"positions must be a sequence of ints, not {type(positions).__name__}"
+            ) from None
 
     @staticmethod
     def _detached_rows(hidden_rows: Tensor, acc: Tensor) -> Tensor:

@@ -355,8 +355,9 @@ impl PyGraphMeta {
     /// The slice is valid for as long as `self` lives: `self` holds the tensor, which was
     /// checked at construction to be a contiguous CPU `int64` tensor of exactly `len`
     /// elements at `ptr`, and every caller holds the GIL, so no Python code touches the tensor
-    /// while the slice is in use. (Resizing the tensor from Python would break this; the
-    /// tensor is private to the graph runner.)
+    /// while the slice is in use. Callers make one slice at a time: `py_new` before the object
+    /// exists, `fill` under the `meta` lock. (Resizing the tensor from Python would break
+    /// this; the tensor is private to the graph runner.)
     #[allow(clippy::mut_from_ref)]
     fn buf(&self, _py: Python<'_>) -> &mut [i64] {
         // SAFETY: see the method's documentation; `ptr` is aligned for i64 (a torch int64
