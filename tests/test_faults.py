@@ -260,6 +260,28 @@ def test_batch_commit_with_a_slide_every_site(drafter: Any, target: Any) -> None
     sweep(lambda: _slid_world(drafter, target, False), act)
 
 
+def test_batch_commit_with_two_slides_every_site(drafter: Any, target: Any) -> None:
+    """``commit_ctx_batch`` where two states slide: an allocation failing at the second
+    slide's copy must not leave the first state's accumulator slid (the core would still
+    describe its old rows)."""
+
+    def build() -> World:
+        w = _slid_world(drafter, target, False)
+        st = w.prop.alloc_state_for(1)  # a second 6-row window, 5 rows with K/V
+        w.prop.commit_ctx(st, rows(5, 11), range(5))
+        w.prop.propose(st, 1, 5, 3)
+        w.states.append(st)
+        return w
+
+    def act(w: World) -> Any:
+        w.prop.commit_ctx_batch(w.states[2:], rows(6, 12), [[5, 6, 7], [5, 6, 7]])
+        return [(tuple(s.ctx_positions), s.acc.tolist() if s.acc is not None else None)
+                for s in w.states]
+
+    points = sweep(build, act)
+    assert points >= 3  # the staging and each slide's copy
+
+
 def test_propose_after_slide_every_site(drafter: Any, target: Any) -> None:
     def act(w: World) -> Any:
         return w.prop.propose(w.states[-1], 2, 8, 3)

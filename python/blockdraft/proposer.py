@@ -538,7 +538,7 @@ class DFlashProposer:
         skip = batch.src_starts[0]
         if skip:
             new_rows = new_rows[skip:]
-        self._slide(batch, [acc])
+        self._apply_slides(self._prepare_slides(batch, [acc]))
         start = batch.dst_starts[0]
         end = start + new_rows.shape[0]
         rows = acc[start:end]
@@ -583,9 +583,10 @@ class DFlashProposer:
 
     def _write_rows(self, states: Sequence[DFlashState], batch: AppendBatch, hidden_rows: Tensor) -> None:
         """Carry out a checked ``AppendBatch``: the slides, the rows into the accumulators, then
-        record it in the core. Every allocation happens before an accumulator is touched: a
-        failure (device OOM) leaves the rows as they were, since the core still describes the
-        old layout."""
+        record it in the core. Every allocation (the rows in the accumulators' dtype, each
+        slide's copy of the rows it keeps, the kernel's table) happens before an accumulator is
+        touched: a failure (device OOM) leaves every accumulator as it was, since the core
+        still describes the old layout."""
         if faults._ACTIVE is not None:
             faults.hit("accumulator")
         index = batch.index
@@ -593,28 +594,43 @@ class DFlashProposer:
             return
         accs: list[Tensor] = [states[i].acc for i in index]  # type: ignore[misc]
         new_rows = self._detached_rows(hidden_rows, accs[0])
-        self._slide(batch, accs)
+        slides = self._prepare_slides(batch, accs)
         kept = batch.kept
         # One kernel launch takes many sequences' rows as they are when no state's rows were
         # cut (so they lie in order, back to back) and they are a step's few per sequence (the
         # steady state: up to B); one sequence, bigger commits (prefills) and the torch backend
         # copy per sequence.
         if self.backend == "triton" and 1 < len(index) and batch.n_rows == kept <= self.gamma * len(index):
-            from blockdraft.kernels.accumulator import acc_append_mapped
+            from blockdraft.kernels.accumulator import acc_append_mapped, append_table
 
-            acc_append_mapped([states[i]._addr for i in index], new_rows.contiguous(), batch.row_map())
+            rows = new_rows.contiguous()
+            table = append_table([states[i]._addr for i in index], batch.row_map(), rows.device)
+            self._apply_slides(slides)
+            acc_append_mapped(rows, table)
         else:
+            self._apply_slides(slides)
             for acc, src, dst, count in zip(accs, batch.src_starts, batch.dst_starts, batch.counts):
                 acc[dst : dst + count].copy_(new_rows[src : src + count])
         batch.apply()
 
     @staticmethod
-    def _slide(batch: AppendBatch, accs: list[Tensor]) -> None:
-        """The batch's slides (``accs``: per entry its accumulator): the newest rows to the
-        front, copied out first (the ranges overlap)."""
+    def _prepare_slides(batch: AppendBatch, accs: list[Tensor]) -> list[tuple[Tensor, int, Tensor]]:
+        """The batch's slides (``accs``: per entry its accumulator) made ready without touching
+        any accumulator: per slide the accumulator, the number of rows it keeps and a copy of
+        them (a fault point each: the copy is an allocation)."""
+        out = []
         for e, src, keep in batch.slides:
+            if faults._ACTIVE is not None:
+                faults.hit("accumulator")
             acc = accs[e]
-            acc[:keep] = acc[src : src + keep].clone()
+            out.append((acc, keep, acc[src : src + keep].clone()))
+        return out
+
+    @staticmethod
+    def _apply_slides(slides: list[tuple[Tensor, int, Tensor]]) -> None:
+        """Write prepared slides: each accumulator's kept rows to its front."""
+        for acc, keep, rows in slides:
+            acc[:keep] = rows
 
     def _ctxs(self, states: Sequence[object], what: str) -> list[ContextState]:
         """The core states of ``states`` (the core checks their owner, liveness and that none

@@ -154,23 +154,27 @@ def acc_append(
                              f"{acc.shape[0]} rows")
     row_map = [i for i, c in enumerate(counts) for _ in range(c)]
     row_map += [s + j for s, c in zip(starts, counts) for j in range(c)]
-    acc_append_mapped([a.data_ptr() for a in accs], rows, row_map)
+    acc_append_mapped(rows, append_table([a.data_ptr() for a in accs], row_map, rows.device))
 
 
-def acc_append_mapped(addrs: Sequence[int], rows: torch.Tensor, row_map: Sequence[int]) -> None:
+def append_table(addrs: Sequence[int], row_map: Sequence[int], device: torch.device) -> torch.Tensor:
+    """The device table of :func:`acc_append_mapped`: ``row_map`` (per row of the rows to
+    append the index of its accumulator in ``addrs``, then per row its destination row: the
+    core's ``AppendBatch.row_map``) followed by the accumulators' base addresses. Made apart
+    from the launch so that a caller can make every allocation before it writes anything."""
+    return torch.tensor([*row_map, *addrs], dtype=torch.int64).to(device, non_blocking=True)
+
+
+def acc_append_mapped(rows: torch.Tensor, table: torch.Tensor) -> None:
     """:func:`acc_append` without its argument checks (which cost µs per accumulator), for a
     caller whose accumulators meet the contract by construction (the proposer's own, made
-    contiguous ``[W, C]`` in its dtype on its device), given as their base addresses.
-
-    ``row_map``: per row of ``rows`` the index of its accumulator in ``addrs``, then per row
-    its destination row (the core's ``AppendBatch.row_map``). One host-to-device copy (the
-    row map and the addresses in one tensor) and one launch."""
+    contiguous ``[W, C]`` in its dtype on its device), given by their addresses in ``table``
+    (:func:`append_table`). One launch."""
     num_rows, num_cols = rows.shape
     if num_rows == 0 or num_cols == 0:
         return
-    buf = torch.tensor([*row_map, *addrs], dtype=torch.int64).to(rows.device, non_blocking=True)
     grid = (num_rows, triton.cdiv(num_cols, _APPEND_BLOCK_C))
-    acc_append_kernel[grid](rows, buf, buf[2 * num_rows :], num_rows, num_cols,
+    acc_append_kernel[grid](rows, table, table[2 * num_rows :], num_rows, num_cols,
                             BLOCK_C=_APPEND_BLOCK_C, num_warps=4)
 
 
