@@ -135,18 +135,24 @@ def test_plan_appends_cuts_to_the_window_and_maps_rows() -> None:
 
 def test_graph_meta_writes_the_call() -> None:
     width, gamma, mask = 4, 3, 99
-    cols = 3 + width + 3 * gamma
+    table_col, pc, sc, src, cols = _core.GraphMeta.layout(width, gamma)
+    assert (table_col, pc, sc, src, cols) == (3, 3 + width, 3 + width + gamma,
+                                              3 + width + 2 * gamma, 3 + width + 3 * gamma)
     pool = BlockPool(16, 2)
     a, b = states_with_rows(pool, [3, 2])
     host = torch.full((3, cols), 5, dtype=torch.int64)
     meta = _core.GraphMeta(host, width, gamma, mask, 10)
-    assert host[:, 1].tolist() == [mask] * 3 and (host[:, 3 + width + gamma : 3 + width + 2 * gamma] == -1).all()
+    assert host[:, 1].tolist() == [mask] * 3 and (host[:, sc:src] == -1).all()
     plans = _core.plan_proposals("propose_batch", [a, b], [7, 8], [3, 2], 64, OWNER)
     got = meta.fill(plans, [7, 8], [3, 2], [1000, 2000])
-    assert got == (5, [], [(0, 0, 3), (1, 0, 2)]) and meta.staged == 5
+    assert got == (5, [], []) and meta.staged == 5  # with bases the graph gathers the rows
+    # without bases: the rows to copy are listed and the source column stays 0
+    host2 = torch.zeros((3, cols), dtype=torch.int64)
+    assert _core.GraphMeta(host2, width, gamma, mask, 10).fill(plans, [7, 8], [3, 2]) == (
+        5, [], [(0, 0, 3), (1, 0, 2)])
+    assert not host2[:, src:].any() and torch.equal(host2[:, :src], host[:, :src])
     assert host[:2, :3].tolist() == [[3, 7, 3], [2, 8, 2]] and host[2, :3].tolist() == [0, mask, 0]
     assert host[0, 3:5].tolist() == plans[0].new_blocks and host[1, 3:4].tolist() == plans[1].new_blocks
-    pc, sc, src = 3 + width, 3 + width + gamma, 3 + width + 2 * gamma
     # staged rows: a's 3 rows fill meta row 0; b's 2 rows start meta row 1
     assert host[0, pc:sc].tolist() == [0, 1, 2] and host[1, pc : pc + 2].tolist() == [0, 1]
     assert host[0, sc:src].tolist() == plans[0].slots

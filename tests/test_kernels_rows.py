@@ -7,6 +7,8 @@ import torch
 
 from kernel_support import K, assert_close, need_triton, pack_bitmask, random_bitmask
 
+from blockdraft._core import GraphMeta
+
 CPU = torch.device("cpu")
 
 
@@ -347,19 +349,19 @@ def test_stage_gather_reads_rows_by_address(dtype: torch.dtype) -> None:
     accs = [torch.randn(w, cols, generator=gen).to(dtype) for w in (5, 9)]
     picks = [(0, 1), (0, 4), (1, 0), (1, 8), (1, 3)]  # (accumulator, row) of staged rows
     rows = 3
-    slot_col = 3 + width + gamma
-    meta = torch.zeros((rows, 3 + width + 3 * gamma), dtype=torch.int64)
+    _, _, slot_col, src_col, cols_meta = GraphMeta.layout(width, gamma)
+    meta = torch.zeros((rows, cols_meta), dtype=torch.int64)
     meta[:, slot_col : slot_col + gamma] = -1
     elem = accs[0].element_size()
     for j, (a, r) in enumerate(picks):
         meta[j // gamma, slot_col + j % gamma] = 100 + j
-        meta[j // gamma, slot_col + gamma + j % gamma] = accs[a].data_ptr() + r * cols * elem
+        meta[j // gamma, src_col + j % gamma] = accs[a].data_ptr() + r * cols * elem
     stage = torch.full((rows * gamma, cols), 7.0, dtype=dtype)
-    stage_gather(meta, slot_col, gamma, stage)
+    stage_gather(meta, slot_col, src_col, gamma, stage)
     for j, (a, r) in enumerate(picks):
         assert torch.equal(stage[j], accs[a][r]), j
     assert not stage[len(picks) :].any()
     # a capacity below the staged rows gathers only those
     part = torch.full((2, cols), 7.0, dtype=dtype)
-    stage_gather(meta, slot_col, gamma, part)
+    stage_gather(meta, slot_col, src_col, gamma, part)
     assert torch.equal(part, torch.stack([accs[0][1], accs[0][4]]))

@@ -463,10 +463,15 @@ class GraphMeta:
     per call every sequence's scalars, block table and staged context rows, with a mirror of
     what each row holds so unchanged tables are not rewritten."""
 
+    @staticmethod
+    def layout(width: int, gamma: int) -> tuple[int, int, int, int, int]:
+        """The matrix's columns for tables of ``width`` entries and blocks of ``gamma`` rows:
+        ``(table_col, pos_col, slot_col, src_col, cols)``. The layout is the core's; callers
+        read it here instead of spelling it again."""
     def __new__(
         cls, host: Any, width: int, gamma: int, mask_id: int, stride: int = 0
     ) -> GraphMeta:
-        """``host``: a contiguous CPU int64 tensor ``[rows, 3 + width + 3 * gamma]``, written
+        """``host``: a contiguous CPU int64 tensor ``[rows, layout(width, gamma)[4]]``, written
         in place from now on (initialised at once; keep it private to the writer); ``stride``:
         bytes between two rows of a source (see ``fill``'s ``bases``).
 
@@ -485,7 +490,8 @@ class GraphMeta:
     ) -> tuple[int, list[int], list[tuple[int, int, int]]] | None:
         """Write one call: the outstanding plans of its sequences and their anchors; with
         ``bases``, each sequence's source base address: the source column then holds
-        ``base + row * stride`` for each staged row (the graph gathers the rows itself).
+        ``base + row * stride`` for each staged row (the graph gathers the rows itself, and
+        ``staged_rows`` is empty).
 
         Returns ``(staged, eager, staged_rows)``: staged row count, the sequences whose plans
         are longer than ``gamma`` (the caller stores their K/V first), and

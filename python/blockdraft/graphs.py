@@ -62,8 +62,6 @@ log = logging.getLogger(__name__)
 
 GraphMode = Literal["auto", "capture", "static", "off"]
 
-_META = 3  # scalar columns in front of the block table
-
 
 def default_buckets(max_batch: int) -> list[int]:
     """Powers of two below ``max_batch``, and ``max_batch`` itself."""
@@ -90,12 +88,11 @@ class _Bucket:
         mask_id: int,
     ):
         self.size = size
-        cols = _META + width + 3 * gamma
+        cols = GraphMeta.layout(width, gamma)[4]
         self.host = torch.zeros((size, cols), dtype=torch.int64, pin_memory=pin)
         # The core's writer of `host` (it sets the initial contents: mask anchors, no slots),
         # with its mirror of which state each row holds.
-        row_bytes = row_width * torch.empty((), dtype=dtype).element_size()
-        self.meta = GraphMeta(self.host, width, gamma, mask_id, row_bytes)
+        self.meta = GraphMeta(self.host, width, gamma, mask_id, row_width * dtype.itemsize)
         self.dev = torch.zeros((size, cols), dtype=torch.int64, device=device)
         self.stage = torch.zeros((size * gamma, row_width), dtype=dtype, device=device)
         # Per staging capacity (see GraphRunner.stage_caps): the captured graph and its output.
@@ -132,8 +129,10 @@ class GraphRunner:
         self.gamma = prop.gamma
         # staged rows per sequence with a graph of their own, ascending (see stage_caps)
         self._stage_per = (1, min(4, self.gamma), self.gamma)
-        self._pos_col = _META + self.width
-        self._slot_col = _META + self.width + self.gamma
+        # the metadata's columns (the core's layout)
+        self._table_col, self._pos_col, self._slot_col, self._src_col, _ = GraphMeta.layout(
+            self.width, self.gamma
+        )
         # On Triton the replay gathers the staged accumulator rows itself, by the addresses
         # the core writes into the metadata; elsewhere the host copies them into `stage`.
         self.gather = prop.backend == "triton"
@@ -249,7 +248,7 @@ class GraphRunner:
         return int(staged)
 
     def _forward(self, meta: Tensor, stage: Tensor, cap: int) -> Tensor:
-        """meta [m, 3 + W + 2B], stage [m*B, k*H] -> drafts [m, B-1] int64 (the plain path's
+        """meta [m, 3 + W + 3B], stage [m*B, k*H] -> drafts [m, B-1] int64 (the plain path's
         math, fixed shapes): the first ``cap`` staged rows' ctx K/V into the paged cache (staged
         row j is meta row j // B, entry j % B), then the draft."""
         prop = self.prop
@@ -261,7 +260,7 @@ class GraphRunner:
             if self.gather:
                 from blockdraft.kernels.accumulator import stage_gather
 
-                stage_gather(meta, sc, b, stage[:cap])
+                stage_gather(meta, sc, self._src_col, b, stage[:cap])
             prop._write_ctx_kv(
                 stage[:cap],
                 meta[:, pc : pc + b].reshape(-1)[:cap],
@@ -274,7 +273,7 @@ class GraphRunner:
         # run beside it, and the first attention waits for it.
         joined = self._store_beside(meta.device, store)
         ctx_lens, block_tables, embeds, q_pos = prop._ops.block_inputs(
-            meta, _META, self.width, prop._embed, prop.mask_token_id, b, prop.dtype
+            meta, self._table_col, self.width, prop._embed, prop.mask_token_id, b, prop.dtype
         )
         paged = prop._paged_attend(block_tables, ctx_lens, q_pos, fault_hooks=False)
 

@@ -78,7 +78,8 @@ def stage_gather_kernel(
     meta_ptr,  # [m, meta_cols] int64: the graph path's metadata (blockdraft_core::step layout)
     stage_ptr,  # [cap, C] contiguous: the gathered rows
     meta_cols,
-    slot_col,  # first slot column; the source addresses follow `GAMMA` columns later
+    slot_col,  # first slot column
+    src_col,  # first source-address column
     num_cols,
     GAMMA: tl.constexpr,
     BLOCK_C: tl.constexpr,
@@ -87,9 +88,9 @@ def stage_gather_kernel(
     # used, its source column where it lies (an accumulator row, by address).
     j = tl.program_id(0).to(tl.int64)
     cblk = tl.program_id(1).to(tl.int64)
-    at = meta_ptr + (j // GAMMA) * meta_cols + slot_col + j % GAMMA
-    slot = tl.load(at)
-    addr = tl.load(at + GAMMA)
+    row = meta_ptr + (j // GAMMA) * meta_cols + j % GAMMA
+    slot = tl.load(row + slot_col)
+    addr = tl.load(row + src_col)
     cols = cblk * BLOCK_C + tl.arange(0, BLOCK_C).to(tl.int64)
     in_row = cols < num_cols
     src = addr.to(tl.pointer_type(stage_ptr.dtype.element_ty))
@@ -98,10 +99,12 @@ def stage_gather_kernel(
     tl.store(stage_ptr + j * num_cols + cols, x, mask=in_row)
 
 
-def stage_gather(meta: torch.Tensor, slot_col: int, gamma: int, stage: torch.Tensor) -> None:
+def stage_gather(
+    meta: torch.Tensor, slot_col: int, src_col: int, gamma: int, stage: torch.Tensor
+) -> None:
     """Gather the graph path's staged accumulator rows into ``stage`` [cap, C] on the device,
-    by the source addresses in ``meta`` (the column group after the slots; see
-    ``blockdraft_core::step``): a launch that a CUDA graph can replay, so the host copies no
+    by the source addresses in ``meta`` (``gamma`` slot and source-address columns from
+    ``slot_col`` and ``src_col``; the layout is ``GraphMeta.layout``): a launch that a CUDA graph can replay, so the host copies no
     rows. Unused entries (``PAD_SLOT``) give zero rows. The sources must be live tensors of
     ``stage``'s dtype and row width, on its device; the caller (the graph runner, with the
     proposer's accumulators) guarantees that, nothing here can check it."""
@@ -109,7 +112,7 @@ def stage_gather(meta: torch.Tensor, slot_col: int, gamma: int, stage: torch.Ten
     if cap == 0 or num_cols == 0:
         return
     grid = (cap, triton.cdiv(num_cols, _APPEND_BLOCK_C))
-    stage_gather_kernel[grid](meta, stage, meta.shape[1], slot_col, num_cols,
+    stage_gather_kernel[grid](meta, stage, meta.shape[1], slot_col, src_col, num_cols,
                               GAMMA=gamma, BLOCK_C=_APPEND_BLOCK_C, num_warps=4)
 
 

@@ -24,7 +24,7 @@ pub use batch::{batch_decline_reason, propose_batch_max, split_bands};
 pub use error::{Error, Result};
 pub use pool::BlockPool;
 pub use state::{AppendPlan, ContextState, PrecomputePlan, SlidePlan};
-pub use step::{check_anchor, Filled, GraphMeta, TooWide, MAX_ANCHOR_POSITION};
+pub use step::{check_anchor, Filled, GraphMeta, MetaLayout, TooWide, MAX_ANCHOR_POSITION};
 pub use window::{
     ctx_ceiling, ctx_window, parse_ctx_cap, read_ctx_cap, DEFAULT_CTX_CAP, ENV_CTX_CAP,
 };

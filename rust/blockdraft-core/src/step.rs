@@ -68,6 +68,37 @@ pub fn check_anchor(state: &ContextState, token: i64, position: i64, vocab: usiz
     Ok(())
 }
 
+/// The columns of the metadata matrix for tables of `width` entries and blocks of `gamma` rows
+/// (see the module docs): the one description of the layout, which the Python side reads
+/// through the binding instead of spelling it again.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MetaLayout {
+    pub width: usize,
+    pub gamma: usize,
+}
+
+impl MetaLayout {
+    /// The block table's first column (after the three scalars).
+    pub const TABLE_COL: usize = 3;
+
+    #[must_use]
+    pub fn pos_col(self) -> usize {
+        Self::TABLE_COL + self.width
+    }
+    #[must_use]
+    pub fn slot_col(self) -> usize {
+        self.pos_col() + self.gamma
+    }
+    #[must_use]
+    pub fn src_col(self) -> usize {
+        self.slot_col() + self.gamma
+    }
+    #[must_use]
+    pub fn cols(self) -> usize {
+        self.src_col() + self.gamma
+    }
+}
+
 /// What one filled call asks of the caller besides replaying.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct Filled {
@@ -75,8 +106,9 @@ pub struct Filled {
     pub staged: usize,
     /// Sequences whose plan has more than `gamma` rows: the caller stores their K/V first.
     pub eager: Vec<usize>,
-    /// `(sequence, row_start, row_end)` of each staged plan, in staging order: the caller copies
-    /// these accumulator rows into the staging buffer, back to back.
+    /// `(sequence, row_start, row_end)` of each staged plan, in staging order, for a call
+    /// without source bases: the caller copies these accumulator rows into the staging
+    /// buffer, back to back. (With bases the graph gathers them; the list stays empty.)
     pub staged_rows: Vec<(usize, usize, usize)>,
 }
 
@@ -84,8 +116,7 @@ pub struct Filled {
 #[derive(Debug, Clone)]
 pub struct GraphMeta {
     rows: usize,
-    width: usize,
-    gamma: usize,
+    layout: MetaLayout,
     mask_id: i64,
     /// Bytes between two rows of a source (see the module docs).
     stride: i64,
@@ -121,8 +152,7 @@ impl GraphMeta {
         }
         Ok(Self {
             rows,
-            width,
-            gamma,
+            layout: MetaLayout { width, gamma },
             mask_id,
             stride,
             owners: vec![None; rows],
@@ -140,31 +170,17 @@ impl GraphMeta {
         self.rows
     }
     #[must_use]
+    pub fn layout(&self) -> MetaLayout {
+        self.layout
+    }
+    #[must_use]
     pub fn cols(&self) -> usize {
-        3 + self.width + 3 * self.gamma
-    }
-    #[must_use]
-    pub fn width(&self) -> usize {
-        self.width
-    }
-    #[must_use]
-    pub fn gamma(&self) -> usize {
-        self.gamma
+        self.layout.cols()
     }
     /// Staged rows of the last filled call.
     #[must_use]
     pub fn staged(&self) -> usize {
         self.staged
-    }
-
-    fn pos_col(&self) -> usize {
-        3 + self.width
-    }
-    fn slot_col(&self) -> usize {
-        3 + self.width + self.gamma
-    }
-    fn src_col(&self) -> usize {
-        3 + self.width + 2 * self.gamma
     }
 
     /// The matrix of a writer that has filled nothing: no context, mask anchors, every slot
@@ -179,11 +195,11 @@ impl GraphMeta {
             self.rows * cols,
             "the metadata buffer has the wrong size"
         );
-        let slot_col = self.slot_col();
+        let (slot_col, gamma) = (self.layout.slot_col(), self.layout.gamma);
         for row in buf.chunks_exact_mut(cols) {
             row.fill(0);
             row[1] = self.mask_id;
-            row[slot_col..slot_col + self.gamma].fill(PAD_SLOT);
+            row[slot_col..slot_col + gamma].fill(PAD_SLOT);
         }
         self.owners.fill(None);
         self.staged = 0;
@@ -227,25 +243,31 @@ impl GraphMeta {
         let seq = self.scalars.len();
         assert!(seq < self.rows, "more sequences than rows");
         let row = &mut buf[seq * cols..(seq + 1) * cols];
+        let (table_col, width, gamma) =
+            (MetaLayout::TABLE_COL, self.layout.width, self.layout.gamma);
         let mut held = match self.owners[seq] {
             Some((owner, len)) if owner == id && len == table.len() => len,
             _ => {
-                if table.len() > self.width {
+                if table.len() > width {
                     self.owners[seq] = None;
                     return Err(TooWide);
                 }
-                for (dst, &b) in row[3..3 + table.len()].iter_mut().zip(table) {
+                for (dst, &b) in row[table_col..table_col + table.len()]
+                    .iter_mut()
+                    .zip(table)
+                {
                     *dst = as_i64(b);
                 }
                 table.len()
             }
         };
         let new = &plan.new_blocks;
-        if held + new.len() > self.width {
+        if held + new.len() > width {
             self.owners[seq] = None;
             return Err(TooWide);
         }
-        for (dst, &b) in row[3 + held..3 + held + new.len()].iter_mut().zip(new) {
+        let at = table_col + held;
+        for (dst, &b) in row[at..at + new.len()].iter_mut().zip(new) {
             *dst = as_i64(b);
         }
         // The mirror describes the table once the plan is confirmed; an aborted plan shows up
@@ -254,7 +276,7 @@ impl GraphMeta {
         self.owners[seq] = Some((id, held));
         self.scalars.push([as_i64(plan.row_end), token, position]);
         let count = plan.row_end - plan.row_start;
-        if count > self.gamma {
+        if count > gamma {
             self.filled.eager.push(seq);
         } else if count > 0 {
             self.staged_pos.extend_from_slice(&plan.positions);
@@ -265,9 +287,11 @@ impl GraphMeta {
                 (plan.row_start..plan.row_end)
                     .map(|r| base.map_or(0, |b| b.wrapping_add(as_i64(r).wrapping_mul(stride)))),
             );
-            self.filled
-                .staged_rows
-                .push((seq, plan.row_start, plan.row_end));
+            if base.is_none() {
+                self.filled
+                    .staged_rows
+                    .push((seq, plan.row_start, plan.row_end));
+            }
         }
         Ok(())
     }
@@ -284,8 +308,13 @@ impl GraphMeta {
             self.rows * cols,
             "the metadata buffer has the wrong size"
         );
-        let (gamma, pos_col, slot_col) = (self.gamma, self.pos_col(), self.slot_col());
-        let src_col = self.src_col();
+        let layout = self.layout;
+        let (gamma, pos_col, slot_col, src_col) = (
+            layout.gamma,
+            layout.pos_col(),
+            layout.slot_col(),
+            layout.src_col(),
+        );
         for (row, scalars) in buf.chunks_exact_mut(cols).zip(&self.scalars) {
             row[..3].copy_from_slice(scalars);
         }
@@ -346,10 +375,10 @@ mod tests {
             row[1] = *tok;
             row[2] = *pos;
             for (k, b) in table.iter().chain(&plan.new_blocks).enumerate() {
-                row[3 + k] = as_i64(*b);
+                row[MetaLayout::TABLE_COL + k] = as_i64(*b);
             }
             let count = plan.row_end - plan.row_start;
-            if count > 0 && count <= meta.gamma {
+            if count > 0 && count <= meta.layout.gamma {
                 let base = base_of(i);
                 staged.extend(
                     plan.positions
@@ -364,14 +393,14 @@ mod tests {
             row[1] = meta.mask_id;
         }
         for (k, (p, s, src)) in staged.iter().enumerate() {
-            let (r, e) = (k / meta.gamma, k % meta.gamma);
-            buf[r * cols + meta.pos_col() + e] = *p;
-            buf[r * cols + meta.slot_col() + e] = as_i64(*s);
-            buf[r * cols + meta.src_col() + e] = *src;
+            let (r, e) = (k / meta.layout.gamma, k % meta.layout.gamma);
+            buf[r * cols + meta.layout.pos_col() + e] = *p;
+            buf[r * cols + meta.layout.slot_col() + e] = as_i64(*s);
+            buf[r * cols + meta.layout.src_col() + e] = *src;
         }
-        for k in staged.len()..meta.rows * meta.gamma {
-            let (r, e) = (k / meta.gamma, k % meta.gamma);
-            buf[r * cols + meta.slot_col() + e] = PAD_SLOT;
+        for k in staged.len()..meta.rows * meta.layout.gamma {
+            let (r, e) = (k / meta.layout.gamma, k % meta.layout.gamma);
+            buf[r * cols + meta.layout.slot_col() + e] = PAD_SLOT;
         }
         buf
     }
@@ -392,13 +421,13 @@ mod tests {
         for (i, row) in buf.chunks_exact(cols).enumerate() {
             out.extend_from_slice(&row[..3]);
             let len = tables.get(i).copied().unwrap_or(0);
-            out.extend_from_slice(&row[3..3 + len]);
-            for e in 0..meta.gamma {
-                let slot = row[meta.slot_col() + e];
+            out.extend_from_slice(&row[MetaLayout::TABLE_COL..MetaLayout::TABLE_COL + len]);
+            for e in 0..meta.layout.gamma {
+                let slot = row[meta.layout.slot_col() + e];
                 out.push(slot);
                 if slot != PAD_SLOT {
-                    out.push(row[meta.pos_col() + e]);
-                    out.push(row[meta.src_col() + e]);
+                    out.push(row[meta.layout.pos_col() + e]);
+                    out.push(row[meta.layout.src_col() + e]);
                 }
             }
         }
@@ -489,6 +518,8 @@ mod tests {
                 .map(|(i, _)| i)
                 .collect();
             assert_eq!(filled.eager, expect_eager);
+            // with source bases the graph gathers the rows: no copy list for the caller
+            assert!(filled.staged_rows.is_empty());
             // Confirm all but (on odd steps) the last, which is aborted: its row must be
             // rewritten from the state next time.
             for (i, plan) in plans.iter().enumerate() {

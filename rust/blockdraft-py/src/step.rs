@@ -197,9 +197,14 @@ fn verify_all(
     Ok(())
 }
 
+/// One state's share of an `AppendBatch`.
 struct Append {
     shared: Arc<StateShared>,
     plan: core::AppendPlan,
+    /// The index of its state in the call.
+    index: usize,
+    /// Its first kept row in the call's rows.
+    src_start: usize,
 }
 
 /// The accumulator work of one commit over many states (`plan_appends`): per state the rows
@@ -208,10 +213,6 @@ struct Append {
 struct PyAppendBatch {
     /// One entry per state that gets rows, in the states' order.
     appends: Vec<Append>,
-    /// Per entry: the index of its state in the call.
-    index: Vec<usize>,
-    /// Per entry: its first kept row in the call's rows.
-    src_starts: Vec<usize>,
     n_rows: usize,
 }
 
@@ -226,13 +227,13 @@ impl PyAppendBatch {
     /// Per state with rows: its index in the call.
     #[getter]
     fn index(&self) -> Vec<usize> {
-        self.index.clone()
+        self.appends.iter().map(|a| a.index).collect()
     }
 
     /// Per state with rows: its first kept row in the call's rows.
     #[getter]
     fn src_starts(&self) -> Vec<usize> {
-        self.src_starts.clone()
+        self.appends.iter().map(|a| a.src_start).collect()
     }
 
     /// Per state with rows: its first accumulator row to write.
@@ -303,22 +304,19 @@ fn plan_appends(
     same_len("position lists", positions.len()?, shared.len())?;
     let mut batch = PyAppendBatch {
         appends: Vec::with_capacity(shared.len()),
-        index: Vec::with_capacity(shared.len()),
-        src_starts: Vec::with_capacity(shared.len()),
         n_rows: 0,
     };
+    let py = positions.py();
     for (i, st) in shared.into_iter().enumerate() {
         let pos = i64_list_arg(&positions.get_item(i)?, "positions").map_err(|e| {
-            Python::attach(|py| {
-                if e.is_instance_of::<PyTypeError>(py) {
-                    PyTypeError::new_err(format!(
-                        "positions must be ints (a float position is never rounded): {}",
-                        e.value(py)
-                    ))
-                } else {
-                    e
-                }
-            })
+            if e.is_instance_of::<PyTypeError>(py) {
+                PyTypeError::new_err(format!(
+                    "positions must be ints (a float position is never rounded): {}",
+                    e.value(py)
+                ))
+            } else {
+                e
+            }
         })?;
         if pos.is_empty() {
             if lock(&st.state, "state")?.freed() {
@@ -329,10 +327,13 @@ fn plan_appends(
         let (plan, skip) = lock(&st.state, "state")?
             .plan_append_newest(&pos)
             .map_err(|e| map_err(e, what))?;
-        batch.index.push(i);
-        batch.src_starts.push(batch.n_rows + skip);
+        batch.appends.push(Append {
+            shared: st,
+            plan,
+            index: i,
+            src_start: batch.n_rows + skip,
+        });
         batch.n_rows += pos.len();
-        batch.appends.push(Append { shared: st, plan });
     }
     Ok(batch)
 }
@@ -368,7 +369,7 @@ impl PyGraphMeta {
 
 #[pymethods]
 impl PyGraphMeta {
-    /// `host`: a contiguous CPU int64 tensor `[rows, 3 + width + 3 * gamma]` (written in place
+    /// `host`: a contiguous CPU int64 tensor `[rows, layout(width, gamma)[4]]` (written in place
     /// from now on: ``init`` runs at once); `stride`: bytes between two rows of a source.
     #[new]
     #[pyo3(signature = (host, width, gamma, mask_id, stride=0))]
@@ -409,6 +410,20 @@ impl PyGraphMeta {
         Ok(this)
     }
 
+    /// The matrix's columns for tables of `width` entries and blocks of `gamma` rows:
+    /// `(table_col, pos_col, slot_col, src_col, cols)` (the layout is the core's).
+    #[staticmethod]
+    fn layout(width: usize, gamma: usize) -> (usize, usize, usize, usize, usize) {
+        let l = core::MetaLayout { width, gamma };
+        (
+            core::MetaLayout::TABLE_COL,
+            l.pos_col(),
+            l.slot_col(),
+            l.src_col(),
+            l.cols(),
+        )
+    }
+
     /// Staged rows of the last filled call.
     #[getter]
     fn staged(&self) -> PyResult<usize> {
@@ -417,7 +432,8 @@ impl PyGraphMeta {
 
     /// Write one call: the outstanding `plans` of the call's sequences (from `plan_proposals`)
     /// and their anchors; with `bases`, each sequence's source base address (the source
-    /// column then says where each staged row is read from). Returns `(staged, eager, staged_rows)`: the staged row count, the
+    /// column then says where each staged row is read from, and `staged_rows` is empty).
+    /// Returns `(staged, eager, staged_rows)`: the staged row count, the
     /// sequences whose plans are too long to stage (their K/V is the caller's to store first),
     /// and `(sequence, row_start, row_end)` of each staged plan in order; or `None` when a
     /// table is wider than the graphs (the call takes the plain path).
