@@ -114,9 +114,10 @@ def test_plan_appends_cuts_to_the_window_and_maps_rows() -> None:
     # a: 8 rows into a window of 6 -> the newest 6; b: 2 rows, fits; c: 2 rows, slides 1 out
     batch = _core.plan_appends("commit_ctx_batch", [a, b, c], [list(range(8)), [3, 4], [9, 11]],
                                OWNER)
-    assert batch.n_rows == 12 and batch.kept == 10 and batch.index == [0, 1, 2]
-    assert batch.src_starts == [2, 8, 10] and batch.dst_starts == [0, 3, 4]
-    assert batch.counts == [6, 2, 2] and batch.slides == [(2, 1, 4)]
+    index, src_starts, dst_starts, counts = (list(c) for c in zip(*batch.entries))
+    assert batch.n_rows == 12 and batch.kept == 10 and index == [0, 1, 2]
+    assert src_starts == [2, 8, 10] and dst_starts == [0, 3, 4]
+    assert counts == [6, 2, 2] and batch.slides == [(2, 1, 4)]
     assert batch.row_map() == [0] * 6 + [1, 1, 2, 2] + list(range(6)) + [3, 4, 4, 5]
     assert a.ctx_len == 0  # planning changes nothing
     batch.apply()
@@ -126,7 +127,7 @@ def test_plan_appends_cuts_to_the_window_and_maps_rows() -> None:
         batch.apply()
     # empty lists are skipped; bad positions anywhere refuse the whole batch
     batch = _core.plan_appends("commit_ctx_batch", [a, b], [[], [5]], OWNER)
-    assert batch.index == [1] and batch.n_rows == 1
+    assert [e[0] for e in batch.entries] == [1] and batch.n_rows == 1
     with expect_clear_error(TypeError, "positions must be ints"):
         _core.plan_appends("commit_ctx_batch", [a, b], [[8], [5.0]], OWNER)
     with expect_clear_error(ValueError, "positions", "after the last"):

@@ -417,17 +417,9 @@ class AppendBatch:
     def n_rows(self) -> int:
         """Rows given in all (cut ones included)."""
     @property
-    def index(self) -> list[int]:
-        """Per entry: the index of its state in the call."""
-    @property
-    def src_starts(self) -> list[int]:
-        """Per entry: its first kept row in the call's rows."""
-    @property
-    def dst_starts(self) -> list[int]:
-        """Per entry: its first accumulator row to write."""
-    @property
-    def counts(self) -> list[int]:
-        """Per entry: how many rows it keeps."""
+    def entries(self) -> list[tuple[int, int, int, int]]:
+        """Per entry ``(index of its state in the call, its first kept row in the call's rows,
+        its first accumulator row to write, rows kept)``."""
     @property
     def kept(self) -> int:
         """Rows kept in all."""

@@ -526,25 +526,7 @@ class DFlashProposer:
         if not len(pos):
             raise ValueError("positions must not be empty")
         batch = _core.plan_appends("commit_ctx", [state.ctx], [pos], self._owner)
-        if faults._ACTIVE is not None:
-            faults.hit("accumulator")
-        acc = state.acc
-        assert acc is not None
-        # As `_write_rows` does for many, with one view of the destination rows, which the
-        # graph path stages at the next proposal (the common case): keeping it saves making it
-        # again there. (A view of `acc` by row range stays right for that range for as long as
-        # the accumulator lives.)
-        new_rows = self._detached_rows(hidden_rows, acc)
-        skip = batch.src_starts[0]
-        if skip:
-            new_rows = new_rows[skip:]
-        self._apply_slides(self._prepare_slides(batch, [acc]))
-        start = batch.dst_starts[0]
-        end = start + new_rows.shape[0]
-        rows = acc[start:end]
-        rows.copy_(new_rows)
-        batch.apply()
-        state._fresh = (start, end, rows)
+        self._write_rows([state], batch, hidden_rows)
 
     def commit_ctx_batch(
         self,
@@ -586,51 +568,59 @@ class DFlashProposer:
         record it in the core. Every allocation (the rows in the accumulators' dtype, each
         slide's copy of the rows it keeps, the kernel's table) happens before an accumulator is
         touched: a failure (device OOM) leaves every accumulator as it was, since the core
-        still describes the old layout."""
+        still describes the old layout.
+
+        A state written by a copy keeps the view of its new rows (``_fresh``): the graph path
+        stages exactly those rows at the next proposal in the common case, and a view of
+        ``acc`` by row range stays right for that range for as long as the accumulator
+        lives."""
         if faults._ACTIVE is not None:
             faults.hit("accumulator")
-        index = batch.index
-        if not index:
+        entries = batch.entries  # (state index, src row, dst row, count) per state with rows
+        if not entries:
             return
-        accs: list[Tensor] = [states[i].acc for i in index]  # type: ignore[misc]
+        accs: list[Tensor] = [states[e[0]].acc for e in entries]  # type: ignore[misc]
         new_rows = self._detached_rows(hidden_rows, accs[0])
-        slides = self._prepare_slides(batch, accs)
-        kept = batch.kept
+        slides = batch.slides
+        moves = self._prepare_slides(slides, accs) if slides else []
         # One kernel launch takes many sequences' rows as they are when no state's rows were
         # cut (so they lie in order, back to back) and they are a step's few per sequence (the
         # steady state: up to B); one sequence, bigger commits (prefills) and the torch backend
         # copy per sequence.
-        if self.backend == "triton" and 1 < len(index) and batch.n_rows == kept <= self.gamma * len(index):
+        n = len(entries)
+        if self.backend == "triton" and 1 < n and batch.n_rows == batch.kept <= self.gamma * n:
             from blockdraft.kernels.accumulator import acc_append_mapped, append_table
 
             rows = new_rows.contiguous()
-            table = append_table([states[i]._addr for i in index], batch.row_map(), rows.device)
-            self._apply_slides(slides)
+            table = append_table([states[e[0]]._addr for e in entries], batch.row_map(), rows.device)
+            for acc, keep, kept in moves:
+                acc[:keep] = kept
             acc_append_mapped(rows, table)
         else:
-            self._apply_slides(slides)
-            for acc, src, dst, count in zip(accs, batch.src_starts, batch.dst_starts, batch.counts):
-                acc[dst : dst + count].copy_(new_rows[src : src + count])
+            for acc, keep, kept in moves:
+                acc[:keep] = kept
+            whole = new_rows.shape[0]
+            for (i, src, dst, count), acc in zip(entries, accs):
+                rows = acc[dst : dst + count]
+                rows.copy_(new_rows if count == whole else new_rows[src : src + count])
+                states[i]._fresh = (dst, dst + count, rows)
         batch.apply()
 
     @staticmethod
-    def _prepare_slides(batch: AppendBatch, accs: list[Tensor]) -> list[tuple[Tensor, int, Tensor]]:
-        """The batch's slides (``accs``: per entry its accumulator) made ready without touching
-        any accumulator: per slide the accumulator, the number of rows it keeps and a copy of
-        them (a fault point each: the copy is an allocation)."""
+    def _prepare_slides(
+        slides: list[tuple[int, int, int]], accs: list[Tensor]
+    ) -> list[tuple[Tensor, int, Tensor]]:
+        """An ``AppendBatch``'s slides (``accs``: per entry its accumulator) made ready without
+        touching any accumulator: per slide the accumulator, the number of rows it keeps and a
+        copy of them (a fault point each: the copy is an allocation). Writing them is
+        ``acc[:keep] = copy``."""
         out = []
-        for e, src, keep in batch.slides:
+        for e, src, keep in slides:
             if faults._ACTIVE is not None:
                 faults.hit("accumulator")
             acc = accs[e]
             out.append((acc, keep, acc[src : src + keep].clone()))
         return out
-
-    @staticmethod
-    def _apply_slides(slides: list[tuple[Tensor, int, Tensor]]) -> None:
-        """Write prepared slides: each accumulator's kept rows to its front."""
-        for acc, keep, rows in slides:
-            acc[:keep] = rows
 
     def _ctxs(self, states: Sequence[object], what: str) -> list[ContextState]:
         """The core states of ``states`` (the core checks their owner, liveness and that none
@@ -795,13 +785,18 @@ class DFlashProposer:
         tokens: Sequence[int],
         positions: Sequence[int],
     ) -> None:
-        """The batched precompute lever off: every sequence's ctx K/V by itself, after the
-        anchors are checked (a check plans and gives the plans back)."""
-        _core.abort_plans(
-            _core.plan_proposals("propose_batch", ctxs, tokens, positions, self._vocab_in, self._owner)
-        )
-        for st in states:
-            self._precompute_now(st)
+        """The batched precompute lever off: once every anchor is checked and every plan made,
+        each sequence's ctx K/V is stored (one GEMM each) and its plan confirmed by itself, so a
+        failure part way leaves the sequences before it with valid K/V (the draft then plans
+        again: empty plans for them)."""
+        step = self._plan_step("propose_batch", list(states), ctxs, tokens, positions)
+        try:
+            for st, plan in zip(step.states, step.plans):
+                self._store_ctx_kv([(st, plan)])
+                st.ctx.confirm_precompute(plan)
+        except BaseException:
+            step.abort()
+            raise
 
     def after_verify(self, st: DFlashState, num_accepted: int) -> None:
         """Record the verification of the last proposal (resets ``last_num_drafted``).
@@ -866,17 +861,6 @@ class DFlashProposer:
                 f"not {list(t.shape)}"
             )
         return t[:rows].to(self.device).contiguous()
-
-    def _precompute_now(self, state: DFlashState) -> None:
-        if faults._ACTIVE is not None:
-            faults.hit("pool_blocks")
-        plan = state.ctx.plan_precompute()
-        try:
-            self._store_ctx_kv([(state, plan)])
-        except BaseException:
-            state.ctx.abort_precompute(plan)
-            raise
-        state.ctx.confirm_precompute(plan)
 
     @torch.no_grad()
     def _store_ctx_kv(self, items: Sequence[tuple[DFlashState, PrecomputePlan]]) -> None:

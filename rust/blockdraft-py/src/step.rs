@@ -224,28 +224,14 @@ impl PyAppendBatch {
         self.n_rows
     }
 
-    /// Per state with rows: its index in the call.
+    /// Per state with rows (an entry), in the call's order: `(index of the state in the call,
+    /// its first kept row in the call's rows, its first accumulator row to write, rows kept)`.
     #[getter]
-    fn index(&self) -> Vec<usize> {
-        self.appends.iter().map(|a| a.index).collect()
-    }
-
-    /// Per state with rows: its first kept row in the call's rows.
-    #[getter]
-    fn src_starts(&self) -> Vec<usize> {
-        self.appends.iter().map(|a| a.src_start).collect()
-    }
-
-    /// Per state with rows: its first accumulator row to write.
-    #[getter]
-    fn dst_starts(&self) -> Vec<usize> {
-        self.appends.iter().map(|a| a.plan.dst_start).collect()
-    }
-
-    /// Per state with rows: how many rows it keeps.
-    #[getter]
-    fn counts(&self) -> Vec<usize> {
-        self.appends.iter().map(|a| a.plan.n_rows()).collect()
+    fn entries(&self) -> Vec<(usize, usize, usize, usize)> {
+        self.appends
+            .iter()
+            .map(|a| (a.index, a.src_start, a.plan.dst_start, a.plan.n_rows()))
+            .collect()
     }
 
     /// Rows kept in all.
