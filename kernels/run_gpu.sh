@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
-# All GPU kernel tests (bf16/fp16) and every benchmark, in one go, on a CUDA machine.
-#   bash kernels/run_gpu.sh            logs + bench.jsonl under $OUT (default kernels/out)
+# Every kernel benchmark and all GPU kernel tests (bf16/fp16), in one go, on a CUDA machine.
+#   OUT=/some/dir bash kernels/run_gpu.sh    env.log, bench.log, bench.jsonl, gpu_tests.log
+# Without OUT the files go to a fresh temporary directory (printed at the start and the end).
 # Works without the compiled Rust core: the kernels package is imported behind a stub
 # `blockdraft` package when `blockdraft._core` is missing.
 set -uo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
-OUT="${OUT:-$root/kernels/out}"
+OUT="${OUT:-$(mktemp -d)}"
 mkdir -p "$OUT"
+echo "writing under $OUT"
 py="${PYTHON:-python3}"
 export PYTHONUNBUFFERED=1 TRITON_INTERPRET=0
 export PYTHONPATH="$root/python${PYTHONPATH:+:$PYTHONPATH}"
@@ -29,4 +31,5 @@ for b in ceilings kv_store attention selection; do
 done
 "$py" -m pytest -q -m gpu tests/gpu/test_kernels_gpu.py -p no:cacheprovider --durations=10 \
   2>&1 | tee "$OUT/gpu_tests.log" || rc=1
+echo "wrote $OUT"
 exit "$rc"

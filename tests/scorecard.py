@@ -5,7 +5,9 @@ adds to these counters *where the work happens* (never a constant), and ``confte
 
     blockdraft scorecard: 312 operation sequences, 18,240 operations, 21,000 invariant checks,
     0 fault points / 0 leaked blocks, 45 bad inputs -> 45 clear errors
-    blockdraft fuzz (last recorded run, 2026-11-29T17:19:34Z): 941,711 executions in 240 s, ...
+
+Only what this pytest run itself did is counted: figures of other tools (the cargo-fuzz run of
+the core, GPU runs) are tables in ``docs/RELIABILITY.md``, each with the command that makes it.
 
 API (import from any test module; ``tests/`` is on ``sys.path`` through the root conftest)::
 
@@ -29,19 +31,17 @@ otherwise the test fails. A Rust panic (pyo3 ``PanicException``, a
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, fields
-from pathlib import Path
 
 import pytest
 
 
 @dataclass
 class Score:
-    """Counters of one pytest session (single process; no xdist aggregation)."""
+    """Counters of one pytest run (single process; no xdist aggregation)."""
 
     sequences: int = 0
     operations: int = 0
@@ -60,27 +60,8 @@ class Score:
             f"blockdraft scorecard: {self.sequences:,} operation sequences, "
             f"{self.operations:,} operations, {self.invariant_checks:,} invariant checks, "
             f"{self.fault_points:,} fault points / {self.leaked_blocks:,} leaked blocks, "
-            f"{self.bad_inputs:,} bad inputs -> {self.clear_errors:,} clear errors\n"
-            f"{fuzz_line()}"
+            f"{self.bad_inputs:,} bad inputs -> {self.clear_errors:,} clear errors"
         )
-
-
-# Written by rust/blockdraft-core/fuzz/run.sh after each fuzz run (cargo fuzz is not part of
-# the test run; `cargo test` replays its committed corpus).
-FUZZ_RECORD = Path(__file__).resolve().parents[1] / "rust/blockdraft-core/fuzz/last_run.json"
-
-
-def fuzz_line() -> str:
-    """The figures of the latest recorded ``cargo fuzz`` run of the core."""
-    try:
-        rec = json.loads(FUZZ_RECORD.read_text(encoding="utf-8"))
-        return (
-            f"blockdraft fuzz (last recorded run, {rec['date']}): {rec['executions']:,} "
-            f"executions in {rec['seconds']:,} s, {rec['crashes']} crashes, corpus "
-            f"{rec['corpus_files_after_cmin']:,} inputs"
-        )
-    except (OSError, ValueError, KeyError, TypeError):
-        return "blockdraft fuzz: no recorded run (bash rust/blockdraft-core/fuzz/run.sh SECONDS)"
 
 
 score = Score()

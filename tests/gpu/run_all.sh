@@ -3,12 +3,14 @@
 # on a CUDA machine, plus the proof that the abi3 wheel imports there. Logs under $OUT.
 #   python3 -m pip install -q --no-deps --target /tmp/site target/wheels/*.whl .whl/dflash-*.whl
 #   export PYTHONPATH=/tmp/site; OUT=/some/dir bash tests/gpu/run_all.sh
+# Without OUT the logs go to a fresh temporary directory (printed at the start).
 # BLOCKDRAFT_SOAK_CYCLES sets the GPU soak's length (default here 5000).
 set -uo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 cd "$root"
-OUT="${OUT:-$root/gpu-out}"
+OUT="${OUT:-$(mktemp -d)}"
 mkdir -p "$OUT"
+echo "writing under $OUT"
 py="${PYTHON:-python3}"
 export PYTHONUNBUFFERED=1 TRITON_INTERPRET=0
 export BLOCKDRAFT_SOAK_CYCLES="${BLOCKDRAFT_SOAK_CYCLES:-5000}"
