@@ -1,4 +1,4 @@
-"""The bad-input catalogue of TESTING.md, for the Rust core.
+"""The bad-input catalogue for the Rust core.
 
 Every case runs against the same small world (a pool, a state with committed and uncommitted
 rows, a second state of another owner, a freed state, raw blocks, leftover plans) and asserts:
@@ -15,19 +15,22 @@ from dataclasses import dataclass, field
 import pytest
 
 from blockdraft import (
-    AppendPlan,
     BlockPool,
     ConfigError,
-    ContextState,
     InvalidStateError,
     PoolExhaustedError,
-    PrecomputePlan,
     ctx_ceiling,
     ctx_window,
+)
+from blockdraft.core import (
+    AppendPlan,
+    ContextState,
+    PrecomputePlan,
     propose_batch_max,
     read_ctx_cap,
     split_bands,
 )
+from blockdraft._core import plan_proposals
 from core_checks import world_snapshot
 from scorecard import expect_clear_error
 
@@ -113,11 +116,11 @@ CASES: list[Case] = [
     # --- BlockPool construction
     C("pool num_blocks zero", ValueError, "num_blocks", lambda w: BlockPool(0, 4)),
     C("pool num_blocks negative", ValueError, "num_blocks", lambda w: BlockPool(-3, 4)),
-    C("pool block_size zero", ValueError, "block_size", lambda w: BlockPool(4, 0)),
-    C("pool block_size negative", ValueError, "block_size", lambda w: BlockPool(4, -1)),
+    C("pool page_size zero", ValueError, "page_size", lambda w: BlockPool(4, 0)),
+    C("pool page_size negative", ValueError, "page_size", lambda w: BlockPool(4, -1)),
     C("pool num_blocks str", TypeError, "num_blocks", lambda w: BlockPool("4", 4)),  # type: ignore[arg-type]
     C("pool num_blocks float", TypeError, "num_blocks", lambda w: BlockPool(4.0, 4)),  # type: ignore[arg-type]
-    C("pool block_size None", TypeError, "block_size", lambda w: BlockPool(4, None)),  # type: ignore[arg-type]
+    C("pool page_size None", TypeError, "page_size", lambda w: BlockPool(4, None)),  # type: ignore[arg-type]
     # --- BlockPool.alloc / free
     C("alloc negative", ValueError, NEG, lambda w: w.pool.alloc(-1)),
     C("alloc huge", PoolExhaustedError, "exhausted", lambda w: w.pool.alloc(2**63 - 1)),
@@ -141,14 +144,14 @@ CASES: list[Case] = [
     # --- window policy
     C("window max_seq_len zero", ValueError, "max_seq_len", lambda w: ctx_window(0, 4)),
     C("window max_seq_len negative", ValueError, "max_seq_len", lambda w: ctx_window(-5, 4)),
-    C("window gamma zero", ValueError, "gamma", lambda w: ctx_window(100, 0)),
-    C("window gamma negative", ValueError, "gamma", lambda w: ctx_window(100, -1)),
+    C("window block_size zero", ValueError, "block_size", lambda w: ctx_window(100, 0)),
+    C("window block_size negative", ValueError, "block_size", lambda w: ctx_window(100, -1)),
     C("window budget negative", ValueError, "budget_tokens", lambda w: ctx_window(100, 4, budget_tokens=-1)),
     C("window cap negative", ValueError, "cap", lambda w: ctx_window(100, 4, cap=-1)),
     C("window max_seq_len beyond 64 bits", ValueError, "max_seq_len", lambda w: ctx_window(10**30, 4)),
     C("window max_seq_len str", TypeError, "max_seq_len", lambda w: ctx_window("100", 4)),  # type: ignore[arg-type]
     C("window max_seq_len None", TypeError, "max_seq_len", lambda w: ctx_window(None, 4)),  # type: ignore[arg-type]
-    C("window gamma float", TypeError, "gamma", lambda w: ctx_window(100, 4.0)),  # type: ignore[arg-type]
+    C("window block_size float", TypeError, "block_size", lambda w: ctx_window(100, 4.0)),  # type: ignore[arg-type]
     C("window budget float", TypeError, "budget_tokens", lambda w: ctx_window(100, 4, budget_tokens=1.5)),  # type: ignore[arg-type]
     C("window budget str", TypeError, "budget_tokens", lambda w: ctx_window(100, 4, budget_tokens="9")),  # type: ignore[arg-type]
     C("ceiling max_seq_len zero", ValueError, "max_seq_len", lambda w: ctx_ceiling(0)),
@@ -192,6 +195,11 @@ CASES: list[Case] = [
     C("after_verify negative", ValueError, "num_accepted", lambda w: w.state.after_verify(-1)),
     C("after_verify more than drafted", ValueError, "num_accepted", lambda w: w.state.after_verify(1)),
     C("after_verify None", TypeError, "num_accepted", lambda w: w.state.after_verify(None)),  # type: ignore[arg-type]
+    # --- the lifecycle: alloc, commit context, propose
+    C("propose on a fresh state", InvalidStateError, ("^propose: ", "no committed context", "commit_ctx before propose"),
+      lambda w: plan_proposals("propose", [ContextState(w.pool, 8)], [1], [0], 64, 0)),
+    C("propose_batch with a fresh state", InvalidStateError, ("^propose_batch: ", "no committed context"),
+      lambda w: plan_proposals("propose_batch", [w.state, ContextState(w.pool, 8)], [1, 1], [16, 0], 64, 0)),
     # --- use after free
     C("freed plan_append", InvalidStateError, FREED, lambda w: w.freed.plan_append([5])),
     C("freed apply_append", InvalidStateError, f"{FREED}|{PLAN}", lambda w: w.freed.apply_append(w.pre_free_plan)),

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from blockdraft import batch_decline_reason, propose_batch_max, split_bands
+from blockdraft.core import batch_decline_reason, propose_batch_max, split_bands
 from scorecard import score
 
 

@@ -1,4 +1,4 @@
-"""BlockPool: all-or-nothing allocation, validated freeing, conservation (TESTING.md 1, 2, 5)."""
+"""BlockPool: all-or-nothing allocation, validated freeing, conservation (core invariants 1, 2, 5)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from scorecard import expect_clear_error, score
 
 def test_fresh_pool_is_full() -> None:
     pool = BlockPool(7, 16)
-    assert (pool.num_blocks, pool.block_size) == (7, 16)
+    assert (pool.num_blocks, pool.page_size) == (7, 16)
     assert (pool.num_free, pool.num_used) == (7, 0)
     assert not any(pool.is_allocated(b) for b in range(7))
     pool.check_invariants()
@@ -132,9 +132,9 @@ _ops = st.lists(
 )
 
 
-@given(num_blocks=st.integers(1, 24), block_size=st.integers(1, 64), ops=_ops)
-def test_pool_matches_model(num_blocks: int, block_size: int, ops: list[tuple[str, object]]) -> None:
-    pool = BlockPool(num_blocks, block_size)
+@given(num_blocks=st.integers(1, 24), page_size=st.integers(1, 64), ops=_ops)
+def test_pool_matches_model(num_blocks: int, page_size: int, ops: list[tuple[str, object]]) -> None:
+    pool = BlockPool(num_blocks, page_size)
     held: list[int] = []
     score.sequences += 1
     for kind, arg in ops:

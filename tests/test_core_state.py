@@ -1,4 +1,4 @@
-"""ContextState: append and slide plans, precompute plans and slots, counters, free (TESTING 3-6)."""
+"""ContextState: append and slide plans, precompute plans and slots, counters, free (core invariants 3-6)."""
 
 from __future__ import annotations
 
@@ -7,14 +7,8 @@ import gc
 from hypothesis import given
 from hypothesis import strategies as st
 
-from blockdraft import (
-    AppendPlan,
-    BlockPool,
-    ContextState,
-    InvalidStateError,
-    PoolExhaustedError,
-    PrecomputePlan,
-)
+from blockdraft import BlockPool, InvalidStateError, PoolExhaustedError
+from blockdraft.core import AppendPlan, ContextState, PrecomputePlan
 from core_checks import assert_fresh, ceil_div, check_world, state_snapshot, world_snapshot
 from scorecard import expect_clear_error, score
 
@@ -301,16 +295,16 @@ def ref_append(ctx: list[int], window: int, new: list[int]) -> tuple[int | None,
 
 @given(
     window=st.integers(1, 24),
-    block_size=st.integers(1, 5),
+    page_size=st.integers(1, 5),
     steps=st.lists(
         st.tuples(st.integers(1, 24), st.integers(0, 3), st.booleans()), min_size=1, max_size=30
     ),
 )
 def test_appends_and_slides_match_reference(
-    window: int, block_size: int, steps: list[tuple[int, int, bool]]
+    window: int, page_size: int, steps: list[tuple[int, int, bool]]
 ) -> None:
     """Random appends (gaps between positions, overflowing windows), precompute in between."""
-    pool = BlockPool(ceil_div(window, block_size), block_size)
+    pool = BlockPool(ceil_div(window, page_size), page_size)
     state = ContextState(pool, window)
     score.sequences += 1
     next_pos = 0
@@ -338,7 +332,7 @@ def test_appends_and_slides_match_reference(
             state.confirm_precompute(pre)
             score.operations += 2
             assert state.slot_mapping() == [
-                state.block_table[r // block_size] * block_size + r % block_size
+                state.block_table[r // page_size] * page_size + r % page_size
                 for r in range(state.ctx_len)
             ]
         check_world(pool, [state])

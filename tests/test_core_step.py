@@ -56,7 +56,7 @@ def test_plan_proposals_fault_point_gives_back_the_earlier_plans() -> None:
     pool = BlockPool(16, 4)
     states = states_with_rows(pool, [3, 3, 3])
     with expect_clear_error(PoolExhaustedError, "fault injection"):
-        _core.plan_proposals("propose_batch", states, [1, 1, 1], [3, 3, 3], 64, OWNER, 2)
+        _core.plan_proposals("propose_batch", states, [1, 1, 1], [3, 3, 3], 64, OWNER, fail_at=2)
     assert pool.num_free == 16
     plans = _core.plan_proposals("propose_batch", states, [1, 1, 1], [3, 3, 3], 64, OWNER)
     _core.abort_plans(plans)
@@ -90,6 +90,24 @@ def test_plan_proposals_bad_anchors_and_states_change_nothing() -> None:
         assert [view(s) for s in (a, b)] == before and pool.num_free == 16, words
 
 
+def test_plan_proposals_refuses_a_state_without_context() -> None:
+    # the lifecycle is alloc -> commit context -> propose: a fresh state anywhere in the call
+    # refuses the whole call before any plan takes blocks
+    pool = BlockPool(16, 4)
+    a, fresh = states_with_rows(pool, [5, 0])
+    before = [view(s) for s in (a, fresh)]
+    for sts, toks, poss in (([fresh], [1], [0]), ([a, fresh], [1, 1], [5, 0])):
+        with expect_clear_error(InvalidStateError, "^propose_batch: ", "no committed context",
+                                "commit_ctx before propose"):
+            _core.plan_proposals("propose_batch", sts, toks, poss, 64, OWNER)
+        assert [view(s) for s in (a, fresh)] == before and pool.num_free == 16
+    # once it has context it proposes
+    fresh.apply_append(fresh.plan_append([0]))
+    plans = _core.plan_proposals("propose_batch", [a, fresh], [1, 1], [5, 1], 64, OWNER)
+    assert [p.row_end for p in plans] == [5, 1]
+    _core.abort_plans(plans)
+
+
 def test_verify_all_records_in_order_and_stops_at_the_first_bad_count() -> None:
     pool = BlockPool(16, 4)
     states = states_with_rows(pool, [2, 2, 2])
@@ -106,6 +124,43 @@ def test_verify_all_records_in_order_and_stops_at_the_first_bad_count() -> None:
         _core.verify_all("after_verify_batch", states, [0, 0], OWNER)
     with expect_clear_error(ValueError, "num_accepted", ">= 0"):
         _core.verify_all("after_verify_batch", states[1:], [-1, 0], OWNER)
+
+
+def test_verify_all_one_state_and_repeats_in_wide_calls() -> None:
+    pool = BlockPool(40, 1)
+    states = states_with_rows(pool, [1] * 20)
+    for s in states:
+        s.note_propose(5, 2)
+    # one state: the shape after_verify takes through the core
+    _core.verify_all("after_verify", states[:1], [2], OWNER)
+    assert (states[0].last_num_accepted, states[0].last_num_drafted) == (2, 0)
+    # a repeat is found among the first few states and far into a wide call alike
+    for at in (1, 15, 16, 18):
+        call = states[1:]
+        call[at] = call[0]
+        with expect_clear_error(ValueError, "the same state appears twice"):
+            _core.verify_all("after_verify_batch", call, [0] * len(call), OWNER)
+        assert all(s.last_num_drafted == 2 for s in states[1:]), at  # nothing recorded
+    _core.verify_all("after_verify_batch", states[1:], [1] * 19, OWNER)
+    assert all(s.last_num_accepted == 1 for s in states[1:])
+
+
+def test_free_with_owner_refuses_another_proposers_state() -> None:
+    pool = BlockPool(8, 4)
+    (st,) = states_with_rows(pool, [5])
+    st.confirm_precompute(st.plan_precompute())
+    before = (view(st), pool.num_free)
+    words = ("^free: ", "another proposer", "owner 7", "expected 8")
+    with expect_clear_error(InvalidStateError, *words):
+        st.free(OWNER + 1)
+    assert (view(st), pool.num_free) == before and not st.freed
+    with expect_clear_error(ValueError, "owner"):
+        st.free(-1)
+    assert st.free(owner=OWNER) is True and pool.num_free == 8
+    assert st.free(OWNER) is False  # idempotent
+    with expect_clear_error(InvalidStateError, "another proposer"):
+        st.free(OWNER + 1)  # the owner is checked on a freed state too
+    assert st.free() is False  # no owner: no check
 
 
 def test_plan_appends_cuts_to_the_window_and_maps_rows() -> None:
@@ -135,21 +190,21 @@ def test_plan_appends_cuts_to_the_window_and_maps_rows() -> None:
 
 
 def test_graph_meta_writes_the_call() -> None:
-    width, gamma, mask = 4, 3, 99
-    table_col, pc, sc, src, cols = _core.GraphMeta.layout(width, gamma)
-    assert (table_col, pc, sc, src, cols) == (3, 3 + width, 3 + width + gamma,
-                                              3 + width + 2 * gamma, 3 + width + 3 * gamma)
+    width, block_size, mask = 4, 3, 99
+    table_col, pc, sc, src, cols = _core.GraphMeta.layout(width, block_size)
+    assert (table_col, pc, sc, src, cols) == (3, 3 + width, 3 + width + block_size,
+                                              3 + width + 2 * block_size, 3 + width + 3 * block_size)
     pool = BlockPool(16, 2)
     a, b = states_with_rows(pool, [3, 2])
     host = torch.full((3, cols), 5, dtype=torch.int64)
-    meta = _core.GraphMeta(host, width, gamma, mask, 10)
+    meta = _core.GraphMeta(host, width, block_size, mask, 10)
     assert host[:, 1].tolist() == [mask] * 3 and (host[:, sc:src] == -1).all()
     plans = _core.plan_proposals("propose_batch", [a, b], [7, 8], [3, 2], 64, OWNER)
     got = meta.fill(plans, [7, 8], [3, 2], [1000, 2000])
     assert got == (5, [], []) and meta.staged == 5  # with bases the graph gathers the rows
     # without bases: the rows to copy are listed and the source column stays 0
     host2 = torch.zeros((3, cols), dtype=torch.int64)
-    assert _core.GraphMeta(host2, width, gamma, mask, 10).fill(plans, [7, 8], [3, 2]) == (
+    assert _core.GraphMeta(host2, width, block_size, mask, 10).fill(plans, [7, 8], [3, 2]) == (
         5, [], [(0, 0, 3), (1, 0, 2)])
     assert not host2[:, src:].any() and torch.equal(host2[:, :src], host[:, :src])
     assert host[:2, :3].tolist() == [[3, 7, 3], [2, 8, 2]] and host[2, :3].tolist() == [0, mask, 0]
@@ -170,6 +225,6 @@ def test_graph_meta_writes_the_call() -> None:
     for bad in (torch.zeros((3, cols)), torch.zeros((3, cols + 1), dtype=torch.int64),
                 torch.zeros(cols, dtype=torch.int64), torch.zeros((cols, 3), dtype=torch.int64).t()):
         with expect_clear_error(ValueError, "host"):
-            _core.GraphMeta(bad, width, gamma, mask, 10)
+            _core.GraphMeta(bad, width, block_size, mask, 10)
     with pytest.raises(ValueError, match="rows"):
-        _core.GraphMeta(torch.zeros((0, cols), dtype=torch.int64), width, gamma, mask, 10)
+        _core.GraphMeta(torch.zeros((0, cols), dtype=torch.int64), width, block_size, mask, 10)

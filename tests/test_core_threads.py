@@ -1,9 +1,11 @@
 """One BlockPool shared by many threads (the core releases the GIL in alloc/free).
 
-Threads start together on a ``threading.Barrier`` and hammer the pool with raw allocations and
-ContextState lifecycles. A shared ownership set (updated before a free and after an alloc, so it
-never reports a false double grant) catches a block handed to two owners at once; at the end the
-pool is exactly full and consistent.
+Threads start together on a ``threading.Barrier`` and hammer the pool with raw allocations,
+ContextState lifecycles and target sequences (``SeqPages``: creation, forwards, accepts,
+``free_all``, and whole-step calls over sequences shared by every thread, in different orders).
+A shared ownership set (updated before a free and after an alloc, so it never reports a false
+double grant) catches a block handed to two owners at once; at the end the pool is exactly full
+and consistent.
 """
 
 from __future__ import annotations
@@ -16,8 +18,9 @@ from dataclasses import dataclass
 
 import pytest
 
-from blockdraft import BlockPool, ContextState, PoolExhaustedError
-from core_checks import check_world
+from blockdraft import BlockPool, PoolExhaustedError
+from blockdraft.core import ContextState, SeqPages, accept_rows, free_all, plan_forward
+from core_checks import check_pages_world, check_world
 from scorecard import score
 
 N_THREADS = 8
@@ -159,8 +162,8 @@ def state_lifecycle(pool: BlockPool, owned: Ownership, rng: random.Random, tally
 
 
 def test_threads_each_own_a_state_on_a_shared_pool() -> None:
-    block_size = 2
-    pool = BlockPool(40, block_size)
+    page_size = 2
+    pool = BlockPool(40, page_size)
     states = [ContextState(pool, 10 + 2 * i, owner=i) for i in range(N_THREADS)]
 
     def worker(i: int, barrier: threading.Barrier, tally: Tally) -> None:
@@ -190,7 +193,7 @@ def test_threads_each_own_a_state_on_a_shared_pool() -> None:
             # Only this thread touches this state: it must match exactly, whatever the others do.
             assert state.ctx_positions == expected
             assert state.ctx_committed == committed
-            assert len(state.block_table) == -(-committed // block_size)
+            assert len(state.block_table) == -(-committed // page_size)
             state.check_invariants()
         assert state.free() is True
 
@@ -198,3 +201,63 @@ def test_threads_each_own_a_state_on_a_shared_pool() -> None:
     assert pool.num_free == pool.num_blocks
     check_world(pool, [])
     assert all(s.freed for s in states)
+
+
+def test_threads_run_target_sequences_on_a_shared_pool() -> None:
+    pool = BlockPool(48, 4)
+    owned = Ownership()
+    # Sequences every thread forwards and accepts, each call in its own order: whole-step calls
+    # over overlapping sequences must neither deadlock nor lose a count.
+    shared = [SeqPages(pool, 8, owner=99) for _ in range(4)]
+    for seq in shared:
+        owned.grant(seq.pages)
+
+    def worker(i: int, barrier: threading.Barrier, tally: Tally) -> None:
+        rng = random.Random(3000 + i)
+        mine: list[SeqPages] = []
+        barrier.wait()
+        tally.sequences += 1
+        for _ in range(600):
+            tally.operations += 1
+            action = rng.random()
+            if action < 0.3:
+                try:
+                    seq = SeqPages(pool, rng.randint(1, 20), owner=i)
+                except PoolExhaustedError:
+                    tally.exhausted += 1
+                    continue
+                owned.grant(seq.pages)
+                mine.append(seq)
+            elif action < 0.6 and mine:
+                call = rng.sample(mine, rng.randint(1, len(mine)))
+                rows = [rng.randint(1, s.capacity - s.length) if s.length < s.capacity else 0
+                        for s in call]
+                call = [s for s, r in zip(call, rows) if r]
+                rows = [r for r in rows if r]
+                plan = plan_forward("forward", call, rows, i)
+                assert plan.kv_lens == [s.length + r for s, r in zip(call, rows)]
+                accept_rows("accept", call, [rng.randint(0, r) for r in rows], i)
+            elif action < 0.75 and mine:
+                gone = rng.sample(mine, rng.randint(1, len(mine)))
+                for seq in gone:
+                    owned.release(seq.pages)
+                    mine.remove(seq)
+                assert free_all("free", gone, i) == len(gone)
+            else:
+                order = rng.sample(shared, len(shared))
+                plan_forward("forward", order, [1] * len(order), 99)
+                accept_rows("accept", order, [0] * len(order), 99)
+        for seq in mine:
+            owned.release(seq.pages)
+        assert free_all("free", mine, i) == len(mine)
+
+    tallies = run_threads(worker)
+    # only the shared sequences are left; they only ever accepted 0 of 1 pending row
+    check_pages_world(pool, shared)
+    assert all(s.length == 0 and s.pending in (0, 1) for s in shared)
+    for seq in shared:
+        owned.release(seq.pages)
+    assert free_all("free", shared, 99) == len(shared)
+    assert owned.empty() and pool.num_free == pool.num_blocks
+    check_world(pool, [])
+    assert sum(t.exhausted for t in tallies) > 0

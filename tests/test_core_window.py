@@ -1,4 +1,4 @@
-"""Context window policy (DESIGN §2 "Window") against a Python reference, and the cap variable."""
+"""Context window policy (rows a sequence keeps) against a Python reference, and the cap variable."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import blockdraft
-from blockdraft import ConfigError, ctx_ceiling, ctx_window, read_ctx_cap
+from blockdraft import ConfigError, ctx_ceiling, ctx_window
+from blockdraft.core import read_ctx_cap
 from scorecard import expect_clear_error, score
 
 ENV = "BLOCKDRAFT_DFLASH_CTX_CAP"
@@ -18,18 +19,18 @@ def ref_ceiling(max_seq_len: int, cap: int) -> int:
     return max_seq_len if cap == 0 else min(max_seq_len, cap)
 
 
-def ref_window(max_seq_len: int, gamma: int, budget: int | None, cap: int) -> int:
+def ref_window(max_seq_len: int, block_size: int, budget: int | None, cap: int) -> int:
     ceiling = ref_ceiling(max_seq_len, cap)
     if budget is None:
         return ceiling
     # Python ints do not overflow, so this is the saturating sum the core must emulate.
-    return min(ceiling, budget + gamma + 1)
+    return min(ceiling, budget + block_size + 1)
 
 
 def test_constants() -> None:
-    assert blockdraft.ENV_CTX_CAP == ENV
-    assert blockdraft.DEFAULT_CTX_CAP == 16384
-    assert blockdraft.PAD_SLOT == -1
+    assert blockdraft.core.ENV_CTX_CAP == ENV
+    assert blockdraft.core.DEFAULT_CTX_CAP == 16384
+    assert blockdraft.core.PAD_SLOT == -1
 
 
 _sizes = st.one_of(st.integers(1, 40_000), st.integers(1, U63))
@@ -37,22 +38,22 @@ _caps = st.one_of(st.just(0), st.integers(1, 40_000), st.integers(0, U63))
 _budgets = st.one_of(st.none(), st.integers(0, 40_000), st.integers(0, U63))
 
 
-@given(max_seq_len=_sizes, gamma=st.integers(1, 64), budget=_budgets, cap=_caps)
-def test_window_matches_reference(max_seq_len: int, gamma: int, budget: int | None, cap: int) -> None:
+@given(max_seq_len=_sizes, block_size=st.integers(1, 64), budget=_budgets, cap=_caps)
+def test_window_matches_reference(max_seq_len: int, block_size: int, budget: int | None, cap: int) -> None:
     score.operations += 2
-    got = ctx_window(max_seq_len, gamma, budget_tokens=budget, cap=cap)
-    assert got == ref_window(max_seq_len, gamma, budget, cap)
+    got = ctx_window(max_seq_len, block_size, budget_tokens=budget, cap=cap)
+    assert got == ref_window(max_seq_len, block_size, budget, cap)
     assert got >= 1
     assert ctx_ceiling(max_seq_len, cap=cap) == ref_ceiling(max_seq_len, cap)
 
 
-@given(max_seq_len=_sizes, gamma=st.integers(1, 64), budget=_budgets, env_cap=_caps)
-def test_window_reads_cap_from_env(max_seq_len: int, gamma: int, budget: int | None, env_cap: int) -> None:
+@given(max_seq_len=_sizes, block_size=st.integers(1, 64), budget=_budgets, env_cap=_caps)
+def test_window_reads_cap_from_env(max_seq_len: int, block_size: int, budget: int | None, env_cap: int) -> None:
     score.operations += 3
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv(ENV, str(env_cap))
         assert read_ctx_cap() == env_cap
-        assert ctx_window(max_seq_len, gamma, budget) == ref_window(max_seq_len, gamma, budget, env_cap)
+        assert ctx_window(max_seq_len, block_size, budget) == ref_window(max_seq_len, block_size, budget, env_cap)
         assert ctx_ceiling(max_seq_len) == ref_ceiling(max_seq_len, env_cap)
 
 
@@ -94,7 +95,7 @@ def test_budget_saturates_instead_of_wrapping() -> None:
 
 
 def test_budget_zero_keeps_room_for_one_block() -> None:
-    # The smallest window still holds the anchor plus a block of gamma drafts.
+    # The smallest window still holds the anchor plus one drafter block of block_size rows.
     assert ctx_window(4096, 16, budget_tokens=0, cap=0) == 17
 
 

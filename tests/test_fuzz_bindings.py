@@ -18,17 +18,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 from scorecard import score
 
-from blockdraft import (
-    BlockdraftError,
-    BlockPool,
-    ContextState,
-    InvalidStateError,
-    batch_decline_reason,
-    ctx_ceiling,
-    ctx_window,
-    propose_batch_max,
-    split_bands,
-)
+from blockdraft import BlockdraftError, BlockPool, InvalidStateError, ctx_ceiling, ctx_window
+from blockdraft.core import ContextState, batch_decline_reason, propose_batch_max, split_bands
 from blockdraft import _core
 
 ALLOWED = (TypeError, ValueError, BlockdraftError)
@@ -90,14 +81,14 @@ def test_split_bands(tokens: Any, n: Any, block: Any, mask: Any, cap: Any) -> No
         assert all(len(band) <= block for band in bands)
 
 
-@given(num_blocks=anything, block_size=anything)
-def test_pool_constructor(num_blocks: Any, block_size: Any) -> None:
+@given(num_blocks=anything, page_size=anything)
+def test_pool_constructor(num_blocks: Any, page_size: Any) -> None:
     # Keep real pools small: the bookkeeping of a valid huge pool is really allocated.
     if isinstance(num_blocks, int) and not isinstance(num_blocks, bool) and 10_000 < num_blocks < 2**36:
         num_blocks = -num_blocks
-    ok, pool = call(BlockPool, num_blocks, block_size)
+    ok, pool = call(BlockPool, num_blocks, page_size)
     if ok:
-        assert pool.num_free == pool.num_blocks == num_blocks and pool.block_size == block_size
+        assert pool.num_free == pool.num_blocks == num_blocks and pool.page_size == page_size
 
 
 @given(ops=st.lists(st.tuples(st.integers(0, 7), anything, anything), min_size=1, max_size=25))

@@ -22,6 +22,12 @@ DEFAULT_CTX_CAP: Final[int]
 PAD_SLOT: Final[int]
 """Slot value that marks a row the K/V store must skip (-1)."""
 
+TEST_HOOKS: Final[bool]
+"""Whether this build has the test-only entry points (the ``test-hooks`` cargo feature:
+``_panic_for_tests`` and ``plan_proposals(fail_at=...)``). ``maturin develop --features
+test-hooks`` (``bash .ci/dev``) builds them in; release wheels (``maturin build --release``) do
+not."""
+
 class BlockdraftError(Exception):
     """Base class of every error blockdraft raises on purpose."""
 
@@ -39,19 +45,19 @@ class ConfigError(BlockdraftError, ValueError):
 
 def ctx_window(
     max_seq_len: int,
-    gamma: int,
+    block_size: int,
     budget_tokens: int | None = None,
     cap: int | None = None,
 ) -> int:
     """Rows of the per-sequence context accumulator.
 
     ``ceiling = max_seq_len`` if the cap is 0, else ``min(max_seq_len, cap)``;
-    ``window = min(ceiling, budget_tokens + gamma + 1)`` (saturating). An unknown budget
+    ``window = min(ceiling, budget_tokens + block_size + 1)`` (saturating). An unknown budget
     (``None``) means the ceiling.
 
     Args:
         max_seq_len: longest sequence the target serves (>= 1).
-        gamma: drafter block size B (>= 1).
+        block_size: drafter block size B (>= 1).
         budget_tokens: prompt plus max new tokens when known (>= 0), else ``None``.
         cap: explicit cap (0 = uncapped); ``None`` reads ``BLOCKDRAFT_DFLASH_CTX_CAP``
             (default 16384).
@@ -81,20 +87,22 @@ def read_ctx_cap() -> int:
 
 @final
 class BlockPool:
-    """A fixed set of ``num_blocks`` K/V blocks of ``block_size`` tokens, shared by sequences.
+    """A fixed set of ``num_blocks`` K/V blocks (pages) of ``page_size`` tokens, shared by
+    sequences.
 
     Thread-safe: every method takes an internal lock and releases the GIL while it works.
     Allocation is all-or-nothing; freeing validates every id before changing anything.
     """
 
-    def __new__(cls, num_blocks: int, block_size: int) -> BlockPool:
-        """Raises ``ValueError`` when ``num_blocks < 1`` or ``block_size < 1``, or when the
+    def __new__(cls, num_blocks: int, page_size: int) -> BlockPool:
+        """Raises ``ValueError`` when ``num_blocks < 1`` or ``page_size < 1``, or when the
         bookkeeping of ``num_blocks`` blocks cannot be allocated (never an abort)."""
 
     @property
     def num_blocks(self) -> int: ...
     @property
-    def block_size(self) -> int: ...
+    def page_size(self) -> int:
+        """Tokens per block (the KV page size)."""
     @property
     def num_free(self) -> int: ...
     @property
@@ -163,7 +171,7 @@ class PrecomputePlan:
     """K/V work for context rows ``[row_start, row_end)`` of one state.
 
     ``new_blocks`` were already taken from the pool; ``slots[i]`` is the paged-cache slot
-    (``block_id * block_size + offset``) of row ``row_start + i`` and ``positions[i]`` its
+    (``block_id * page_size + offset``) of row ``row_start + i`` and ``positions[i]`` its
     position. Confirm with ``ContextState.confirm_precompute`` after the K/V is written, or
     abort with ``ContextState.abort_precompute`` (dropping an unresolved plan aborts it too),
     which returns ``new_blocks`` and leaves the state as it was.
@@ -185,10 +193,11 @@ class PrecomputePlan:
 
 @final
 class ContextState:
-    """Bookkeeping of one sequence's drafter context (the seed's ``DflashProposerState``).
+    """Bookkeeping of one sequence's drafter context, without its device memory.
 
     Holds the window, the context rows' positions, how many have K/V in the paged cache, the
-    block table (blocks from ``pool``), and the seed's counters. Thread-safe (internal lock).
+    block table (blocks from ``pool``), and the proposal/verify counters (``seq_len``,
+    ``last_num_drafted``, ...). Thread-safe (internal lock).
     Call ``free`` explicitly; a state that is garbage-collected unfreed still returns its
     blocks, as a safety net against leaks.
     """
@@ -310,14 +319,25 @@ class ContextState:
             ValueError: ``num_accepted`` exceeds the drafts of the last proposal.
         """
 
-    def free(self) -> bool:
+    def free(self, owner: int | None = None) -> bool:
         """Return every block (including an unresolved plan's) and reset every counter.
 
         Idempotent: returns ``True`` the first time, ``False`` afterwards (nothing done).
+        With ``owner``, the state must belong to that proposer (checked first, on a freed state
+        too).
+
+        Raises:
+            InvalidStateError: ``owner`` is given and the state belongs to another proposer
+                ("free: the state belongs to another proposer (owner A, expected B)").
+            ValueError: a negative ``owner``.
         """
 
     def check_invariants(self) -> None:
-        """Verify TESTING.md invariant 3 and that every held block is allocated in the pool.
+        """Verify the state's invariant and that every held block is allocated in the pool.
+
+        The invariant: ``0 <= ctx_committed <= ctx_len <= window``, positions strictly
+        increasing and non-negative, ``num_blocks == ceil(ctx_committed / page_size)``, no block
+        held twice, and a freed state equal to a fresh one.
 
         Raises:
             InvalidStateError: describing the first violation found.
@@ -342,18 +362,18 @@ def batch_decline_reason(
 def split_bands(
     tokens: list[int],
     n: int,
-    block: int,
+    block_size: int,
     has_mask_token: bool,
     draft_cap: int | None = None,
 ) -> list[list[int]] | None:
-    """Split ``n * block`` output tokens into ``n`` bands of drafts.
+    """Split ``n * block_size`` output tokens into ``n`` bands of drafts.
 
-    Each band is ``tokens[i*block:(i+1)*block]``; with a mask token its row 0 (the anchor) is
-    dropped; at most ``draft_cap`` drafts are kept (``None`` = all). Returns ``None`` when fewer
-    than ``n * block`` tokens were given (the caller declines).
+    Each band is ``tokens[i*block_size:(i+1)*block_size]``; with a mask token its row 0 (the
+    anchor) is dropped; at most ``draft_cap`` drafts are kept (``None`` = all). Returns ``None``
+    when fewer than ``n * block_size`` tokens were given (the caller declines).
 
     Raises:
-        ValueError: ``n < 1``, ``block < 1`` or ``draft_cap < 1``.
+        ValueError: ``n < 1``, ``block_size < 1`` or ``draft_cap < 1``.
     """
 
 # ---------------------------------------------------------------- whole-step entry points
@@ -368,16 +388,23 @@ def plan_proposals(
     owner: int,
     fail_at: int | None = None,
 ) -> list[PrecomputePlan]:
-    """Check every anchor of a proposal over ``states``, then plan every sequence's ctx K/V.
+    """Check every state and anchor of a proposal over ``states``, then plan every sequence's
+    ctx K/V.
 
     All or nothing: on any error no plan stays outstanding. ``what`` names the caller in error
-    messages; ``owner`` is the proposer every state must belong to; a token must lie in
+    messages; ``owner`` is the proposer every state must belong to; every state must have
+    committed context (the lifecycle is alloc, commit context, propose); a token must lie in
     ``[0, vocab)``, a position in ``[0, 2**62)`` after the state's last context position.
-    ``fail_at`` (fault injection, ``blockdraft.faults.hits``): planning that sequence raises
-    ``PoolExhaustedError``.
+
+    ``fail_at`` exists only in a build with test hooks (``TEST_HOOKS``; a release build takes
+    six arguments): fault injection (``blockdraft.faults.hits``), planning sequence ``fail_at``
+    raises ``PoolExhaustedError``. Pass it only while a fault plan is armed.
 
     Raises:
-        InvalidStateError: not a ``ContextState``, another proposer's, or freed.
+        InvalidStateError: not a ``ContextState`` ("{what}: not a DFlash proposer state"),
+            another proposer's ("{what}: the state belongs to another proposer (owner A,
+            expected B)"), freed ("{what}: the state was freed"), or with an empty context
+            ("{what}: the state has no committed context (commit_ctx before propose)").
         TypeError: a token or position that is not an int (``bool`` included).
         ValueError: a bad token or position, a state given twice, lengths that differ.
         PoolExhaustedError: not enough free blocks for every plan.
@@ -398,10 +425,12 @@ def abort_plans(plans: list[PrecomputePlan]) -> None:
 
 def verify_all(what: str, states: Sequence[ContextState], accepted: Sequence[int], owner: int) -> None:
     """``after_verify(accepted[i])`` on every state of proposer ``owner``; stops at the first
-    error (the states before it are recorded).
+    error (the states before it are recorded). Every state's owner is checked before any is
+    recorded. With one state it costs about as much as ``ContextState.after_verify``.
 
     Raises:
-        InvalidStateError: not a ``ContextState``, another proposer's, or freed.
+        InvalidStateError: not a ``ContextState``, another proposer's, or freed (the messages
+            of :func:`plan_proposals`).
         ValueError: a count above the last proposal's drafts or negative, a state given twice,
             lengths that differ.
     """
@@ -456,14 +485,14 @@ class GraphMeta:
     what each row holds so unchanged tables are not rewritten."""
 
     @staticmethod
-    def layout(width: int, gamma: int) -> tuple[int, int, int, int, int]:
-        """The matrix's columns for tables of ``width`` entries and blocks of ``gamma`` rows:
+    def layout(width: int, block_size: int) -> tuple[int, int, int, int, int]:
+        """The matrix's columns for tables of ``width`` entries and blocks of ``block_size`` rows:
         ``(table_col, pos_col, slot_col, src_col, cols)``. The layout is the core's; callers
         read it here instead of spelling it again."""
     def __new__(
-        cls, host: Any, width: int, gamma: int, mask_id: int, stride: int = 0
+        cls, host: Any, width: int, block_size: int, mask_id: int, stride: int = 0
     ) -> GraphMeta:
-        """``host``: a contiguous CPU int64 tensor ``[rows, layout(width, gamma)[4]]``, written
+        """``host``: a contiguous CPU int64 tensor ``[rows, layout(width, block_size)[4]]``, written
         in place from now on (initialised at once; keep it private to the writer); ``stride``:
         bytes between two rows of a source (see ``fill``'s ``bases``).
 
@@ -486,7 +515,7 @@ class GraphMeta:
         ``staged_rows`` is empty).
 
         Returns ``(staged, eager, staged_rows)``: staged row count, the sequences whose plans
-        are longer than ``gamma`` (the caller stores their K/V first), and
+        are longer than ``block_size`` (the caller stores their K/V first), and
         ``(sequence, row_start, row_end)`` of each staged plan in order; ``None`` when a table
         is wider than ``width`` (the call takes the plain path).
 
@@ -494,8 +523,195 @@ class GraphMeta:
             ValueError: more plans than rows, or lengths that differ.
         """
 
+# ---------------------------------------------------------------- target K/V pages
+# The target runtime's page tables (rust/blockdraft-core/src/pages.rs, pages_step.rs).
+
+@final
+class SeqPages:
+    """One target sequence's K/V pages and its committed and pending token counts.
+
+    Every page the sequence may need (``ceil(capacity / page_size)``) is taken from ``pool`` at
+    creation, so a running sequence never waits for memory; the page table never changes until
+    ``free``. Token position ``p`` lives in slot ``pages[p // page_size] * page_size +
+    p % page_size``. A forward (:func:`plan_forward`) over ``r`` rows writes positions
+    ``length .. length + r - 1`` and leaves them pending; :meth:`accept` commits the first
+    ``k``. Rows not accepted cost nothing: the next forward writes the same slots again.
+
+    Thread-safe (internal lock). Call ``free`` explicitly; a sequence that is garbage-collected
+    unfreed still returns its pages, as a safety net against leaks. Every operation on a freed
+    sequence raises ``InvalidStateError`` ("...: the state was freed") except ``free``; the
+    getters still answer (``length == pending == num_pages == 0``).
+    """
+
+    def __new__(cls, pool: BlockPool, capacity: int, owner: int = 0) -> SeqPages:
+        """A sequence of up to ``capacity`` tokens (prompt + new tokens + look-ahead).
+
+        Args:
+            pool: the pool its pages come from (the target's own, or any other).
+            capacity: tokens it may ever hold (>= 1).
+            owner: tag of the runtime that made it, so whole-step calls can refuse another's.
+
+        Raises:
+            PoolExhaustedError: fewer than ``ceil(capacity / page_size)`` free pages; nothing
+                was taken.
+            ValueError: ``capacity < 1`` or a negative ``owner``.
+            TypeError: ``pool`` is not a ``BlockPool``, or a size is not an int.
+        """
+
+    @property
+    def owner(self) -> int: ...
+    @property
+    def capacity(self) -> int: ...
+    @property
+    def page_size(self) -> int:
+        """Tokens per page (the pool's)."""
+    @property
+    def length(self) -> int:
+        """Tokens whose K/V are committed (positions ``0 .. length - 1``)."""
+    @property
+    def pending(self) -> int:
+        """Rows the last forward wrote beyond ``length``, not accepted yet."""
+    @property
+    def pages(self) -> list[int]:
+        """The page table in position order (empty once freed)."""
+    @property
+    def num_pages(self) -> int:
+        """``ceil(capacity / page_size)`` while live, 0 once freed."""
+    @property
+    def freed(self) -> bool: ...
+    def slot(self, pos: int) -> int:
+        """The paged-cache slot of token position ``pos``.
+
+        Raises:
+            ValueError: ``pos`` outside ``0 .. capacity - 1``.
+            InvalidStateError: the sequence was freed.
+        """
+
+    def accept(self, k: int) -> None:
+        """Commit the first ``k`` pending rows: ``length += k``, ``pending = 0``.
+
+        Raises:
+            ValueError: ``k`` negative or above ``pending``; nothing changed.
+            InvalidStateError: the sequence was freed.
+        """
+
+    def free(self, owner: int | None = None) -> bool:
+        """Return every page to the pool; ``length`` and ``pending`` become 0.
+
+        Idempotent: returns ``True`` the first time, ``False`` afterwards (nothing done).
+        With ``owner``, the sequence must belong to that owner (checked first, on a freed
+        sequence too).
+
+        Raises:
+            InvalidStateError: ``owner`` is given and the sequence belongs to another ("free:
+                the sequence belongs to another owner (owner A, expected B)").
+            ValueError: a negative ``owner``.
+        """
+
+    def check_invariants(self) -> None:
+        """Verify the sequence against its pool.
+
+        Live: exactly ``ceil(capacity / page_size)`` distinct pages, each allocated in the pool,
+        and ``length + pending <= capacity``. Freed: no page, ``length == pending == 0``.
+
+        Raises:
+            InvalidStateError: describing the first violation found.
+        """
+
+@final
+class ForwardPlan:
+    """What one forward over many sequences writes and reads (from :func:`plan_forward`), in
+    the call's order; plain data.
+
+    Row ``j`` of the forward (sequence ``i``'s rows are ``q_starts[i] .. q_starts[i + 1] - 1``)
+    is at token position ``positions[j]`` and writes its K/V to slot ``slots[j]``; sequence
+    ``i`` attends to ``kv_lens[i]`` tokens through its page table.
+    """
+
+    @property
+    def n_rows(self) -> int:
+        """New rows in all (``len(positions)``)."""
+    @property
+    def positions(self) -> list[int]:
+        """Token position of every new row, sequence after sequence."""
+    @property
+    def slots(self) -> list[int]:
+        """Paged-cache slot of every new row (same order)."""
+    @property
+    def q_starts(self) -> list[int]:
+        """``n + 1`` cumulative row offsets."""
+    @property
+    def kv_lens(self) -> list[int]:
+        """Per sequence ``length + rows``: the tokens its new rows attend to."""
+    @property
+    def max_rows(self) -> int:
+        """The most new rows of any sequence (0 for an empty call)."""
+    @property
+    def max_pages(self) -> int:
+        """The most pages of any sequence (0 for an empty call)."""
+    def page_table(self, width: int) -> list[int]:
+        """The ``n x width`` page table, row-major: each sequence's pages, zero padded.
+
+        Raises:
+            ValueError: ``width < max_pages`` (or negative).
+        """
+
+    def fill(self, out: Any, width: int) -> None:
+        """Write :meth:`page_table` into ``out`` in place, without building a Python list.
+
+        Args:
+            out: a contiguous CPU ``torch.int32`` tensor ``[n, width]`` (a plain
+                ``torch.Tensor``, not a subclass); the caller must not have an asynchronous
+                copy out of it in flight.
+            width: entries per row (>= ``max_pages``).
+
+        Raises:
+            TypeError: ``out`` is not a ``torch.Tensor``.
+            ValueError: another dtype, device, shape or memory layout, ``width < max_pages``, or
+                a page id beyond int32; ``out`` is untouched.
+        """
+
+def plan_forward(
+    what: str, seqs: Sequence[SeqPages], rows: Sequence[int], owner: int
+) -> ForwardPlan:
+    """Plan one forward over ``rows[i]`` new rows of each sequence: check every sequence, then
+    set each one's ``pending = rows[i]`` (a previous pending count is replaced). Allocates
+    nothing.
+
+    ``what`` names the caller in error messages, which name the sequence's index too ("forward:
+    sequence 2: the state was freed"); ``owner`` is the owner every sequence must have. All or
+    nothing: on any error no sequence changed.
+
+    Raises:
+        InvalidStateError: not a ``SeqPages``, another owner's, or freed.
+        TypeError: a row count that is not an int (``bool`` included).
+        ValueError: a row count below 1 or past the sequence's capacity (the message names
+            the capacity), a sequence given twice, lengths that differ.
+    """
+
+def accept_rows(what: str, seqs: Sequence[SeqPages], counts: Sequence[int], owner: int) -> None:
+    """``accept(counts[i])`` on every sequence, after checking every one. All or nothing.
+
+    Raises:
+        InvalidStateError: not a ``SeqPages``, another owner's, or freed (the messages of
+            :func:`plan_forward`).
+        TypeError: a count that is not an int.
+        ValueError: a count negative or above the sequence's ``pending``, a sequence given
+            twice, lengths that differ.
+    """
+
+def free_all(what: str, seqs: Sequence[SeqPages], owner: int) -> int:
+    """Free every sequence after checking that every one belongs to ``owner``; returns how many
+    were live (freed ones are skipped).
+
+    Raises:
+        InvalidStateError: not a ``SeqPages`` or another owner's; nothing freed.
+        ValueError: a sequence given twice.
+    """
+
 def _panic_for_tests(pool: BlockPool | None = None) -> NoReturn:
-    """Panic inside the extension (tests only): raises pyo3's ``PanicException``.
+    """Panic inside the extension: raises pyo3's ``PanicException``. Only in a build with test
+    hooks (``TEST_HOOKS``); release builds do not have it.
 
     With ``pool``, the panic happens while the pool's lock is held; every later call on that pool
     (or on a state drawing from it) raises ``InvalidStateError`` ("poisoned").

@@ -20,10 +20,18 @@ Sites (each raises what the real failure raises):
 | ``forward`` | the drafter forward of a proposal | ``RuntimeError`` |
 | ``attention`` | each layer's paged block attention (a kernel) | ``RuntimeError`` |
 | ``logits`` | the lm_head + draft selection of a proposal | ``RuntimeError`` |
-| ``target_forward`` | the engine's target forward (prefill and verify) | ``torch.OutOfMemoryError`` |
+| ``target_forward`` | the target's forward (prefill, verify, decode), runtime or Hugging Face | ``torch.OutOfMemoryError`` |
+| ``target_pages`` | the runtime's pages for a new sequence | ``PoolExhaustedError`` |
+| ``workspace`` | the runtime's per-forward buffers (the captured rows) | ``torch.OutOfMemoryError`` |
 
 Every injected exception's message starts with ``fault injection``. Not thread-safe: arm
 faults from one thread at a time.
+
+Arming needs a build of the extension with its test hooks (``blockdraft._core.TEST_HOOKS``:
+``maturin develop --features test-hooks``, as ``bash .ci/dev`` builds it), because the
+``pool_blocks`` site inside ``plan_proposals`` is the core's ``fail_at`` argument, which release
+wheels do not have. While a plan is armed, callers pass ``fail_at``; otherwise they leave it
+out.
 """
 
 from __future__ import annotations
@@ -35,6 +43,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from blockdraft import _core
 from blockdraft._core import PoolExhaustedError
 
 SITES: tuple[str, ...] = (
@@ -46,9 +55,12 @@ SITES: tuple[str, ...] = (
     "attention",
     "logits",
     "target_forward",
+    "target_pages",
+    "workspace",
 )
 
-_OOM_SITES = frozenset({"accumulator", "block_table_dev", "kv_cache", "target_forward"})
+_OOM_SITES = frozenset({"accumulator", "block_table_dev", "kv_cache", "target_forward", "workspace"})
+_POOL_SITES = frozenset({"pool_blocks", "target_pages"})
 
 
 @dataclass
@@ -71,7 +83,7 @@ _ACTIVE: FaultPlan | None = None
 
 def _error(site: str, nth: int) -> BaseException:
     msg = f"fault injection: {site} #{nth}"
-    if site == "pool_blocks":
+    if site in _POOL_SITES:
         return PoolExhaustedError(f"{msg} (simulated pool exhaustion)")
     if site in _OOM_SITES:
         return torch.OutOfMemoryError(f"CUDA out of memory ({msg}, simulated)")
@@ -114,8 +126,9 @@ def inject(site: str, nth: int) -> Iterator[FaultPlan]:
 
     Raises:
         ValueError: an unknown site or ``nth < 1``.
-        RuntimeError: another plan is already armed.
+        RuntimeError: another plan is already armed, or the extension has no test hooks.
     """
+    _require_test_hooks()
     if site not in SITES:
         raise ValueError(f"site must be one of {SITES}, not {site!r}")
     if nth < 1:
@@ -125,8 +138,22 @@ def inject(site: str, nth: int) -> Iterator[FaultPlan]:
 
 @contextmanager
 def record() -> Iterator[FaultPlan]:
-    """Count hits of every site for the duration of the block, failing none."""
+    """Count hits of every site for the duration of the block, failing none.
+
+    Raises:
+        RuntimeError: another plan is already armed, or the extension has no test hooks.
+    """
+    _require_test_hooks()
     yield from _armed(FaultPlan(None))
+
+
+def _require_test_hooks() -> None:
+    # Read at call time (not imported by name) so a test can switch it off.
+    if not _core.TEST_HOOKS:
+        raise RuntimeError(
+            "this build of blockdraft._core has no test hooks; build it with "
+            "`maturin develop --features test-hooks` (as `bash .ci/dev` does)"
+        )
 
 
 def _armed(plan: FaultPlan) -> Iterator[FaultPlan]:

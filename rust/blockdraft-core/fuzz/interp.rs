@@ -5,9 +5,9 @@
 //! bytes (missing bytes read as 0, so every input is a valid program). Operations drive one pool
 //! shared by up to `MAX_STATES` context states plus raw allocations, against a reference model of
 //! plain vectors. Refused operations must change nothing (the pool and the state compare equal
-//! to their clones); after every operation TESTING.md invariants 1-3 are checked, and at the end
-//! every state is freed and the pool must be exactly full (invariants 6-7). Any violation panics,
-//! which is what the fuzzer reports.
+//! to their clones); after every operation the crate's invariants 1-3 (`blockdraft_core` docs)
+//! are checked, and at the end every state is freed and the pool must be exactly full
+//! (invariants 6-7). Any violation panics, which is what the fuzzer reports.
 
 use blockdraft_core::{
     batch_decline_reason, ctx_window, propose_batch_max, split_bands, AppendPlan, BlockPool,
@@ -70,7 +70,7 @@ struct Slot {
 
 struct World {
     pool: BlockPool,
-    /// A second pool with another block size: every state must refuse it.
+    /// A second pool with another page size: every state must refuse it.
     other: BlockPool,
     slots: Vec<Slot>,
     raw: Vec<Vec<usize>>,
@@ -85,18 +85,18 @@ fn expect_err<T: std::fmt::Debug>(r: blockdraft_core::Result<T>, what: &str) -> 
 }
 
 impl World {
-    fn new(num_blocks: usize, block_size: usize) -> Self {
+    fn new(num_blocks: usize, page_size: usize) -> Self {
         Self {
-            pool: BlockPool::new(num_blocks, block_size).expect("valid pool"),
-            other: BlockPool::new(3, block_size + 1).expect("valid pool"),
+            pool: BlockPool::new(num_blocks, page_size).expect("valid pool"),
+            other: BlockPool::new(3, page_size + 1).expect("valid pool"),
             slots: Vec::new(),
             raw: Vec::new(),
             stats: Stats::default(),
         }
     }
 
-    fn bs(&self) -> usize {
-        self.pool.block_size()
+    fn page_size(&self) -> usize {
+        self.pool.page_size()
     }
 
     /// Run `f` on slot `i`, which must refuse; the pool and the state must be unchanged.
@@ -202,7 +202,7 @@ impl World {
     }
 
     fn precompute(&mut self, i: usize, then: usize) {
-        let bs = self.bs();
+        let ps = self.page_size();
         let slot = &self.slots[i];
         if slot.freed {
             let e = self.refused(i, "precompute after free", |s, p| s.plan_precompute(p));
@@ -215,7 +215,7 @@ impl World {
             return;
         }
         let len = slot.positions.len();
-        let need = len.div_ceil(bs) - slot.st.block_table().len();
+        let need = len.div_ceil(ps) - slot.st.block_table().len();
         if need > self.pool.num_free() {
             let e = self.refused(i, "precompute on a dry pool", |s, p| s.plan_precompute(p));
             assert!(matches!(e, Error::PoolExhausted { .. }), "{e:?}");
@@ -246,13 +246,13 @@ impl World {
         assert_eq!(plan.positions, slot.positions[slot.committed..]);
         for (k, &s) in plan.slots.iter().enumerate() {
             let row = plan.row_start + k;
-            let idx = row / bs;
+            let idx = row / ps;
             let table = slot.st.block_table();
             let block = table
                 .get(idx)
                 .copied()
                 .unwrap_or_else(|| plan.new_blocks[idx - table.len()]);
-            assert_eq!(s, block * bs + row % bs, "slot of row {row}");
+            assert_eq!(s, block * ps + row % ps, "slot of row {row}");
         }
         slot.plan = Some(plan);
         slot.stale = false;
@@ -453,27 +453,27 @@ impl World {
         assert!(width >= 1);
         let _ = batch_decline_reason(n, mb, c % 2 == 0, b as i64, n);
         let tokens: Vec<u32> = (0..bytes.small(40)).map(|k| k as u32).collect();
-        let (n, block) = (bytes.small(6), bytes.small(9));
+        let (n, block_size) = (bytes.small(6), bytes.small(9));
         let cap = match bytes.small(4) {
             0 => None,
             k => Some(k - 1),
         };
-        match split_bands(&tokens, n, block, c % 2 == 1, cap) {
+        match split_bands(&tokens, n, block_size, c % 2 == 1, cap) {
             Ok(Some(bands)) => {
                 assert_eq!(bands.len(), n);
-                assert!(tokens.len() >= n * block);
+                assert!(tokens.len() >= n * block_size);
                 for band in bands {
-                    assert!(band.len() <= block && cap.is_none_or(|k| band.len() <= k));
+                    assert!(band.len() <= block_size && cap.is_none_or(|k| band.len() <= k));
                 }
             }
-            Ok(None) => assert!(tokens.len() < n * block),
-            Err(_) => assert!(n == 0 || block == 0 || cap == Some(0)),
+            Ok(None) => assert!(tokens.len() < n * block_size),
+            Err(_) => assert!(n == 0 || block_size == 0 || cap == Some(0)),
         }
     }
 
     /// Invariants 1-3 across the pool, every live state and the raw allocations.
     fn check(&mut self) {
-        let bs = self.bs();
+        let ps = self.page_size();
         self.pool.check_invariants().expect("pool invariants");
         let mut held: Vec<usize> = self.raw.iter().flatten().copied().collect();
         for slot in &self.slots {
@@ -487,7 +487,7 @@ impl World {
             );
             assert_eq!(st.ctx_committed(), slot.committed, "committed vs model");
             assert!(st.ctx_len() <= st.window());
-            assert_eq!(st.block_table().len(), slot.committed.div_ceil(bs));
+            assert_eq!(st.block_table().len(), slot.committed.div_ceil(ps));
             held.extend_from_slice(st.block_table());
             held.extend_from_slice(st.pending_blocks());
         }
@@ -526,8 +526,8 @@ impl World {
 pub fn run(data: &[u8]) -> Stats {
     let mut bytes = Bytes { data, at: 0 };
     let num_blocks = 1 + bytes.small(40);
-    let block_size = 1 + bytes.small(8);
-    let mut world = World::new(num_blocks, block_size);
+    let page_size = 1 + bytes.small(8);
+    let mut world = World::new(num_blocks, page_size);
     while !bytes.done() {
         let op = bytes.small(16);
         let count = world.slots.len();

@@ -1,5 +1,5 @@
-//! Batch policy of `propose_batch` (DESIGN §2): how wide a batch may be, when to decline, and
-//! how the drafter's `n * block` output tokens split into per-sequence drafts.
+//! Batch policy of `propose_batch`: how wide a batch may be, when to decline, and how the
+//! drafter's `n * block_size` output tokens split into per-sequence drafts.
 //!
 //! These are total functions of their arguments so Python can pass raw lever values (which
 //! may be 0 or negative) and get the documented formula.
@@ -17,7 +17,8 @@ pub fn propose_batch_max(batched_path: bool, width: i64, max_batch: i64) -> i64 
 
 /// Why `propose_batch` must decline before doing any work, or `None` to proceed.
 ///
-/// Checked in the seed's order: too few, too many, mismatched lengths, no batched path.
+/// Checked in a fixed order, so a call with several faults always names the same one: too few,
+/// too many, mismatched lengths, no batched path.
 #[must_use]
 pub fn batch_decline_reason(
     n: i64,
@@ -41,31 +42,32 @@ pub fn batch_decline_reason(
     }
 }
 
-/// Split `n * block` output tokens into `n` bands of drafts.
+/// Split `n * block_size` output tokens into `n` bands of drafts.
 ///
-/// Band `i` is `tokens[i*block..(i+1)*block]`; with a mask token its row 0 (the anchor) is
-/// dropped; at most `draft_cap` drafts are kept (`None` = all). Returns `Ok(None)` when fewer
-/// than `n * block` tokens were given (the caller declines). Extra tokens are ignored.
+/// Band `i` is `tokens[i*block_size..(i+1)*block_size]`; with a mask token its row 0 (the
+/// anchor) is dropped; at most `draft_cap` drafts are kept (`None` = all). Returns `Ok(None)`
+/// when fewer than `n * block_size` tokens were given (the caller declines). Extra tokens are
+/// ignored.
 ///
 /// # Errors
-/// [`Error::InvalidArgument`] when `n`, `block` or `draft_cap` is 0.
+/// [`Error::InvalidArgument`] when `n`, `block_size` or `draft_cap` is 0.
 pub fn split_bands<T: Copy>(
     tokens: &[T],
     n: usize,
-    block: usize,
+    block_size: usize,
     has_mask_token: bool,
     draft_cap: Option<usize>,
 ) -> Result<Option<Vec<Vec<T>>>> {
     if n == 0 {
         return Err(Error::invalid_argument("n", "must be >= 1, got 0"));
     }
-    if block == 0 {
-        return Err(Error::invalid_argument("block", "must be >= 1, got 0"));
+    if block_size == 0 {
+        return Err(Error::invalid_argument("block_size", "must be >= 1, got 0"));
     }
     if draft_cap == Some(0) {
         return Err(Error::invalid_argument("draft_cap", "must be >= 1, got 0"));
     }
-    match n.checked_mul(block) {
+    match n.checked_mul(block_size) {
         Some(total) if tokens.len() >= total => {}
         _ => return Ok(None),
     }
@@ -73,7 +75,7 @@ pub fn split_bands<T: Copy>(
     let cap = draft_cap.unwrap_or(usize::MAX);
     Ok(Some(
         tokens
-            .chunks_exact(block)
+            .chunks_exact(block_size)
             .take(n)
             .map(|band| band.iter().skip(skip).take(cap).copied().collect())
             .collect(),

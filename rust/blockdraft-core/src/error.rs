@@ -26,6 +26,23 @@ pub enum Error {
     #[error("the context state was freed")]
     Freed,
 
+    /// A state used by a proposer other than the one that made it.
+    #[error("the state belongs to another proposer (owner {owner}, expected {expected})")]
+    ForeignOwner { owner: u64, expected: u64 },
+
+    /// A target sequence used by an owner other than the one that made it.
+    #[error("the sequence belongs to another owner (owner {owner}, expected {expected})")]
+    ForeignSequence { owner: u64, expected: u64 },
+
+    /// A proposal on a state whose context is still empty: the lifecycle is alloc, commit
+    /// context, propose.
+    #[error("the state has no committed context (commit_ctx before propose)")]
+    NoContext,
+
+    /// The error of one sequence of a whole-step call, with its index in the call.
+    #[error("sequence {index}: {source}")]
+    InSequence { index: usize, source: Box<Error> },
+
     /// A plan was handed to a state other than the one that made it.
     #[error("the plan belongs to another context state")]
     ForeignPlan,
@@ -57,10 +74,6 @@ pub enum Error {
     /// A configuration value (an environment variable) that cannot be used.
     #[error("configuration error: {0}")]
     Config(String),
-
-    /// A drafter checkpoint is missing, unreadable or inconsistent.
-    #[error("checkpoint error: {0}")]
-    Checkpoint(String),
 }
 
 impl Error {
@@ -69,6 +82,15 @@ impl Error {
         Self::InvalidArgument {
             name,
             reason: reason.into(),
+        }
+    }
+
+    /// `self` as the error of sequence `index` of a whole-step call.
+    #[must_use]
+    pub fn in_sequence(self, index: usize) -> Self {
+        Self::InSequence {
+            index,
+            source: Box::new(self),
         }
     }
 }

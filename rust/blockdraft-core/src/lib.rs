@@ -5,16 +5,44 @@
 //! - [`state`]: one sequence's context rows, committed K/V and block table, changed only
 //!   through two-phase plans.
 //! - [`batch`]: the batch policy of `propose_batch` and band splitting.
-//! - [`step`]: a proposal's anchor rules and the graph path's metadata matrix.
+//! - [`step`]: a proposal's rules and the graph path's metadata matrix.
+//! - [`pages`]: one target sequence's K/V pages, taken all at once, and its committed and
+//!   pending token counts.
+//! - [`pages_step`]: whole-step calls over many target sequences (a forward's plan, accepts,
+//!   frees).
 //!
 //! Functions that touch blocks take the pool explicitly (`&mut BlockPool`); the caller decides
 //! how it is shared. The only global input is the environment variable read by
 //! [`window::read_ctx_cap`].
+//!
+//! # Invariants
+//!
+//! The stateful tests (Rust and Python) and the fuzz target check these after every operation;
+//! tests cite them by number.
+//!
+//! 1. Conservation: free blocks plus the blocks held by live states (and raw allocations)
+//!    equal `num_blocks`.
+//! 2. No block is held twice (by two states, or twice by one), and no free block is held.
+//! 3. Every live state: `0 <= ctx_committed <= ctx_len <= window`, positions non-negative and
+//!    strictly increasing, `block_table.len() == ceil(ctx_committed / page_size)`.
+//! 4. After a slide the kept rows are the newest ones, in order, with their positions, and
+//!    `ctx_committed == 0`.
+//! 5. A refused operation (a failed allocation, a declined batch, a bad argument) leaves the
+//!    pool and every state exactly as they were.
+//! 6. Freeing twice equals freeing once; a freed state equals a fresh one and its blocks are
+//!    back in the pool.
+//! 7. Once every state is freed the pool is exactly full again.
+//!
+//! Target sequences ([`SeqPages`]) count as states in 1, 2 and 5–7. Their counterpart of 3: a
+//! live one holds exactly `ceil(capacity / page_size)` pages and `length + pending <=
+//! capacity`; a freed one holds no page and counts no token.
 
 #![warn(clippy::pedantic)]
 
 pub mod batch;
 pub mod error;
+pub mod pages;
+pub mod pages_step;
 pub mod pool;
 pub mod state;
 pub mod step;
@@ -22,9 +50,13 @@ pub mod window;
 
 pub use batch::{batch_decline_reason, propose_batch_max, split_bands};
 pub use error::{Error, Result};
+pub use pages::SeqPages;
+pub use pages_step::{accept_rows, ensure_owners, free_all, plan_forward, ForwardPlan};
 pub use pool::BlockPool;
 pub use state::{AppendPlan, ContextState, PrecomputePlan, SlidePlan};
-pub use step::{check_anchor, Filled, GraphMeta, MetaLayout, TooWide, MAX_ANCHOR_POSITION};
+pub use step::{
+    check_anchor, check_proposal, Filled, GraphMeta, MetaLayout, TooWide, MAX_ANCHOR_POSITION,
+};
 pub use window::{
     ctx_ceiling, ctx_window, parse_ctx_cap, read_ctx_cap, DEFAULT_CTX_CAP, ENV_CTX_CAP,
 };

@@ -8,10 +8,10 @@ use crate::error::{Error, Result};
 
 const WORD_BITS: usize = u64::BITS as usize;
 
-/// `num_blocks` blocks of `block_size` tokens; ids are `0..num_blocks`.
+/// `num_blocks` blocks of `page_size` tokens; ids are `0..num_blocks`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct BlockPool {
-    block_size: usize,
+    page_size: usize,
     num_blocks: usize,
     /// Free ids; the top of the stack is handed out first.
     free: Vec<usize>,
@@ -28,14 +28,14 @@ impl BlockPool {
     /// A pool with every block free. Fresh allocations come out in increasing id order.
     ///
     /// # Errors
-    /// [`Error::InvalidArgument`] when `num_blocks` or `block_size` is 0, or the pool's bookkeeping
+    /// [`Error::InvalidArgument`] when `num_blocks` or `page_size` is 0, or the pool's bookkeeping
     /// for `num_blocks` cannot be allocated.
-    pub fn new(num_blocks: usize, block_size: usize) -> Result<Self> {
+    pub fn new(num_blocks: usize, page_size: usize) -> Result<Self> {
         if num_blocks == 0 {
             return Err(Error::invalid_argument("num_blocks", "must be >= 1, got 0"));
         }
-        if block_size == 0 {
-            return Err(Error::invalid_argument("block_size", "must be >= 1, got 0"));
+        if page_size == 0 {
+            return Err(Error::invalid_argument("page_size", "must be >= 1, got 0"));
         }
         // Reserve fallibly: an absurd `num_blocks` must be an error, not an abort of the process
         // (an infallible allocation failure aborts; a capacity overflow panics).
@@ -54,7 +54,7 @@ impl BlockPool {
         allocated.resize(words, 0);
         scratch.resize(words, 0);
         Ok(Self {
-            block_size,
+            page_size,
             num_blocks,
             free,
             allocated,
@@ -69,8 +69,8 @@ impl BlockPool {
     }
 
     #[must_use]
-    pub fn block_size(&self) -> usize {
-        self.block_size
+    pub fn page_size(&self) -> usize {
+        self.page_size
     }
 
     #[must_use]
@@ -237,7 +237,7 @@ mod tests {
         assert!(matches!(
             BlockPool::new(4, 0),
             Err(Error::InvalidArgument {
-                name: "block_size",
+                name: "page_size",
                 ..
             })
         ));

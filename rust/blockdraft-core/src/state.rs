@@ -5,8 +5,8 @@
 //! tensors) must do without changing the state, and the state changes only once the caller
 //! reports success. Each change bumps `version`; a plan made for an older version is refused.
 //!
-//! Invariant (TESTING.md 3): `0 <= ctx_committed <= ctx_len <= window`, positions strictly
-//! increasing, and `block_table.len() == ceil(ctx_committed / block_size)`.
+//! Invariant (3 of the crate docs): `0 <= ctx_committed <= ctx_len <= window`, positions
+//! strictly increasing, and `block_table.len() == ceil(ctx_committed / page_size)`.
 
 use crate::error::{Error, Result};
 use crate::pool::BlockPool;
@@ -80,13 +80,14 @@ fn first_unordered(xs: &[i64]) -> Option<(i64, i64)> {
     })
 }
 
-/// One sequence's context bookkeeping (the seed's `DflashProposerState`, minus device memory).
+/// One sequence's context bookkeeping: its window, context rows, block table and the
+/// proposal/verify counters of the proposer (no device memory).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ContextState {
     id: u64,
     owner: u64,
     window: usize,
-    block_size: usize,
+    page_size: usize,
     ctx_positions: Vec<i64>,
     ctx_committed: usize,
     block_table: Vec<usize>,
@@ -116,17 +117,17 @@ impl ContextState {
             pool.issue_state_id(),
             owner,
             window,
-            pool.block_size(),
+            pool.page_size(),
         ))
     }
 
     /// Every counter at its `alloc_state` value: the one definition of "fresh".
-    fn empty(id: u64, owner: u64, window: usize, block_size: usize) -> Self {
+    fn empty(id: u64, owner: u64, window: usize, page_size: usize) -> Self {
         Self {
             id,
             owner,
             window,
-            block_size,
+            page_size,
             ctx_positions: Vec::new(),
             ctx_committed: 0,
             block_table: Vec::new(),
@@ -157,8 +158,8 @@ impl ContextState {
         self.window
     }
     #[must_use]
-    pub fn block_size(&self) -> usize {
-        self.block_size
+    pub fn page_size(&self) -> usize {
+        self.page_size
     }
     #[must_use]
     pub fn ctx_len(&self) -> usize {
@@ -233,6 +234,21 @@ impl ContextState {
                 .pending
                 .as_ref()
                 .is_some_and(|p| p.plan_id == plan.plan_id)
+    }
+
+    /// Whether the state belongs to the proposer `owner` (the id it was made with).
+    ///
+    /// # Errors
+    /// [`Error::ForeignOwner`] naming both ids.
+    pub fn ensure_owner(&self, owner: u64) -> Result<()> {
+        if self.owner == owner {
+            Ok(())
+        } else {
+            Err(Error::ForeignOwner {
+                owner: self.owner,
+                expected: owner,
+            })
+        }
     }
 
     /// Plan appending rows at `positions`; changes nothing.
@@ -324,7 +340,7 @@ impl ContextState {
     ///
     /// A slide sets `ctx_committed = 0` and returns every block of the table to the pool: the
     /// kept rows move to new row indices, so their cached K/V no longer sits in the slots
-    /// `row -> block_table[row / block_size]` says, and is recomputed by the next precompute.
+    /// `row -> block_table[row / page_size]` says, and is recomputed by the next precompute.
     ///
     /// # Errors
     /// [`Error::Freed`], [`Error::ForeignPlan`], [`Error::StalePlan`], [`Error::PoolMismatch`];
@@ -368,21 +384,22 @@ impl ContextState {
             return Err(Error::PlanOutstanding);
         }
         let row_end = self.ctx_len();
-        // The seed clamps here; under the invariant this is a no-op, kept as a guard.
+        // Under the invariant `ctx_committed <= ctx_len` this clamp is a no-op; it keeps a plan
+        // well-formed (`row_start <= row_end`) even if the invariant were ever broken.
         let row_start = self.ctx_committed.min(row_end);
-        let bs = self.block_size;
-        let need = row_end.div_ceil(bs).saturating_sub(self.block_table.len());
+        let ps = self.page_size;
+        let need = row_end.div_ceil(ps).saturating_sub(self.block_table.len());
         let new_blocks = pool.alloc(need)?;
         let held = self.block_table.len();
         let slots = (row_start..row_end)
             .map(|r| {
-                let idx = r / bs;
+                let idx = r / ps;
                 let block = if idx < held {
                     self.block_table[idx]
                 } else {
                     new_blocks[idx - held]
                 };
-                block * bs + r % bs
+                block * ps + r % ps
             })
             .collect();
         let plan_id = self.next_plan_id;
@@ -454,9 +471,9 @@ impl ContextState {
     /// Paged-cache slot of each committed row `[0, ctx_committed)`.
     #[must_use]
     pub fn slot_mapping(&self) -> Vec<usize> {
-        let bs = self.block_size;
+        let ps = self.page_size;
         (0..self.ctx_committed)
-            .map(|r| self.block_table[r / bs] * bs + r % bs)
+            .map(|r| self.block_table[r / ps] * ps + r % ps)
             .collect()
     }
 
@@ -527,7 +544,8 @@ impl ContextState {
         Ok(true)
     }
 
-    /// Verify TESTING.md invariant 3 and that every held block is allocated in `pool`.
+    /// Verify invariant 3 (crate docs), that no block is held twice, that every held block is
+    /// allocated in `pool`, and that a freed state equals a fresh one.
     ///
     /// # Errors
     /// [`Error::Invariant`] describing the first violation found.
@@ -546,13 +564,13 @@ impl ContextState {
         if self.ctx_positions.first().is_some_and(|&p| p < 0) {
             return bad("negative context position".into());
         }
-        let want = self.ctx_committed.div_ceil(self.block_size);
+        let want = self.ctx_committed.div_ceil(self.page_size);
         if self.block_table.len() != want {
             return bad(format!(
-                "{} blocks held for {} committed rows of block size {} (want {want})",
+                "{} blocks held for {} committed rows of page size {} (want {want})",
                 self.block_table.len(),
                 self.ctx_committed,
-                self.block_size
+                self.page_size
             ));
         }
         let held: Vec<usize> = self
@@ -581,7 +599,7 @@ impl ContextState {
             freed: true,
             version: self.version,
             next_plan_id: self.next_plan_id,
-            ..Self::empty(self.id, self.owner, self.window, self.block_size)
+            ..Self::empty(self.id, self.owner, self.window, self.page_size)
         }
     }
 
@@ -594,12 +612,12 @@ impl ContextState {
     }
 
     fn ensure_pool(&self, pool: &BlockPool) -> Result<()> {
-        if pool.block_size() == self.block_size {
+        if pool.page_size() == self.page_size {
             Ok(())
         } else {
             Err(Error::PoolMismatch {
-                expected: self.block_size,
-                actual: pool.block_size(),
+                expected: self.page_size,
+                actual: pool.page_size(),
             })
         }
     }
@@ -610,316 +628,4 @@ impl ContextState {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// The observable bookkeeping of a state (everything but internal id counters).
-    fn view(s: &ContextState) -> (Vec<i64>, usize, Vec<usize>, Vec<usize>, u64, bool) {
-        (
-            s.ctx_positions().to_vec(),
-            s.ctx_committed(),
-            s.block_table().to_vec(),
-            s.pending_blocks().to_vec(),
-            s.version(),
-            s.freed(),
-        )
-    }
-
-    fn setup(num_blocks: usize, block_size: usize, window: usize) -> (BlockPool, ContextState) {
-        let mut pool = BlockPool::new(num_blocks, block_size).unwrap();
-        let st = ContextState::new(&mut pool, window, 7).unwrap();
-        (pool, st)
-    }
-
-    fn append(st: &mut ContextState, pool: &mut BlockPool, positions: &[i64]) -> AppendPlan {
-        let plan = st.plan_append(positions).unwrap();
-        st.apply_append(pool, &plan).unwrap();
-        plan
-    }
-
-    fn precompute(st: &mut ContextState, pool: &mut BlockPool) -> PrecomputePlan {
-        let plan = st.plan_precompute(pool).unwrap();
-        st.confirm_precompute(&plan).unwrap();
-        plan
-    }
-
-    #[test]
-    fn fresh_state() {
-        let (_, st) = setup(4, 4, 16);
-        assert_eq!(
-            (st.window(), st.owner(), st.ctx_len(), st.ctx_committed()),
-            (16, 7, 0, 0)
-        );
-        assert!(st.block_table().is_empty() && !st.freed() && !st.prefill_done());
-        let mut pool = BlockPool::new(1, 1).unwrap();
-        assert!(matches!(
-            ContextState::new(&mut pool, 0, 0),
-            Err(Error::InvalidArgument { name: "window", .. })
-        ));
-    }
-
-    #[test]
-    fn bad_appends_change_nothing() {
-        let (mut pool, mut st) = setup(8, 4, 4);
-        append(&mut st, &mut pool, &[5, 6]);
-        let before = st.clone();
-        for bad in [
-            &[][..],
-            &[-1],
-            &[8, 8],
-            &[9, 8],
-            &[6],
-            &[3, 7],
-            &[7, 8, 9, 10, 11],
-        ] {
-            let err = st.plan_append(bad).unwrap_err();
-            assert!(
-                matches!(
-                    err,
-                    Error::InvalidArgument {
-                        name: "positions",
-                        ..
-                    }
-                ),
-                "{bad:?}: {err}"
-            );
-        }
-        assert_eq!(st, before);
-    }
-
-    #[test]
-    fn append_then_slide_keeps_newest_rows() {
-        let (mut pool, mut st) = setup(8, 2, 5);
-        let plan = append(&mut st, &mut pool, &[0, 1, 2]);
-        assert_eq!((plan.slide, plan.dst_start, plan.n_rows()), (None, 0, 3));
-        precompute(&mut st, &mut pool);
-        assert_eq!((st.ctx_committed(), st.block_table().len()), (3, 2));
-        assert_eq!(pool.num_used(), 2);
-
-        let plan = append(&mut st, &mut pool, &[10, 11, 12]);
-        assert_eq!(
-            plan.slide,
-            Some(SlidePlan {
-                src_start: 1,
-                keep: 2
-            })
-        );
-        assert_eq!(plan.dst_start, 2);
-        assert_eq!(st.ctx_positions(), &[1, 2, 10, 11, 12]);
-        assert_eq!(st.ctx_committed(), 0);
-        assert!(st.block_table().is_empty(), "a slide returns every block");
-        assert_eq!(pool.num_used(), 0);
-        st.check_invariants(&pool).unwrap();
-
-        // A full-window append keeps nothing.
-        let plan = append(&mut st, &mut pool, &[20, 21, 22, 23, 24]);
-        assert_eq!(
-            plan.slide,
-            Some(SlidePlan {
-                src_start: 5,
-                keep: 0
-            })
-        );
-        assert_eq!(st.ctx_positions(), &[20, 21, 22, 23, 24]);
-    }
-
-    #[test]
-    fn precompute_slots_fill_the_last_block_then_new_ones() {
-        let (mut pool, mut st) = setup(8, 4, 32);
-        append(&mut st, &mut pool, &[0, 1, 2]);
-        let p = precompute(&mut st, &mut pool);
-        assert_eq!(
-            (p.row_start, p.row_end, p.new_blocks.clone()),
-            (0, 3, vec![0])
-        );
-        assert_eq!(p.slots, vec![0, 1, 2]);
-        pool.alloc(1).unwrap(); // someone else takes block 1
-        append(&mut st, &mut pool, &[3, 4, 5, 6, 7, 8]);
-        let p = st.plan_precompute(&mut pool).unwrap();
-        assert_eq!((p.row_start, p.row_end), (3, 9));
-        assert_eq!(p.new_blocks, vec![2, 3]);
-        assert_eq!(p.slots, vec![3, 8, 9, 10, 11, 12]);
-        assert_eq!(p.positions, vec![3, 4, 5, 6, 7, 8]);
-        st.confirm_precompute(&p).unwrap();
-        assert_eq!(st.slot_mapping(), vec![0, 1, 2, 3, 8, 9, 10, 11, 12]);
-        assert_eq!((st.ctx_count_drafter(), st.max_ctx_count_drafter()), (9, 9));
-        st.check_invariants(&pool).unwrap();
-
-        // Nothing new: an empty plan that takes no blocks.
-        let p = st.plan_precompute(&mut pool).unwrap();
-        assert_eq!((p.row_start, p.row_end), (9, 9));
-        assert!(p.new_blocks.is_empty() && p.slots.is_empty());
-        st.confirm_precompute(&p).unwrap();
-    }
-
-    #[test]
-    fn abort_and_exhaustion_leave_the_state_as_it_was() {
-        let (mut pool, mut st) = setup(2, 2, 8);
-        append(&mut st, &mut pool, &[0, 1, 2, 3, 4]);
-        let before = view(&st);
-        assert!(matches!(
-            st.plan_precompute(&mut pool),
-            Err(Error::PoolExhausted {
-                requested: 3,
-                free: 2
-            })
-        ));
-        assert_eq!(view(&st), before);
-        assert_eq!(pool.num_free(), 2);
-
-        let (mut pool, mut st) = setup(4, 2, 8);
-        append(&mut st, &mut pool, &[0, 1, 2]);
-        let before = view(&st);
-        let p = st.plan_precompute(&mut pool).unwrap();
-        assert_eq!(pool.num_used(), 2);
-        assert!(st.is_pending(&p));
-        st.abort_precompute(&mut pool, &p).unwrap();
-        assert_eq!(view(&st), before);
-        assert_eq!(pool.num_used(), 0);
-        // Aborting twice is a no-op; confirming a resolved plan is refused.
-        st.abort_precompute(&mut pool, &p).unwrap();
-        assert_eq!(st.confirm_precompute(&p), Err(Error::PlanResolved));
-    }
-
-    #[test]
-    fn one_outstanding_plan_and_stale_plans() {
-        let (mut pool, mut st) = setup(8, 2, 8);
-        append(&mut st, &mut pool, &[0, 1]);
-        let p = st.plan_precompute(&mut pool).unwrap();
-        assert_eq!(st.plan_precompute(&mut pool), Err(Error::PlanOutstanding));
-        // An append moves the version on: the outstanding plan can no longer be confirmed.
-        append(&mut st, &mut pool, &[2]);
-        assert!(matches!(
-            st.confirm_precompute(&p),
-            Err(Error::StalePlan { .. })
-        ));
-        st.abort_precompute(&mut pool, &p).unwrap();
-        assert_eq!(pool.num_used(), 0);
-
-        let a = st.plan_append(&[3]).unwrap();
-        let b = st.plan_append(&[4]).unwrap();
-        st.apply_append(&mut pool, &a).unwrap();
-        let before = st.clone();
-        assert!(matches!(
-            st.apply_append(&mut pool, &b),
-            Err(Error::StalePlan { .. })
-        ));
-        assert!(matches!(
-            st.apply_append(&mut pool, &a),
-            Err(Error::StalePlan { .. })
-        ));
-        assert_eq!(st, before);
-    }
-
-    #[test]
-    fn foreign_plans_and_pools_are_refused() {
-        let mut pool = BlockPool::new(8, 2).unwrap();
-        let mut a = ContextState::new(&mut pool, 8, 1).unwrap();
-        let mut b = ContextState::new(&mut pool, 8, 1).unwrap();
-        let plan = a.plan_append(&[0]).unwrap();
-        assert_eq!(b.apply_append(&mut pool, &plan), Err(Error::ForeignPlan));
-        a.apply_append(&mut pool, &plan).unwrap();
-        let p = a.plan_precompute(&mut pool).unwrap();
-        assert_eq!(b.confirm_precompute(&p), Err(Error::ForeignPlan));
-        assert_eq!(b.abort_precompute(&mut pool, &p), Err(Error::ForeignPlan));
-        a.confirm_precompute(&p).unwrap();
-        let mut other = BlockPool::new(8, 3).unwrap();
-        assert!(matches!(
-            a.plan_precompute(&mut other),
-            Err(Error::PoolMismatch {
-                expected: 2,
-                actual: 3
-            })
-        ));
-    }
-
-    #[test]
-    fn free_is_idempotent_and_returns_pending_blocks() {
-        let (mut pool, mut st) = setup(8, 2, 8);
-        append(&mut st, &mut pool, &[0, 1, 2]);
-        precompute(&mut st, &mut pool);
-        append(&mut st, &mut pool, &[3, 4, 5]);
-        let p = st.plan_precompute(&mut pool).unwrap();
-        st.note_propose(5, 3).unwrap();
-        assert_eq!(pool.num_used(), 3);
-        assert_eq!(st.free(&mut pool), Ok(true));
-        assert_eq!(pool.num_used(), 0);
-        let once = st.clone();
-        assert_eq!(st.free(&mut pool), Ok(false));
-        assert_eq!(st, once, "a second free does nothing");
-        assert!(!st.is_pending(&p));
-        st.abort_precompute(&mut pool, &p).unwrap();
-        assert_eq!(pool.num_used(), 0);
-        assert_eq!(
-            (st.ctx_len(), st.seq_len(), st.last_num_drafted()),
-            (0, 0, 0)
-        );
-        assert!(!st.prefill_done());
-        st.check_invariants(&pool).unwrap();
-        assert_eq!(st.plan_append(&[0]), Err(Error::Freed));
-        assert_eq!(st.plan_precompute(&mut pool), Err(Error::Freed));
-        assert_eq!(st.note_propose(1, 1), Err(Error::Freed));
-        assert_eq!(st.after_verify(0), Err(Error::Freed));
-    }
-
-    #[test]
-    fn propose_and_verify_counters() {
-        let (_, mut st) = setup(1, 1, 8);
-        st.note_propose(9, 4).unwrap();
-        assert_eq!((st.seq_len(), st.last_num_drafted()), (10, 4));
-        assert!(st.prefill_done());
-        assert!(matches!(
-            st.after_verify(5),
-            Err(Error::InvalidArgument {
-                name: "num_accepted",
-                ..
-            })
-        ));
-        st.after_verify(3).unwrap();
-        assert_eq!((st.last_num_accepted(), st.last_num_drafted()), (3, 0));
-        assert!(st.note_propose(usize::MAX, 1).is_err());
-    }
-
-    #[test]
-    fn check_invariants_detects_corruption() {
-        let (mut pool, mut st) = setup(8, 2, 8);
-        append(&mut st, &mut pool, &[0, 1, 2]);
-        precompute(&mut st, &mut pool);
-        st.check_invariants(&pool).unwrap();
-
-        let mut s = st.clone();
-        s.block_table.pop();
-        assert!(matches!(
-            s.check_invariants(&pool),
-            Err(Error::Invariant(_))
-        ));
-        let mut s = st.clone();
-        s.ctx_committed = 4;
-        assert!(matches!(
-            s.check_invariants(&pool),
-            Err(Error::Invariant(_))
-        ));
-        let mut s = st.clone();
-        s.ctx_positions[1] = 0;
-        assert!(matches!(
-            s.check_invariants(&pool),
-            Err(Error::Invariant(_))
-        ));
-        let mut s = st.clone();
-        s.block_table[1] = s.block_table[0];
-        assert!(matches!(
-            s.check_invariants(&pool),
-            Err(Error::Invariant(_))
-        ));
-        let mut p = pool.clone();
-        p.free(st.block_table()).unwrap();
-        assert!(matches!(st.check_invariants(&p), Err(Error::Invariant(_))));
-        let mut s = st.clone();
-        s.free(&mut pool).unwrap();
-        s.seq_len = 3;
-        assert!(matches!(
-            s.check_invariants(&pool),
-            Err(Error::Invariant(_))
-        ));
-    }
-}
+mod tests;

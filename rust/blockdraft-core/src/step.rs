@@ -1,12 +1,13 @@
 //! One steady-state step over many sequences: the anchor rules of a proposal, and the metadata
-//! matrix the graph path reads (DESIGN §3, `python/blockdraft/graphs.py`).
+//! matrix the graph path reads (`python/blockdraft/graphs.py`, `docs/design/graph-path.md`).
 //!
 //! The graph path replays a CUDA graph per batch-size bucket; per call only a small `i64`
 //! matrix changes. [`GraphMeta`] writes it from the states' plans and keeps a mirror of which
 //! state each row describes, so a row's block table is rewritten only when the row changes
 //! hands or the table changed in a way the plans do not explain (a slide, an aborted plan).
 //!
-//! Layout of the matrix (`rows x cols`, row-major, `cols = 3 + width + 3 * gamma`):
+//! Layout of the matrix (`rows x cols`, row-major, `cols = 3 + width + 3 * B`, where `B` is the
+//! drafter's `block_size`):
 //!
 //! | columns | what |
 //! | --- | --- |
@@ -14,20 +15,20 @@
 //! | 1 | anchor token |
 //! | 2 | anchor position |
 //! | `3 .. 3 + width` | block table, zero padded |
-//! | next `gamma` | positions of the staged context rows |
-//! | next `gamma` | slots of the staged context rows ([`PAD_SLOT`](crate::PAD_SLOT) = unused) |
-//! | next `gamma` | where each staged row is read from: `base + row * stride` (0 without a base) |
+//! | next `B` | positions of the staged context rows |
+//! | next `B` | slots of the staged context rows ([`PAD_SLOT`](crate::PAD_SLOT) = unused) |
+//! | next `B` | where each staged row is read from: `base + row * stride` (0 without a base) |
 //!
 //! Staged row `j` of a call (the `j`-th context row whose K/V the graph stores) sits at matrix
-//! row `j / gamma`, entry `j % gamma`; rows past the call's sequences have no context. The
-//! source column lets the replayed graph gather the staged rows itself: the caller gives each
-//! sequence's accumulator base address and the row stride in bytes (opaque numbers here).
+//! row `j / B`, entry `j % B`; rows past the call's sequences have no context. The source column
+//! lets the replayed graph gather the staged rows itself: the caller gives each sequence's
+//! accumulator base address and the row stride in bytes (opaque numbers here).
 
 use crate::error::{Error, Result};
 use crate::state::{ContextState, PrecomputePlan};
 use crate::PAD_SLOT;
 
-/// Anchor positions must leave room for the block's `position + gamma` in an `i64` tensor.
+/// Anchor positions must leave room for the block's `position + block_size` in an `i64` tensor.
 pub const MAX_ANCHOR_POSITION: i64 = 1 << 62;
 
 /// The rules of a proposal's anchor on a live state: `0 <= token < vocab`,
@@ -68,13 +69,28 @@ pub fn check_anchor(state: &ContextState, token: i64, position: i64, vocab: usiz
     Ok(())
 }
 
-/// The columns of the metadata matrix for tables of `width` entries and blocks of `gamma` rows
-/// (see the module docs): the one description of the layout, which the Python side reads
+/// The rules of a proposal on a state: live, with committed context (the lifecycle is
+/// alloc, commit context, propose), and an anchor [`check_anchor`] accepts.
+///
+/// # Errors
+/// [`Error::Freed`]; [`Error::NoContext`] while the context is empty; as [`check_anchor`].
+pub fn check_proposal(state: &ContextState, token: i64, position: i64, vocab: usize) -> Result<()> {
+    if state.freed() {
+        return Err(Error::Freed);
+    }
+    if state.ctx_len() == 0 {
+        return Err(Error::NoContext);
+    }
+    check_anchor(state, token, position, vocab)
+}
+
+/// The columns of the metadata matrix for tables of `width` entries and blocks of `block_size`
+/// rows (see the module docs): the one description of the layout, which the Python side reads
 /// through the binding instead of spelling it again.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct MetaLayout {
     pub width: usize,
-    pub gamma: usize,
+    pub block_size: usize,
 }
 
 impl MetaLayout {
@@ -87,15 +103,15 @@ impl MetaLayout {
     }
     #[must_use]
     pub fn slot_col(self) -> usize {
-        self.pos_col() + self.gamma
+        self.pos_col() + self.block_size
     }
     #[must_use]
     pub fn src_col(self) -> usize {
-        self.slot_col() + self.gamma
+        self.slot_col() + self.block_size
     }
     #[must_use]
     pub fn cols(self) -> usize {
-        self.src_col() + self.gamma
+        self.src_col() + self.block_size
     }
 }
 
@@ -104,7 +120,7 @@ impl MetaLayout {
 pub struct Filled {
     /// Context rows staged in the matrix (their K/V is stored inside the graph).
     pub staged: usize,
-    /// Sequences whose plan has more than `gamma` rows: the caller stores their K/V first.
+    /// Sequences whose plan has more than `block_size` rows: the caller stores their K/V first.
     pub eager: Vec<usize>,
     /// `(sequence, row_start, row_end)` of each staged plan, in staging order, for a call
     /// without source bases: the caller copies these accumulator rows into the staging
@@ -139,28 +155,34 @@ pub struct TooWide;
 
 impl GraphMeta {
     /// A writer for `rows` sequences with block tables of up to `width` entries and blocks of
-    /// `gamma` drafter rows; rows without a sequence carry `mask_id` as their anchor; source
-    /// rows lie `stride` bytes apart.
+    /// `block_size` drafter rows; rows without a sequence carry `mask_id` as their anchor;
+    /// source rows lie `stride` bytes apart.
     ///
     /// # Errors
-    /// [`Error::InvalidArgument`] when `rows`, `width` or `gamma` is 0.
-    pub fn new(rows: usize, width: usize, gamma: usize, mask_id: i64, stride: i64) -> Result<Self> {
-        for (name, v) in [("rows", rows), ("width", width), ("gamma", gamma)] {
+    /// [`Error::InvalidArgument`] when `rows`, `width` or `block_size` is 0.
+    pub fn new(
+        rows: usize,
+        width: usize,
+        block_size: usize,
+        mask_id: i64,
+        stride: i64,
+    ) -> Result<Self> {
+        for (name, v) in [("rows", rows), ("width", width), ("block_size", block_size)] {
             if v == 0 {
                 return Err(Error::invalid_argument(name, "must be >= 1, got 0"));
             }
         }
         Ok(Self {
             rows,
-            layout: MetaLayout { width, gamma },
+            layout: MetaLayout { width, block_size },
             mask_id,
             stride,
             owners: vec![None; rows],
             staged: 0,
             scalars: Vec::with_capacity(rows),
-            staged_pos: Vec::with_capacity(rows * gamma),
-            staged_slot: Vec::with_capacity(rows * gamma),
-            staged_src: Vec::with_capacity(rows * gamma),
+            staged_pos: Vec::with_capacity(rows * block_size),
+            staged_slot: Vec::with_capacity(rows * block_size),
+            staged_src: Vec::with_capacity(rows * block_size),
             filled: Filled::default(),
         })
     }
@@ -195,11 +217,11 @@ impl GraphMeta {
             self.rows * cols,
             "the metadata buffer has the wrong size"
         );
-        let (slot_col, gamma) = (self.layout.slot_col(), self.layout.gamma);
+        let (slot_col, block_size) = (self.layout.slot_col(), self.layout.block_size);
         for row in buf.chunks_exact_mut(cols) {
             row.fill(0);
             row[1] = self.mask_id;
-            row[slot_col..slot_col + gamma].fill(PAD_SLOT);
+            row[slot_col..slot_col + block_size].fill(PAD_SLOT);
         }
         self.owners.fill(None);
         self.staged = 0;
@@ -243,8 +265,11 @@ impl GraphMeta {
         let seq = self.scalars.len();
         assert!(seq < self.rows, "more sequences than rows");
         let row = &mut buf[seq * cols..(seq + 1) * cols];
-        let (table_col, width, gamma) =
-            (MetaLayout::TABLE_COL, self.layout.width, self.layout.gamma);
+        let (table_col, width, block_size) = (
+            MetaLayout::TABLE_COL,
+            self.layout.width,
+            self.layout.block_size,
+        );
         let mut held = match self.owners[seq] {
             Some((owner, len)) if owner == id && len == table.len() => len,
             _ => {
@@ -276,7 +301,7 @@ impl GraphMeta {
         self.owners[seq] = Some((id, held));
         self.scalars.push([as_i64(plan.row_end), token, position]);
         let count = plan.row_end - plan.row_start;
-        if count > gamma {
+        if count > block_size {
             self.filled.eager.push(seq);
         } else if count > 0 {
             self.staged_pos.extend_from_slice(&plan.positions);
@@ -309,8 +334,8 @@ impl GraphMeta {
             "the metadata buffer has the wrong size"
         );
         let layout = self.layout;
-        let (gamma, pos_col, slot_col, src_col) = (
-            layout.gamma,
+        let (block_size, pos_col, slot_col, src_col) = (
+            layout.block_size,
             layout.pos_col(),
             layout.slot_col(),
             layout.src_col(),
@@ -326,10 +351,10 @@ impl GraphMeta {
             }
         }
         let staged = self.staged_pos.len();
-        let used = staged.div_ceil(gamma);
+        let used = staged.div_ceil(block_size);
         for (r, row) in buf.chunks_exact_mut(cols).take(used).enumerate() {
-            for entry in 0..gamma {
-                let k = r * gamma + entry;
+            for entry in 0..block_size {
+                let k = r * block_size + entry;
                 if k < staged {
                     row[pos_col + entry] = self.staged_pos[k];
                     row[slot_col + entry] = self.staged_slot[k];
@@ -342,10 +367,10 @@ impl GraphMeta {
         // Rows that held the last call's staged entries beyond this call's: unused again.
         for row in buf
             .chunks_exact_mut(cols)
-            .take(self.staged.div_ceil(gamma))
+            .take(self.staged.div_ceil(block_size))
             .skip(used)
         {
-            row[slot_col..slot_col + gamma].fill(PAD_SLOT);
+            row[slot_col..slot_col + block_size].fill(PAD_SLOT);
         }
         self.staged = staged;
         self.filled.staged = staged;
@@ -378,7 +403,7 @@ mod tests {
                 row[MetaLayout::TABLE_COL + k] = as_i64(*b);
             }
             let count = plan.row_end - plan.row_start;
-            if count > 0 && count <= meta.layout.gamma {
+            if count > 0 && count <= meta.layout.block_size {
                 let base = base_of(i);
                 staged.extend(
                     plan.positions
@@ -393,13 +418,13 @@ mod tests {
             row[1] = meta.mask_id;
         }
         for (k, (p, s, src)) in staged.iter().enumerate() {
-            let (r, e) = (k / meta.layout.gamma, k % meta.layout.gamma);
+            let (r, e) = (k / meta.layout.block_size, k % meta.layout.block_size);
             buf[r * cols + meta.layout.pos_col() + e] = *p;
             buf[r * cols + meta.layout.slot_col() + e] = as_i64(*s);
             buf[r * cols + meta.layout.src_col() + e] = *src;
         }
-        for k in staged.len()..meta.rows * meta.layout.gamma {
-            let (r, e) = (k / meta.layout.gamma, k % meta.layout.gamma);
+        for k in staged.len()..meta.rows * meta.layout.block_size {
+            let (r, e) = (k / meta.layout.block_size, k % meta.layout.block_size);
             buf[r * cols + meta.layout.slot_col() + e] = PAD_SLOT;
         }
         buf
@@ -422,7 +447,7 @@ mod tests {
             out.extend_from_slice(&row[..3]);
             let len = tables.get(i).copied().unwrap_or(0);
             out.extend_from_slice(&row[MetaLayout::TABLE_COL..MetaLayout::TABLE_COL + len]);
-            for e in 0..meta.layout.gamma {
+            for e in 0..meta.layout.block_size {
                 let slot = row[meta.layout.slot_col() + e];
                 out.push(slot);
                 if slot != PAD_SLOT {
@@ -459,16 +484,42 @@ mod tests {
     }
 
     #[test]
+    fn a_proposal_needs_committed_context() {
+        let mut pool = BlockPool::new(8, 4).unwrap();
+        let mut st = ContextState::new(&mut pool, 16, 0).unwrap();
+        let err = check_proposal(&st, 1, 0, 10).unwrap_err();
+        assert_eq!(err, Error::NoContext);
+        assert_eq!(
+            err.to_string(),
+            "the state has no committed context (commit_ctx before propose)"
+        );
+        let plan = st.plan_append(&[3]).unwrap();
+        st.apply_append(&mut pool, &plan).unwrap();
+        assert!(check_proposal(&st, 1, 4, 10).is_ok());
+        // the anchor rules still apply once there is context
+        assert!(matches!(
+            check_proposal(&st, 1, 3, 10),
+            Err(Error::InvalidArgument {
+                name: "position",
+                ..
+            })
+        ));
+        st.free(&mut pool).unwrap();
+        // freed comes first: a freed state has no context either
+        assert_eq!(check_proposal(&st, 1, 4, 10), Err(Error::Freed));
+    }
+
+    #[test]
     fn fills_equal_a_rebuild_over_steps() {
-        // Three sequences of blocks of 4 rows, steps of 1..=gamma rows, one slide; the bucket
+        // Three sequences on pages of 4 rows, steps of 1..=block_size rows, one slide; the bucket
         // has 4 rows, so one stays empty.
-        let (bs, gamma, width) = (4, 3, 8);
-        let mut pool = BlockPool::new(64, bs).unwrap();
+        let (page, block_size, width) = (4, 3, 8);
+        let mut pool = BlockPool::new(64, page).unwrap();
         let mut states: Vec<ContextState> = (0..3)
             .map(|_| ContextState::new(&mut pool, 20, 0).unwrap())
             .collect();
         let mut next = [0i64; 3];
-        let mut meta = GraphMeta::new(4, width, gamma, 99, STRIDE).unwrap();
+        let mut meta = GraphMeta::new(4, width, block_size, 99, STRIDE).unwrap();
         let mut buf = vec![7i64; 4 * meta.cols()];
         meta.init(&mut buf);
         for step in 0..12usize {
@@ -479,7 +530,7 @@ mod tests {
                 let rows = if step == 0 {
                     5 + i
                 } else {
-                    1 + (step + i) % gamma
+                    1 + (step + i) % block_size
                 };
                 let pos: Vec<i64> = (next[i]..next[i] + as_i64(rows)).collect();
                 next[i] += as_i64(rows) + 1;
@@ -514,7 +565,7 @@ mod tests {
             let expect_eager: Vec<usize> = calls
                 .iter()
                 .enumerate()
-                .filter(|(_, (_, p, ..))| p.row_end - p.row_start > gamma)
+                .filter(|(_, (_, p, ..))| p.row_end - p.row_start > block_size)
                 .map(|(i, _)| i)
                 .collect();
             assert_eq!(filled.eager, expect_eager);

@@ -1,7 +1,7 @@
-//! The per-sequence context window (DESIGN §2 "Window").
+//! The per-sequence context window: how many context rows a sequence's accumulator keeps.
 //!
 //! `ceiling = max_seq_len` if the cap is 0, else `min(max_seq_len, cap)`;
-//! `window = min(ceiling, budget_tokens + gamma + 1)`, saturating, with an unknown budget
+//! `window = min(ceiling, budget_tokens + block_size + 1)`, saturating, with an unknown budget
 //! meaning the ceiling. The cap comes from [`ENV_CTX_CAP`] unless given explicitly.
 
 use crate::error::{Error, Result};
@@ -62,23 +62,23 @@ pub fn ctx_ceiling(max_seq_len: usize, cap: usize) -> Result<usize> {
     })
 }
 
-/// Rows of the context accumulator: `min(ceiling, budget_tokens + gamma + 1)`, saturating.
+/// Rows of the context accumulator: `min(ceiling, budget_tokens + block_size + 1)`, saturating.
 ///
 /// # Errors
-/// [`Error::InvalidArgument`] when `max_seq_len` or `gamma` is 0.
+/// [`Error::InvalidArgument`] when `max_seq_len` or `block_size` is 0.
 pub fn ctx_window(
     max_seq_len: usize,
-    gamma: usize,
+    block_size: usize,
     budget_tokens: Option<usize>,
     cap: usize,
 ) -> Result<usize> {
     let ceiling = ctx_ceiling(max_seq_len, cap)?;
-    if gamma == 0 {
-        return Err(Error::invalid_argument("gamma", "must be >= 1, got 0"));
+    if block_size == 0 {
+        return Err(Error::invalid_argument("block_size", "must be >= 1, got 0"));
     }
     Ok(match budget_tokens {
         None => ceiling,
-        Some(b) => ceiling.min(b.saturating_add(gamma).saturating_add(1)),
+        Some(b) => ceiling.min(b.saturating_add(block_size).saturating_add(1)),
     })
 }
 
@@ -121,7 +121,10 @@ mod tests {
         );
         assert!(matches!(
             ctx_window(10, 0, None, 0),
-            Err(Error::InvalidArgument { name: "gamma", .. })
+            Err(Error::InvalidArgument {
+                name: "block_size",
+                ..
+            })
         ));
         assert!(matches!(
             ctx_window(0, 1, None, 0),

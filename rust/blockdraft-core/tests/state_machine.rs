@@ -1,6 +1,7 @@
 //! Stateful property test: random operation sequences over one pool shared by several context
 //! states (plus raw allocations), run against the core and against a reference model made of
-//! plain `Vec`s and counters. TESTING.md invariants 1–7 are checked after every step.
+//! plain `Vec`s and counters. The crate's invariants 1–7 (`blockdraft_core` docs) are checked
+//! after every step.
 
 use std::collections::HashSet;
 
@@ -123,9 +124,9 @@ struct Harness {
 }
 
 impl Harness {
-    fn new(num_blocks: usize, block_size: usize) -> Self {
+    fn new(num_blocks: usize, page_size: usize) -> Self {
         Self {
-            pool: BlockPool::new(num_blocks, block_size).unwrap(),
+            pool: BlockPool::new(num_blocks, page_size).unwrap(),
             states: Vec::new(),
             raw: Vec::new(),
             model_free: num_blocks,
@@ -133,8 +134,8 @@ impl Harness {
         }
     }
 
-    fn bs(&self) -> usize {
-        self.pool.block_size()
+    fn page_size(&self) -> usize {
+        self.pool.page_size()
     }
 
     fn run(&mut self, op: &Op) {
@@ -298,7 +299,7 @@ impl Harness {
     }
 
     fn precompute(&mut self, i: usize, then: u8) {
-        let bs = self.bs();
+        let ps = self.page_size();
         let Some((st, m, out)) = self.states.get_mut(i) else {
             return;
         };
@@ -314,7 +315,7 @@ impl Harness {
             return;
         }
         let len = m.positions.len();
-        let need = len.div_ceil(bs) - m.blocks;
+        let need = len.div_ceil(ps) - m.blocks;
         if need > self.model_free {
             assert!(matches!(res, Err(Error::PoolExhausted { .. })));
             assert_eq!(self.pool, pool_before, "invariant 5: pool changed");
@@ -331,10 +332,10 @@ impl Harness {
         let mut slots: HashSet<usize> = st.slot_mapping().into_iter().collect();
         for (k, &s) in plan.slots.iter().enumerate() {
             assert!(
-                owned.contains(&(s / bs)),
+                owned.contains(&(s / ps)),
                 "slot {s} outside the state's blocks"
             );
-            assert_eq!(s % bs, (plan.row_start + k) % bs, "slot offset");
+            assert_eq!(s % ps, (plan.row_start + k) % ps, "slot offset");
             assert!(slots.insert(s), "slot {s} used twice");
         }
         self.model_free -= need;
@@ -441,7 +442,7 @@ impl Harness {
         assert_eq!(*st, once);
     }
 
-    /// TESTING.md invariants 1–3 (and 6 for freed states) against the pool and the model.
+    /// Invariants 1–3 (and 6 for freed states) against the pool and the model.
     fn check(&mut self) {
         self.checks += 1;
         self.pool.check_invariants().unwrap();
@@ -465,13 +466,13 @@ impl Harness {
         }
         // Invariant 1: conservation.
         assert_eq!(self.pool.num_free() + total, self.pool.num_blocks());
-        let bs = self.bs();
+        let ps = self.page_size();
         for (st, m, _) in &self.states {
             st.check_invariants(&self.pool).unwrap();
             assert_eq!(st.ctx_positions(), m.positions.as_slice());
             assert_eq!(st.ctx_committed(), m.committed);
             assert_eq!(st.block_table().len(), m.blocks);
-            assert_eq!(m.blocks, m.committed.div_ceil(bs), "invariant 3");
+            assert_eq!(m.blocks, m.committed.div_ceil(ps), "invariant 3");
             assert_eq!(st.pending_blocks().len(), m.pending.map_or(0, |p| p.0));
             assert_eq!(st.version(), m.version);
             assert_eq!(st.freed(), m.freed);
@@ -503,10 +504,10 @@ proptest! {
     #[test]
     fn pool_and_states_match_the_model(
         num_blocks in 1usize..24,
-        block_size in 1usize..5,
+        page_size in 1usize..5,
         ops in prop::collection::vec(op(), 1..80),
     ) {
-        let mut h = Harness::new(num_blocks, block_size);
+        let mut h = Harness::new(num_blocks, page_size);
         h.run(&Op::NewState { window: 6 });
         h.check();
         for op in &ops {

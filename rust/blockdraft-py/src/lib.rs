@@ -2,229 +2,55 @@
 //!
 //! Argument conversion, error mapping and locking live here; every decision is made by the
 //! core. The pool is shared as `Arc<Mutex<BlockPool>>` between the Python `BlockPool` and every
-//! `ContextState` made from it. Lock order is always state, then pool; no lock is ever held
-//! while waiting for the GIL (work under a lock runs with the GIL released or touches no
-//! Python object), so the GIL and these locks cannot deadlock.
+//! `ContextState` and `SeqPages` made from it. Lock order is always state, then pool (a
+//! whole-step call over target sequences takes all of its sequences, in address order, then a
+//! pool at a time: `pages`); no lock is ever held while waiting for the GIL (work under a lock
+//! runs with the GIL released or touches no Python object), so the GIL and these locks cannot
+//! deadlock.
 
 #![warn(clippy::pedantic)]
 
+mod convert;
+mod errors;
+mod pages;
 mod step;
 
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex};
 
 use blockdraft_core as core;
-use pyo3::create_exception;
-use pyo3::exceptions::{PyException, PyTypeError, PyValueError};
+use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
-use pyo3::sync::PyOnceLock;
-use pyo3::types::{PyDict, PyInt, PyTuple, PyType};
+use pyo3::types::PyInt;
 
-create_exception!(
-    blockdraft._core,
-    BlockdraftError,
-    PyException,
-    "Base class of every error blockdraft raises on purpose."
-);
-create_exception!(
-    blockdraft._core,
-    PoolExhaustedError,
-    BlockdraftError,
-    "The shared block pool cannot satisfy an allocation; nothing was changed."
-);
-create_exception!(
-    blockdraft._core,
-    InvalidStateError,
-    BlockdraftError,
-    "A state or plan was used out of its lifecycle (freed, foreign, stale, or bad blocks)."
-);
-create_exception!(
-    blockdraft._core,
-    CheckpointError,
-    BlockdraftError,
-    "A drafter checkpoint is missing, unreadable or inconsistent."
-);
-
-/// `ConfigError(BlockdraftError, ValueError)`: `create_exception!` allows one base only, so the
-/// class is built with `type()` at module init and kept here for raising.
-static CONFIG_ERROR: PyOnceLock<Py<PyType>> = PyOnceLock::new();
-
-fn make_config_error(py: Python<'_>) -> PyResult<Py<PyType>> {
-    let bases = PyTuple::new(
-        py,
-        [
-            py.get_type::<BlockdraftError>(),
-            py.get_type::<PyValueError>(),
-        ],
-    )?;
-    let ns = PyDict::new(py);
-    ns.set_item("__module__", "blockdraft._core")?;
-    ns.set_item(
-        "__doc__",
-        "A configuration value (for example an environment variable) cannot be used.",
-    )?;
-    let ty = py
-        .get_type::<PyType>()
-        .call1(("ConfigError", bases, ns))?
-        .cast_into::<PyType>()?;
-    Ok(ty.unbind())
-}
-
-/// The one mapping from core errors to Python exceptions.
-struct CoreError(core::Error);
-
-impl From<core::Error> for CoreError {
-    fn from(e: core::Error) -> Self {
-        Self(e)
-    }
-}
-
-impl From<CoreError> for PyErr {
-    fn from(CoreError(e): CoreError) -> Self {
-        use core::Error as E;
-        let msg = e.to_string();
-        match e {
-            E::PoolExhausted { .. } => PoolExhaustedError::new_err(msg),
-            E::BlockOutOfRange { .. }
-            | E::BlockNotAllocated { .. }
-            | E::DuplicateBlock { .. }
-            | E::Freed
-            | E::ForeignPlan
-            | E::StalePlan { .. }
-            | E::PlanOutstanding
-            | E::PlanResolved
-            | E::PoolMismatch { .. }
-            | E::Invariant(_) => InvalidStateError::new_err(msg),
-            E::InvalidArgument { .. } => PyValueError::new_err(msg),
-            E::Config(_) => Python::attach(|py| match CONFIG_ERROR.get(py) {
-                Some(ty) => PyErr::from_type(ty.bind(py).clone(), msg),
-                None => PyValueError::new_err(msg),
-            }),
-            E::Checkpoint(_) => CheckpointError::new_err(msg),
-        }
-    }
-}
-
-type CoreResult<T> = Result<T, CoreError>;
-
-/// Lock, turning a poisoned lock (a panic under it) into an error instead of a second panic.
-fn lock<'a, T>(m: &'a Mutex<T>, what: &str) -> CoreResult<MutexGuard<'a, T>> {
-    m.lock().map_err(|_| {
-        CoreError(core::Error::Invariant(format!(
-            "the {what} lock was poisoned by an earlier panic; its contents cannot be trusted"
-        )))
-    })
-}
-
-/// A non-negative Python int as `usize`: `TypeError` for non-ints, `ValueError` naming the
-/// argument for negative or too large values (never `OverflowError`).
-fn size_arg(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<usize> {
-    match obj.extract::<usize>() {
-        Ok(v) => Ok(v),
-        Err(_) if obj.is_instance_of::<PyInt>() => {
-            if obj.lt(0)? {
-                Err(PyValueError::new_err(format!(
-                    "{name} must be non-negative, got {obj}"
-                )))
-            } else {
-                Err(PyValueError::new_err(format!("{name} is too large: {obj}")))
-            }
-        }
-        Err(_) => Err(PyTypeError::new_err(format!(
-            "{name} must be an int, got {}",
-            obj.get_type().name()?
-        ))),
-    }
-}
-
-/// Like [`size_arg`] but a value beyond `usize` saturates (used for budgets).
-fn saturating_size_arg(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<usize> {
-    match size_arg(obj, name) {
-        Err(e) if obj.is_instance_of::<PyInt>() && !obj.lt(0)? => {
-            drop(e);
-            Ok(usize::MAX)
-        }
-        r => r,
-    }
-}
-
-/// A Python int as `i64`: `TypeError` for non-ints, `ValueError` naming the argument when out
-/// of range.
-fn i64_arg(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<i64> {
-    match obj.extract::<i64>() {
-        Ok(v) => Ok(v),
-        Err(_) if obj.is_instance_of::<PyInt>() => Err(PyValueError::new_err(format!(
-            "{name} is out of the 64-bit range: {obj}"
-        ))),
-        Err(_) => Err(PyTypeError::new_err(format!(
-            "{name} must be an int, got {}",
-            obj.get_type().name()?
-        ))),
-    }
-}
-
-/// A sequence of ints as `Vec<i64>` (a `str` or non-sequence is a `TypeError`).
-fn i64_list_arg(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<Vec<i64>> {
-    if obj.is_instance_of::<pyo3::types::PyString>() {
-        return Err(PyTypeError::new_err(format!(
-            "{name} must be a list of ints, got str"
-        )));
-    }
-    let items = obj.try_iter().map_err(|_| {
-        let ty = obj.get_type();
-        let ty = ty.name().map_or_else(|_| "?".to_owned(), |n| n.to_string());
-        PyTypeError::new_err(format!("{name} must be a list of ints, got {ty}"))
-    })?;
-    let mut out = Vec::with_capacity(obj.len().unwrap_or(0));
-    for (i, item) in items.enumerate() {
-        let item = item?;
-        // The fast path formats nothing; the element's name is built only for an error.
-        match item.extract::<i64>() {
-            Ok(v) => out.push(v),
-            Err(_) => out.push(i64_arg(&item, &format!("{name}[{i}]"))?),
-        }
-    }
-    Ok(out)
-}
-
-fn optional<'a, 'py>(obj: Option<&'a Bound<'py, PyAny>>) -> Option<&'a Bound<'py, PyAny>> {
-    obj.filter(|o| !o.is_none())
-}
-
-fn cap_arg(cap: Option<&Bound<'_, PyAny>>) -> PyResult<usize> {
-    match optional(cap) {
-        Some(c) => size_arg(c, "cap"),
-        None => Ok(core::read_ctx_cap().map_err(CoreError)?),
-    }
-}
-
-fn positive(v: usize, name: &'static str) -> PyResult<usize> {
-    if v == 0 {
-        Err(PyValueError::new_err(format!("{name} must be >= 1, got 0")))
-    } else {
-        Ok(v)
-    }
-}
+use convert::{
+    cap_arg, i64_arg, i64_list_arg, optional, owner_arg, positive, py_bool, saturating_size_arg,
+    size_arg,
+};
+use errors::{
+    lock, make_config_error, BlockdraftError, CheckpointError, CoreError, CoreResult,
+    InvalidStateError, PoolExhaustedError, CONFIG_ERROR,
+};
 
 /// Rows of the per-sequence context accumulator: `ceiling = max_seq_len` if the cap is 0,
-/// else `min(max_seq_len, cap)`; `window = min(ceiling, budget_tokens + gamma + 1)`
+/// else `min(max_seq_len, cap)`; `window = min(ceiling, budget_tokens + block_size + 1)`
 /// (saturating). `budget_tokens=None` means the ceiling; `cap=None` reads
 /// `BLOCKDRAFT_DFLASH_CTX_CAP` (default 16384). Raises `ValueError` for a zero or negative size,
 /// `ConfigError` for a bad environment value.
 #[pyfunction]
-#[pyo3(signature = (max_seq_len, gamma, budget_tokens=None, cap=None))]
+#[pyo3(signature = (max_seq_len, block_size, budget_tokens=None, cap=None))]
 fn ctx_window(
     max_seq_len: &Bound<'_, PyAny>,
-    gamma: &Bound<'_, PyAny>,
+    block_size: &Bound<'_, PyAny>,
     budget_tokens: Option<&Bound<'_, PyAny>>,
     cap: Option<&Bound<'_, PyAny>>,
 ) -> PyResult<usize> {
     let max_seq_len = positive(size_arg(max_seq_len, "max_seq_len")?, "max_seq_len")?;
-    let gamma = positive(size_arg(gamma, "gamma")?, "gamma")?;
+    let block_size = positive(size_arg(block_size, "block_size")?, "block_size")?;
     let budget = optional(budget_tokens)
         .map(|b| saturating_size_arg(b, "budget_tokens"))
         .transpose()?;
     let cap = cap_arg(cap)?;
-    Ok(core::ctx_window(max_seq_len, gamma, budget, cap).map_err(CoreError)?)
+    Ok(core::ctx_window(max_seq_len, block_size, budget, cap).map_err(CoreError)?)
 }
 
 /// `max_seq_len` if the cap is 0, else `min(max_seq_len, cap)`; `cap=None` reads the
@@ -279,59 +105,51 @@ fn batch_decline_reason(
     ))
 }
 
-/// Split `n * block` output tokens into `n` bands of drafts: band i is
-/// `tokens[i*block:(i+1)*block]`, without its row 0 (the anchor) when there is a mask token,
-/// at most `draft_cap` drafts each. `None` when fewer than `n * block` tokens were given.
-/// Raises `ValueError` for `n < 1`, `block < 1` or `draft_cap < 1`.
+/// Split `n * block_size` output tokens into `n` bands of drafts: band i is
+/// `tokens[i*block_size:(i+1)*block_size]`, without its row 0 (the anchor) when there is a mask
+/// token, at most `draft_cap` drafts each. `None` when fewer than `n * block_size` tokens were
+/// given. Raises `ValueError` for `n < 1`, `block_size < 1` or `draft_cap < 1`.
 #[pyfunction]
-#[pyo3(signature = (tokens, n, block, has_mask_token, draft_cap=None))]
+#[pyo3(signature = (tokens, n, block_size, has_mask_token, draft_cap=None))]
 fn split_bands(
     tokens: &Bound<'_, PyAny>,
     n: &Bound<'_, PyAny>,
-    block: &Bound<'_, PyAny>,
+    block_size: &Bound<'_, PyAny>,
     has_mask_token: bool,
     draft_cap: Option<&Bound<'_, PyAny>>,
 ) -> PyResult<Option<Vec<Vec<i64>>>> {
     let n = positive(size_arg(n, "n")?, "n")?;
-    let block = positive(size_arg(block, "block")?, "block")?;
+    let block_size = positive(size_arg(block_size, "block_size")?, "block_size")?;
     let cap = optional(draft_cap)
         .map(|c| size_arg(c, "draft_cap").and_then(|c| positive(c, "draft_cap")))
         .transpose()?;
     let tokens = i64_list_arg(tokens, "tokens")?;
-    Ok(core::split_bands(&tokens, n, block, has_mask_token, cap).map_err(CoreError)?)
-}
-
-fn py_bool(b: bool) -> &'static str {
-    if b {
-        "True"
-    } else {
-        "False"
-    }
+    Ok(core::split_bands(&tokens, n, block_size, has_mask_token, cap).map_err(CoreError)?)
 }
 
 type SharedPool = Arc<Mutex<core::BlockPool>>;
 
-/// A fixed set of `num_blocks` K/V blocks of `block_size` tokens, shared by sequences
+/// A fixed set of `num_blocks` K/V blocks of `page_size` tokens, shared by sequences
 /// (thread-safe). See `blockdraft/_core.pyi` for every method.
 #[pyclass(name = "BlockPool", module = "blockdraft._core", frozen)]
 struct PyBlockPool {
     pool: SharedPool,
     num_blocks: usize,
-    block_size: usize,
+    page_size: usize,
 }
 
 #[pymethods]
 impl PyBlockPool {
     #[new]
-    #[pyo3(signature = (num_blocks, block_size))]
-    fn py_new(num_blocks: &Bound<'_, PyAny>, block_size: &Bound<'_, PyAny>) -> PyResult<Self> {
+    #[pyo3(signature = (num_blocks, page_size))]
+    fn py_new(num_blocks: &Bound<'_, PyAny>, page_size: &Bound<'_, PyAny>) -> PyResult<Self> {
         let num_blocks = positive(size_arg(num_blocks, "num_blocks")?, "num_blocks")?;
-        let block_size = positive(size_arg(block_size, "block_size")?, "block_size")?;
-        let pool = core::BlockPool::new(num_blocks, block_size).map_err(CoreError)?;
+        let page_size = positive(size_arg(page_size, "page_size")?, "page_size")?;
+        let pool = core::BlockPool::new(num_blocks, page_size).map_err(CoreError)?;
         Ok(Self {
             pool: Arc::new(Mutex::new(pool)),
             num_blocks,
-            block_size,
+            page_size,
         })
     }
 
@@ -341,8 +159,8 @@ impl PyBlockPool {
     }
 
     #[getter]
-    fn block_size(&self) -> usize {
-        self.block_size
+    fn page_size(&self) -> usize {
+        self.page_size
     }
 
     #[getter]
@@ -414,8 +232,8 @@ impl PyBlockPool {
     fn __repr__(&self) -> PyResult<String> {
         let free = lock(&self.pool, "pool")?.num_free();
         Ok(format!(
-            "BlockPool(num_blocks={}, block_size={}, num_free={free})",
-            self.num_blocks, self.block_size
+            "BlockPool(num_blocks={}, page_size={}, num_free={free})",
+            self.num_blocks, self.page_size
         ))
     }
 }
@@ -575,8 +393,8 @@ impl PyPrecomputePlan {
     }
 }
 
-/// Bookkeeping of one sequence's drafter context (the seed's `DflashProposerState`): window,
-/// counters, block table and the two-phase plans. See `blockdraft/_core.pyi`.
+/// Bookkeeping of one sequence's drafter context: window, counters, block table and the
+/// two-phase plans. See `blockdraft/_core.pyi`.
 #[pyclass(name = "ContextState", module = "blockdraft._core", frozen)]
 struct PyContextState {
     shared: Arc<StateShared>,
@@ -609,11 +427,7 @@ impl PyContextState {
         owner: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
         let window = positive(size_arg(window, "window")?, "window")?;
-        let owner = match optional(owner) {
-            Some(o) => u64::try_from(size_arg(o, "owner")?)
-                .map_err(|_| PyValueError::new_err("owner is too large"))?,
-            None => 0,
-        };
+        let owner = optional(owner).map_or(Ok(0), owner_arg)?;
         let pool = Arc::clone(&pool.get().pool);
         let state = {
             let mut guard = lock(&pool, "pool")?;
@@ -768,8 +582,20 @@ impl PyContextState {
             .map_err(CoreError)?)
     }
 
-    fn free(&self, py: Python<'_>) -> PyResult<bool> {
-        Ok(py.detach(|| self.shared.with(core::ContextState::free))?)
+    /// With `owner`, a state of another proposer is refused before anything changes (the
+    /// owner is checked even on a freed state, which is then still a no-op).
+    #[pyo3(signature = (owner=None))]
+    fn free(&self, py: Python<'_>, owner: Option<&Bound<'_, PyAny>>) -> PyResult<bool> {
+        let owner = optional(owner).map(|o| owner_arg(o)).transpose()?;
+        py.detach(|| {
+            self.shared.with(|s, p| {
+                if let Some(o) = owner {
+                    s.ensure_owner(o)?;
+                }
+                s.free(p)
+            })
+        })
+        .map_err(|CoreError(e)| step::map_err(e, "free"))
     }
 
     fn check_invariants(&self, py: Python<'_>) -> PyResult<()> {
@@ -793,7 +619,8 @@ impl PyContextState {
 /// Panic inside the extension: the test that a Rust panic reaches Python as an exception
 /// (pyo3's `PanicException`) and never aborts the interpreter. With `pool`, the panic happens
 /// while that pool's lock is held, so the test can check that a poisoned lock turns every later
-/// call into `InvalidStateError`. For tests only; it never returns.
+/// call into `InvalidStateError`. Built only with the `test-hooks` feature; it never returns.
+#[cfg(feature = "test-hooks")]
 #[pyfunction]
 #[pyo3(name = "_panic_for_tests", signature = (pool=None))]
 fn panic_for_tests(py: Python<'_>, pool: Option<&Bound<'_, PyBlockPool>>) {
@@ -814,6 +641,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("ENV_CTX_CAP", core::ENV_CTX_CAP)?;
     m.add("DEFAULT_CTX_CAP", core::DEFAULT_CTX_CAP)?;
     m.add("PAD_SLOT", core::PAD_SLOT)?;
+    m.add("TEST_HOOKS", cfg!(feature = "test-hooks"))?;
 
     m.add("BlockdraftError", py.get_type::<BlockdraftError>())?;
     m.add("PoolExhaustedError", py.get_type::<PoolExhaustedError>())?;
@@ -834,7 +662,9 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(propose_batch_max, m)?)?;
     m.add_function(wrap_pyfunction!(batch_decline_reason, m)?)?;
     m.add_function(wrap_pyfunction!(split_bands, m)?)?;
+    #[cfg(feature = "test-hooks")]
     m.add_function(wrap_pyfunction!(panic_for_tests, m)?)?;
     step::register(m)?;
+    pages::register(m)?;
     Ok(())
 }

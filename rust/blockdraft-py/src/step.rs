@@ -15,13 +15,12 @@ use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyList, PyTuple};
 
-use super::{
-    i64_arg, i64_list_arg, lock, CoreError, InvalidStateError, PoolExhaustedError, PyContextState,
-    PyPrecomputePlan, StateShared,
-};
+use crate::convert::{i64_arg, i64_list_arg};
+use crate::errors::{lock, with_message, CoreError, InvalidStateError, PoolExhaustedError};
+use crate::{PyContextState, PyPrecomputePlan, StateShared};
 
 /// `obj` as an int (`bool` refused), named `name` in errors.
-fn strict_i64(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<i64> {
+pub(crate) fn strict_i64(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<i64> {
     if obj.is_instance_of::<PyBool>() {
         return Err(PyTypeError::new_err(format!(
             "{name} must be an int, not bool"
@@ -30,6 +29,10 @@ fn strict_i64(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<i64> {
     i64_arg(obj, name)
 }
 
+/// Calls with fewer states than this find a repeat by scanning the states before each one
+/// (cheaper than hashing for the one state of `after_verify` or `propose`); wider ones hash.
+const SCAN_BELOW: usize = 16;
+
 /// The states of one call: each a `ContextState` of proposer `owner`, none twice.
 fn states_arg(
     states: &Bound<'_, PyAny>,
@@ -37,7 +40,7 @@ fn states_arg(
     what: &str,
 ) -> PyResult<Vec<Arc<StateShared>>> {
     let mut out: Vec<Arc<StateShared>> = Vec::with_capacity(states.len().unwrap_or(0));
-    let mut seen = HashSet::with_capacity(out.capacity());
+    let mut seen: Option<HashSet<*const StateShared>> = None;
     for item in states.try_iter()? {
         let item = item?;
         let Ok(ctx) = item.cast::<PyContextState>() else {
@@ -47,12 +50,16 @@ fn states_arg(
             )));
         };
         let shared = Arc::clone(&ctx.get().shared);
-        if lock(&shared.state, "state")?.owner() != owner {
-            return Err(InvalidStateError::new_err(format!(
-                "{what}: the state belongs to another proposer"
-            )));
-        }
-        if !seen.insert(Arc::as_ptr(&shared)) {
+        lock(&shared.state, "state")?
+            .ensure_owner(owner)
+            .map_err(|e| map_err(e, what))?;
+        let repeat = if out.len() < SCAN_BELOW {
+            out.iter().any(|o| Arc::ptr_eq(o, &shared))
+        } else {
+            let set = seen.get_or_insert_with(|| out.iter().map(Arc::as_ptr).collect());
+            !set.insert(Arc::as_ptr(&shared))
+        };
+        if repeat {
             return Err(PyValueError::new_err(format!(
                 "{what}: the same state appears twice"
             )));
@@ -67,10 +74,29 @@ fn freed_err(what: &str) -> PyErr {
     InvalidStateError::new_err(format!("{what}: the state was freed"))
 }
 
-fn map_err(e: core::Error, what: &str) -> PyErr {
+/// A core error of the call `what`: lifecycle errors of a state name the call ("propose: the
+/// state was freed", "free: the state belongs to another proposer (owner 2, expected 1)"), and
+/// so does every error of one sequence of a whole-step call.
+pub(crate) fn map_err(e: core::Error, what: &str) -> PyErr {
     match e {
         core::Error::Freed => freed_err(what),
+        e @ (core::Error::ForeignOwner { .. }
+        | core::Error::ForeignSequence { .. }
+        | core::Error::NoContext) => InvalidStateError::new_err(format!("{what}: {e}")),
+        e @ core::Error::InSequence { .. } => prefixed(e, what),
         e => CoreError(e).into(),
+    }
+}
+
+/// Any core error with `prefix` (the call, and the sequence for [`core::Error::InSequence`])
+/// in front of its message: "forward: sequence 2: the state was freed".
+pub(crate) fn prefixed(e: core::Error, prefix: &str) -> PyErr {
+    match e {
+        core::Error::InSequence { index, source } => {
+            prefixed(*source, &format!("{prefix}: sequence {index}"))
+        }
+        core::Error::Freed => freed_err(prefix),
+        e => with_message(&e, format!("{prefix}: {e}")),
     }
 }
 
@@ -84,17 +110,45 @@ fn same_len(name: &str, got: usize, n: usize) -> PyResult<()> {
     }
 }
 
-/// Check every anchor of a proposal over `states` (owned by `owner`), then plan every
-/// sequence's context K/V. All or nothing: on any error no plan stays outstanding. Returns the
-/// plans in order. Raises `InvalidStateError` (foreign, freed, not a state), `TypeError` /
-/// `ValueError` (a bad token or position, a state given twice), `PoolExhaustedError`.
-///
-/// `fail_at`: fault injection (`blockdraft.faults.hits`): planning sequence `fail_at` raises
-/// `PoolExhaustedError` as if the pool were empty there (the plans before it are given back).
+/// Check every state (live, with committed context) and anchor of a proposal over `states`
+/// (owned by `owner`), then plan every sequence's context K/V. All or nothing: on any error no
+/// plan stays outstanding. Returns the plans in order. Raises `InvalidStateError` (foreign,
+/// freed, no context yet, not a state), `TypeError` / `ValueError` (a bad token or position, a
+/// state given twice), `PoolExhaustedError`.
+#[cfg(not(feature = "test-hooks"))]
+#[pyfunction]
+#[pyo3(signature = (what, states, tokens, positions, vocab, owner))]
+fn plan_proposals(
+    what: &str,
+    states: &Bound<'_, PyAny>,
+    tokens: &Bound<'_, PyAny>,
+    positions: &Bound<'_, PyAny>,
+    vocab: usize,
+    owner: u64,
+) -> PyResult<Vec<PyPrecomputePlan>> {
+    plan_all(what, states, tokens, positions, vocab, owner, None)
+}
+
+/// As without the `test-hooks` feature, plus `fail_at`, the fault point of
+/// `blockdraft.faults.hits`: planning sequence `fail_at` raises `PoolExhaustedError` as if the
+/// pool were empty there (the plans before it are given back).
+#[cfg(feature = "test-hooks")]
 #[pyfunction]
 #[pyo3(signature = (what, states, tokens, positions, vocab, owner, fail_at=None))]
-#[allow(clippy::too_many_arguments)]
 fn plan_proposals(
+    what: &str,
+    states: &Bound<'_, PyAny>,
+    tokens: &Bound<'_, PyAny>,
+    positions: &Bound<'_, PyAny>,
+    vocab: usize,
+    owner: u64,
+    fail_at: Option<usize>,
+) -> PyResult<Vec<PyPrecomputePlan>> {
+    plan_all(what, states, tokens, positions, vocab, owner, fail_at)
+}
+
+/// `plan_proposals`, with the fault point `fail_at` (always `None` without `test-hooks`).
+fn plan_all(
     what: &str,
     states: &Bound<'_, PyAny>,
     tokens: &Bound<'_, PyAny>,
@@ -111,7 +165,7 @@ fn plan_proposals(
         let token = strict_i64(&tokens.get_item(i)?, "last_token")?;
         let position = strict_i64(&positions.get_item(i)?, "position")?;
         let guard = lock(&st.state, "state")?;
-        core::check_anchor(&guard, token, position, vocab).map_err(|e| map_err(e, what))?;
+        core::check_proposal(&guard, token, position, vocab).map_err(|e| map_err(e, what))?;
     }
     // Dropping an unresolved plan aborts it: an error here gives back every earlier plan.
     let mut plans = Vec::with_capacity(n);
@@ -355,15 +409,15 @@ impl PyGraphMeta {
 
 #[pymethods]
 impl PyGraphMeta {
-    /// `host`: a contiguous CPU int64 tensor `[rows, layout(width, gamma)[4]]` (written in place
-    /// from now on: ``init`` runs at once); `stride`: bytes between two rows of a source.
+    /// `host`: a contiguous CPU int64 tensor `[rows, layout(width, block_size)[4]]` (written in
+    /// place from now on: ``init`` runs at once); `stride`: bytes between two rows of a source.
     #[new]
-    #[pyo3(signature = (host, width, gamma, mask_id, stride=0))]
+    #[pyo3(signature = (host, width, block_size, mask_id, stride=0))]
     fn py_new(
         py: Python<'_>,
         host: &Bound<'_, PyAny>,
         width: usize,
-        gamma: usize,
+        block_size: usize,
         mask_id: i64,
         stride: i64,
     ) -> PyResult<Self> {
@@ -377,7 +431,8 @@ impl PyGraphMeta {
                 "host must be 2-D, got {shape:?}"
             )));
         };
-        let meta = core::GraphMeta::new(rows, width, gamma, mask_id, stride).map_err(CoreError)?;
+        let meta =
+            core::GraphMeta::new(rows, width, block_size, mask_id, stride).map_err(CoreError)?;
         if device != "cpu" || elem != 8 || is_float || !contiguous || cols != meta.cols() {
             return Err(PyValueError::new_err(format!(
                 "host must be a contiguous CPU int64 tensor [rows, {}], got {shape:?} on {device}",
@@ -396,11 +451,11 @@ impl PyGraphMeta {
         Ok(this)
     }
 
-    /// The matrix's columns for tables of `width` entries and blocks of `gamma` rows:
+    /// The matrix's columns for tables of `width` entries and blocks of `block_size` rows:
     /// `(table_col, pos_col, slot_col, src_col, cols)` (the layout is the core's).
     #[staticmethod]
-    fn layout(width: usize, gamma: usize) -> (usize, usize, usize, usize, usize) {
-        let l = core::MetaLayout { width, gamma };
+    fn layout(width: usize, block_size: usize) -> (usize, usize, usize, usize, usize) {
+        let l = core::MetaLayout { width, block_size };
         (
             core::MetaLayout::TABLE_COL,
             l.pos_col(),
