@@ -1,7 +1,12 @@
-"""Block attention over paged ctx K/V vs torch SDPA (best backend) on the same data gathered
-contiguous. Shapes: B = 16 queries, 32 query heads / 8 KV heads x 128, bf16, page 16.
+"""Block attention over paged ctx K/V against torch SDPA (best backend) on the same data
+gathered contiguous. Shapes: B = 16 queries, 32 query heads / 8 KV heads x 128, bf16, page 16;
+n x ctx = 32 x 16K, 1 x 16K, 8 x 4K.
 
-Bytes counted: the ctx K and V the kernel must read (n * ctx * Hkv * D * 2 tensors * 2 B).
+``ms`` is the launcher called back to back (argument checks and launches included); ``graph_ms``
+the same call replayed from a CUDA graph, as the proposer's graph path runs it. Bytes counted:
+the ctx K and V the kernel must read (n * ctx * Hkv * D * 2 tensors * 2 B).
+
+    cd kernels && python bench_attention.py [--out DIR]
 """
 
 from __future__ import annotations
@@ -12,11 +17,12 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.functional import scaled_dot_product_attention as sdpa
 
-from _lab import args, bench_ms, copy_bandwidth_gbs, import_kernels, record
+from common import (bench_ms, copy_bandwidth_gbs, gb_per_s, graph_ms, import_kernels, parse_args,
+                    record)
 
 
 def main() -> None:
-    a = args()
+    a = parse_args()
     K = import_kernels()
     copy = copy_bandwidth_gbs()
     B, hq, hkv, dim, page = 16, 32, 8, 128, 16
@@ -35,17 +41,17 @@ def main() -> None:
         q_pos = (ctx + torch.arange(B, device=dev)).repeat(n, 1)
         sp = torch.zeros(num_blocks * page, dtype=torch.int32, device=dev)
         scale = dim**-0.5
-        ms = bench_ms(partial(K.block_attention, q, kb, vb, kc, vc, tables, ctx_lens, q_pos, sp,
-                              scale=scale, backend="triton"))
+        call = partial(K.ops("triton").block_attention, q, kb, vb, kc, vc, tables, ctx_lens,
+                       q_pos, sp, scale=scale)
+        ms = bench_ms(call)
+        replay_ms = graph_ms(call)
         nbytes = n * ctx * hkv * dim * 2 * 2
-        gbs = nbytes / (ms * 1e-3) / 1e9
         # SDPA on the same data gathered contiguous (gather not timed)
         slots = (tables.long()[:, :, None] * page + torch.arange(page, device=dev)).view(n, -1)
         k_all = torch.cat([kc.view(-1, hkv, dim)[slots], kb], 1).transpose(1, 2).contiguous()
         v_all = torch.cat([vc.view(-1, hkv, dim)[slots], vb], 1).transpose(1, 2).contiguous()
         qt = q.transpose(1, 2).contiguous()
-        ref = K.block_attention(q, kb, vb, kc, vc, tables, ctx_lens, q_pos, sp, scale=scale,
-                                backend="triton")
+        ref = call()
         sdpa_ms: dict[str, float] = {}
         for name, be in (("flash", SDPBackend.FLASH_ATTENTION),
                          ("efficient", SDPBackend.EFFICIENT_ATTENTION),
@@ -67,9 +73,12 @@ def main() -> None:
         best = min(sdpa_ms.values()) if sdpa_ms else float("nan")
         record(a.out, {"bench": "block_attention", "n": n, "ctx": ctx, "B": B, "heads": hq,
                        "kv_heads": hkv, "head_dim": dim, "ms": round(ms, 4),
-                       "gb_per_s": round(gbs, 1), "copy_gb_per_s": round(copy, 1),
-                       "ratio": round(gbs / copy, 3), "sdpa_ms": sdpa_ms,
-                       "speedup_vs_best_sdpa": round(best / ms, 3)})
+                       "graph_ms": round(replay_ms, 4),
+                       "gb_per_s": round(gb_per_s(nbytes, ms), 1),
+                       "copy_gb_per_s": round(copy, 1),
+                       "ratio": round(gb_per_s(nbytes, ms) / copy, 3),
+                       "graph_ratio": round(gb_per_s(nbytes, replay_ms) / copy, 3),
+                       "sdpa_ms": sdpa_ms, "speedup_vs_best_sdpa": round(best / ms, 3)})
         del kc, vc, k_all, v_all
         torch.cuda.empty_cache()
 

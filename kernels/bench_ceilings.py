@@ -1,14 +1,18 @@
-"""H200 ceilings measured in the same run as the kernels: copy bandwidth and bf16 matmul."""
+"""The GPU's ceilings, measured in the same run as the kernels: device copy bandwidth (2 GiB
+``copy_``, bytes read + written) and a bf16 8192^3 matmul.
+
+    cd kernels && python bench_ceilings.py [--out DIR]
+"""
 
 from __future__ import annotations
 
 import torch
 
-from _lab import args, bench_ms, copy_bandwidth_gbs, record
+from common import bench_ms, copy_bandwidth_gbs, parse_args, record
 
 
 def main() -> None:
-    a = args()
+    a = parse_args()
     gbs = copy_bandwidth_gbs()
     record(a.out, {"bench": "copy_bandwidth", "bytes": 2 * (2 << 30), "gb_per_s": round(gbs, 1)})
     n = 8192

@@ -1,17 +1,19 @@
-"""ctx K/V store at Qwen3-8B drafter shapes (5 layers, 8 KV heads x 128, bf16).
+"""ctx K/V store at Qwen3-8B drafter shapes (5 layers, 8 KV heads x 128, bf16), 4096 and 16384
+rows. Bytes: read kv [R, L, 2, Hkv, D] + write K and V of every layer (same size) + 20 B of
+positions/slots per row.
 
-Bytes: read kv [R, L, 2, Hkv, D] + write K and V of every layer (same size) + positions/slots.
+    cd kernels && python bench_kv_store.py [--out DIR]
 """
 
 from __future__ import annotations
 
 import torch
 
-from _lab import args, bench_ms, copy_bandwidth_gbs, import_kernels, record
+from common import bench_ms, copy_bandwidth_gbs, gb_per_s, import_kernels, parse_args, record
 
 
 def main() -> None:
-    a = args()
+    a = parse_args()
     K = import_kernels()
     copy = copy_bandwidth_gbs()
     layers, heads, dim, page = 5, 8, 128, 16
@@ -26,10 +28,10 @@ def main() -> None:
         kc = torch.zeros(layers, num_blocks, page, heads, dim, dtype=torch.bfloat16, device=dev)
         vc = torch.zeros_like(kc)
         sp = torch.zeros(num_blocks * page, dtype=torch.int32, device=dev)
-        ms = bench_ms(lambda: K.ctx_kv_store(kv, pos, slots, w, inv, 1.0, 1e-6, kc, vc, sp,
-                                             backend="triton"))
+        ms = bench_ms(lambda: K.ops("triton").ctx_kv_store(kv, pos, slots, w, inv, 1.0, 1e-6,
+                                                            kc, vc, sp))
         nbytes = 2 * kv.numel() * 2 + rows * (8 + 8 + 4)
-        gbs = nbytes / (ms * 1e-3) / 1e9
+        gbs = gb_per_s(nbytes, ms)
         record(a.out, {"bench": "ctx_kv_store", "rows": rows, "layers": layers, "kv_heads": heads,
                        "head_dim": dim, "ms": round(ms, 4), "gb_per_s": round(gbs, 1),
                        "copy_gb_per_s": round(copy, 1), "ratio": round(gbs / copy, 3),

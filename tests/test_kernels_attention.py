@@ -67,10 +67,9 @@ def make_attention_case(
 
 def run_attention(x: dict[str, torch.Tensor], backend: str, **kw: object) -> torch.Tensor:
     dim = x["q"].shape[-1]
-    out: torch.Tensor = K.block_attention(
+    out: torch.Tensor = K.ops(backend).block_attention(  # type: ignore[arg-type]
         x["q"], x["k_blk"], x["v_blk"], x["k_cache"], x["v_cache"], x["block_tables"],
-        x["ctx_lens"], x["q_pos"], x["slot_pos"], scale=dim**-0.5, backend=backend,  # type: ignore[arg-type]
-        **kw)  # type: ignore[arg-type]
+        x["ctx_lens"], x["q_pos"], x["slot_pos"], scale=dim**-0.5, **kw)
     return out
 
 

@@ -36,8 +36,8 @@ def case_kv_store(device: torch.device, dtype: torch.dtype, rows: int, layers: i
         slot_pos = torch.full((num_blocks * page,), -7, dtype=torch.int32, device=device)
         k_arg = list(k_c.unbind(0)) if list_caches else k_c
         v_arg = list(v_c.unbind(0)) if list_caches else v_c
-        K.ctx_kv_store(x["kv"], x["positions"], x["slots"], x["k_norm_w"], x["inv_freq"], 1.25,
-                       1e-6, k_arg, v_arg, slot_pos, backend=backend)  # type: ignore[arg-type]
+        K.ops(backend).ctx_kv_store(x["kv"], x["positions"], x["slots"], x["k_norm_w"],  # type: ignore[arg-type]
+                                    x["inv_freq"], 1.25, 1e-6, k_arg, v_arg, slot_pos)
         results[backend] = (k_c, v_c, slot_pos)
     (k_t, v_t, sp_t), (k_r, v_r, sp_r) = results["triton"], results["torch"]
     written = torch.zeros(num_blocks * page, dtype=torch.bool, device=device)
@@ -83,8 +83,8 @@ def test_kv_store_reference_matches_hf_style_rope() -> None:
     k_c = torch.zeros(1, 1, 4, 1, 8)
     v_c = torch.zeros(1, 1, 4, 1, 8)
     sp = torch.zeros(4, dtype=torch.int32)
-    K.ctx_kv_store(x["kv"], x["positions"], x["slots"], x["k_norm_w"], x["inv_freq"], 1.0, 1e-6,
-                   k_c, v_c, sp, backend="torch")
+    K.reference.ctx_kv_store(x["kv"], x["positions"], x["slots"], x["k_norm_w"], x["inv_freq"],
+                             1.0, 1e-6, k_c, v_c, sp)
     k = x["kv"][0, 0, 0, 0]
     k = k / torch.sqrt(k.pow(2).mean() + 1e-6) * x["k_norm_w"][0]
     pos = float(x["positions"][0])
@@ -109,17 +109,17 @@ def test_kv_store_slots_beyond_2_pow_31(tmp_path: Path) -> None:
     shape = (1, num_slots // page, page, heads, dim)
     slots = torch.tensor([(1 << 31) + 5, 3, (1 << 31) + 1000, K.PAD_SLOT, (1 << 31) - 1])
     x = _inputs(5, 1, heads, dim, page, 1, torch.float16, CPU, seed=1)
-    K.ctx_kv_store(x["kv"], x["positions"], slots, x["k_norm_w"], x["inv_freq"], 1.0, 1e-6,
-                   k_c.view(shape), v_c.view(shape), slot_pos, backend="triton")
+    K.ops("triton").ctx_kv_store(x["kv"], x["positions"], slots, x["k_norm_w"], x["inv_freq"],
+                                 1.0, 1e-6, k_c.view(shape), v_c.view(shape), slot_pos)
     small = {n: torch.zeros(1, 1, page, heads, dim, dtype=torch.float16) for n in ("k", "v")}
     for i, slot in enumerate(slots.tolist()):
         if slot < 0:
             continue
         # the reference on a one-block cache gives the expected row for this slot
         sp_small = torch.zeros(page, dtype=torch.int32)
-        K.ctx_kv_store(x["kv"][i : i + 1], x["positions"][i : i + 1],
+        K.reference.ctx_kv_store(x["kv"][i : i + 1], x["positions"][i : i + 1],
                        torch.tensor([slot % page]), x["k_norm_w"], x["inv_freq"], 1.0, 1e-6,
-                       small["k"], small["v"], sp_small, backend="torch")
+                       small["k"], small["v"], sp_small)
         got_k = k_c.view(-1, heads, dim)[slot]
         assert_close(got_k, small["k"].view(-1, heads, dim)[slot % page], f"k slot {slot}")
         assert torch.equal(v_c.view(-1, heads, dim)[slot], x["kv"][i, 0, 1])

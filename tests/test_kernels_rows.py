@@ -1,11 +1,12 @@
-"""Accumulator append/slide, masked selection and DFlash2 kernels vs their references."""
+"""The accumulator append, masked argmax, graph inputs and staged-row gather kernels vs their
+references."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from kernel_support import K, assert_close, need_triton, pack_bitmask, random_bitmask
+from kernel_support import K, need_triton, pack_bitmask, random_bitmask
 
 from blockdraft._core import GraphMeta
 
@@ -13,45 +14,34 @@ CPU = torch.device("cpu")
 
 
 def case_acc(device: torch.device, dtype: torch.dtype, windows: list[int], counts: list[int],
-             starts: list[int], src_starts: list[int], keeps: list[int], cols: int,
-             seed: int = 0) -> None:
-    """Append then slide on both backends; accumulators must be bit-identical (plain copies)."""
+             starts: list[int], cols: int, seed: int = 0) -> None:
+    """The batched append (accumulators by address) against the reference; accumulators must
+    be bit-identical (plain copies), rows outside the appended ones untouched."""
+    need_triton(device)
     gen = torch.Generator().manual_seed(seed)
     init = [torch.randn(w, cols, generator=gen).to(dtype).to(device) for w in windows]
     rows = torch.randn(sum(counts), cols, generator=gen).to(dtype).to(device)
-    res = {}
-    for backend in ("triton", "torch"):
-        accs = [a.clone() for a in init]
-        K.acc_append(accs, rows, counts, starts, backend=backend)  # type: ignore[arg-type]
-        appended = [a.clone() for a in accs]
-        K.acc_slide(accs, src_starts, keeps, backend=backend)  # type: ignore[arg-type]
-        res[backend] = (appended, accs)
+    want = [a.clone() for a in init]
+    K.reference.acc_append(want, rows, counts, starts)
+    got = [a.clone() for a in init]
+    ops = K.ops("triton")
+    assert ops.acc_append is not None and ops.append_table is not None
+    row_map = [i for i, c in enumerate(counts) for _ in range(c)]
+    row_map += [s + j for s, c in zip(starts, counts) for j in range(c)]
+    ops.acc_append(rows, ops.append_table([a.data_ptr() for a in got], row_map, device))
     for i in range(len(windows)):
-        assert torch.equal(res["triton"][0][i], res["torch"][0][i]), f"append: accs[{i}]"
-        assert torch.equal(res["triton"][1][i], res["torch"][1][i]), f"slide: accs[{i}]"
-        # rows past the kept ones are left as they were
-        assert torch.equal(res["triton"][1][i][keeps[i]:], res["triton"][0][i][keeps[i]:])
+        assert torch.equal(got[i], want[i]), f"append: accs[{i}]"
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_acc_append_and_overlapping_slide(dtype: torch.dtype) -> None:
-    need_triton(CPU)
-    # seq 0: src 1 < keep (heavy overlap); seq 1: nothing appended; seq 2: disjoint ranges;
-    # seq 3: 63 rows, keep 40 from 20 (overlap crossing several 16-row tiles)
+def test_acc_append(dtype: torch.dtype) -> None:
+    # seq 1: nothing appended; seq 3: 63 rows crossing several column tiles
     case_acc(CPU, dtype, windows=[10, 5, 40, 64], counts=[3, 0, 7, 63], starts=[2, 5, 30, 1],
-             src_starts=[1, 0, 20, 20], keeps=[9, 5, 17, 40], cols=1037)
+             cols=1037)
 
 
 def test_acc_single_row_sequences() -> None:
-    need_triton(CPU)
-    case_acc(CPU, torch.float32, windows=[1, 3, 17], counts=[1, 1, 1], starts=[0, 2, 16],
-             src_starts=[0, 2, 16], keeps=[1, 1, 1], cols=3)
-
-
-def test_acc_slide_reference_semantics() -> None:
-    acc = torch.arange(10.0)[:, None].repeat(1, 2)
-    K.acc_slide([acc], [3], [6], backend="torch")
-    assert acc[:, 0].tolist() == [3, 4, 5, 6, 7, 8, 6, 7, 8, 9]
+    case_acc(CPU, torch.float32, windows=[1, 3, 17], counts=[1, 1, 1], starts=[0, 2, 16], cols=3)
 
 
 def case_argmax(device: torch.device, dtype: torch.dtype, rows: int, vocab: int,
@@ -63,9 +53,9 @@ def case_argmax(device: torch.device, dtype: torch.dtype, rows: int, vocab: int,
     bitmask = random_bitmask(rows, vocab, gen, device, density=0.3) if with_mask else None
     if bitmask is not None and rows > 2:
         bitmask[1] = 0  # nothing allowed -> -1
-    want = K.masked_argmax(logits, bitmask, backend="torch")
+    want = K.reference.masked_argmax(logits, bitmask)
     if num_splits is None and tile is None:
-        got = K.masked_argmax(logits, bitmask, backend="triton")
+        got = K.ops("triton").masked_argmax(logits, bitmask)
     else:
         import importlib
 
@@ -122,7 +112,7 @@ def test_masked_argmax_minus_inf_rows(dtype: torch.dtype) -> None:
     allowed[2, [150, 4000]] = True
     allowed[3] = True
     mask = pack_bitmask(allowed)
-    want = K.masked_argmax(logits, mask, backend="torch")
+    want = K.reference.masked_argmax(logits, mask)
     assert want.tolist()[:3] == [977, 4321, 150]
     for splits in (None, 1, 3):
         for tile in ((2, 1), (2, 1, 2)):
@@ -158,139 +148,7 @@ def test_bitmask_bit_order() -> None:
     for backend in ("torch", "triton"):
         if backend == "triton":
             need_triton(CPU)
-        assert int(K.masked_argmax(logits, mask, backend=backend)[0]) == 63  # type: ignore[arg-type]
-
-
-def case_sample(device: torch.device, dtype: torch.dtype, rows: int, vocab: int, top_k: int,
-                top_p: float, with_mask: bool, seed: int = 0) -> None:
-    gen = torch.Generator().manual_seed(seed)
-    logits = (2 * torch.randn(rows, vocab, generator=gen)).to(dtype).to(device)
-    bitmask = random_bitmask(rows, vocab, gen, device) if with_mask else None
-    out = {}
-    for backend in ("triton", "torch"):
-        g = torch.Generator(device=device).manual_seed(seed + 1)
-        out[backend] = K.masked_sample(logits, bitmask, 0.8, top_k, top_p, g,
-                                       backend=backend)  # type: ignore[arg-type]
-    (tok_t, q_t), (tok_r, q_r) = out["triton"], out["torch"]
-    assert torch.equal(tok_t, tok_r)
-    torch.testing.assert_close(q_t, q_r, atol=1e-5, rtol=1e-4)
-    assert (q_t > 0).all() and (q_t <= 1).all()
-    if bitmask is not None:
-        allowed = K.reference.unpack_bitmask(bitmask, vocab)
-        assert allowed.gather(1, tok_t[:, None]).all(), "a masked-out token was sampled"
-
-
-@pytest.mark.parametrize(("top_k", "top_p"), [(0, 1.0), (5, 1.0), (0, 0.7), (3, 0.5)])
-@pytest.mark.parametrize(("rows", "vocab"), [(1, 10), (17, 1000)])
-def test_masked_sample_matches_reference(rows: int, vocab: int, top_k: int, top_p: float) -> None:
-    need_triton(CPU)
-    case_sample(CPU, torch.float32, rows, vocab, top_k, top_p, with_mask=True)
-
-
-def test_masked_sample_distribution_and_q() -> None:
-    """Empirical token frequencies match q (the probability the sampler reports)."""
-    logits = torch.tensor([[2.0, 1.0, 0.5, -1.0, 0.0]]).repeat(4000, 1)
-    allowed = torch.tensor([[True, True, False, True, True]]).repeat(4000, 1)
-    g = torch.Generator().manual_seed(0)
-    tokens, q = K.masked_sample(logits, pack_bitmask(allowed), 1.0, 3, 1.0, g, backend="torch")
-    probs = torch.softmax(torch.tensor([2.0, 1.0, 0.0]), 0)  # top-3 of the allowed ids 0, 1, 4
-    for tok, p in zip((0, 1, 4), probs.tolist()):
-        freq = (tokens == tok).float().mean().item()
-        assert abs(freq - p) < 0.03, (tok, freq, p)
-        assert torch.allclose(q[tokens == tok], torch.tensor(p))
-    assert not ((tokens == 2) | (tokens == 3)).any()
-
-
-def test_masked_sample_greedy_is_argmax() -> None:
-    logits = torch.randn(4, 50)
-    tokens, q = K.masked_sample(logits, None, 0.0, backend="torch")
-    assert torch.equal(tokens, torch.argmax(logits, 1)) and torch.equal(q, torch.ones(4))
-
-
-def case_conv(device: torch.device, dtype: torch.dtype, n: int, length: int, hidden: int,
-              taps: int, group: int, seed: int = 0) -> None:
-    gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(n, length, hidden, generator=gen).to(dtype).to(device)
-    proj = torch.randn(n, length, 2, taps, hidden // group, generator=gen).to(dtype).to(device)
-    base = torch.randn(taps, hidden, generator=gen).to(dtype).to(device)
-    dyn = proj[:, :, 0]  # a strided view, as the drafter produces it
-    got = K.dynamic_conv(x, dyn, base, group, backend="triton")
-    want = K.dynamic_conv(x, dyn, base, group, backend="torch")
-    assert_close(got, want, "dynamic_conv")
-
-
-@pytest.mark.parametrize(("n", "length", "hidden", "taps", "group"),
-                         [(1, 1, 64, 3, 64), (3, 8, 96, 4, 32), (2, 16, 300, 2, 4)])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_dynamic_conv(n: int, length: int, hidden: int, taps: int, group: int,
-                      dtype: torch.dtype) -> None:
-    need_triton(CPU)
-    case_conv(CPU, dtype, n, length, hidden, taps, group)
-
-
-def test_dynamic_conv_matches_public_dflash() -> None:
-    """The reference equals the public dflash package's convolution (fp32)."""
-    dflash_model = pytest.importorskip("dflash.model")
-    gen = torch.Generator().manual_seed(0)
-    x = torch.randn(2, 8, 64, generator=gen)
-    dyn = torch.randn(2, 8, 3, 4, generator=gen)
-    base = torch.randn(3, 64, generator=gen)
-    want = dflash_model._grouped_dynamic_convolve(x, dyn, base, 16)
-    got = K.dynamic_conv(x, dyn, base, 16, backend="torch")
-    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
-
-
-def case_selector(device: torch.device, dtype: torch.dtype, n: int, positions: int, cands: int,
-                  rank: int, vocab: int, temperature: float, seed: int = 0) -> None:
-    gen = torch.Generator().manual_seed(seed)
-    args = [
-        torch.randn(n, positions, cands, generator=gen).to(dtype),
-        torch.randint(0, vocab, (n, positions, cands), generator=gen),
-        torch.randn(n, positions, rank, generator=gen).to(dtype),
-        torch.randn(vocab, rank, generator=gen).to(dtype),
-        torch.randn(vocab, rank, generator=gen).to(dtype),
-        torch.randint(0, vocab, (n,), generator=gen),
-    ]
-    args = [a.to(device) for a in args]
-    u = torch.rand(n, positions, generator=gen).to(device)
-    p_t, q_t = K.selector_walk(*args, temperature, u, backend="triton")
-    p_r, q_r = K.selector_walk(*args, temperature, u, backend="torch")
-    assert torch.equal(p_t, p_r)
-    if temperature > 0:
-        assert q_t is not None and q_r is not None
-        torch.testing.assert_close(q_t, q_r, atol=1e-5, rtol=1e-4)
-    else:
-        assert q_t is None and q_r is None
-
-
-@pytest.mark.parametrize("temperature", [0.0, 0.7])
-@pytest.mark.parametrize(("n", "positions", "cands", "rank"), [(1, 1, 1, 3), (3, 15, 9, 12), (4, 7, 32, 64)])
-def test_selector_walk(n: int, positions: int, cands: int, rank: int, temperature: float) -> None:
-    need_triton(CPU)
-    case_selector(CPU, torch.float32, n, positions, cands, rank, 200, temperature)
-
-
-def test_selector_reference_matches_public_dflash_greedy() -> None:
-    """Greedy walk of the reference == dflash's CandidateSelector.select on the same tensors."""
-    dflash_model = pytest.importorskip("dflash.model")
-    from types import SimpleNamespace
-
-    torch.manual_seed(0)
-    cfg = SimpleNamespace(vocab_size=100, hidden_size=32,
-                          dflash_config={"selector_rank": 8, "selector_top_k": 6})
-    sel = dflash_model.CandidateSelector(cfg)
-    for p in sel.parameters():
-        torch.nn.init.normal_(p)
-    hidden = torch.randn(2, 5, 32)
-    logits = torch.randn(2, 5, 100)
-    anchor = torch.randint(0, 100, (2,))
-    with torch.no_grad():
-        path, cands, _ = sel.select(hidden, logits, anchor, 0.0)
-        unary = logits.gather(-1, cands)
-        got, _ = K.selector_walk(unary, cands, sel.hidden_projection(hidden),
-                                 sel.predecessor_codebook.weight, sel.successor_codebook.weight,
-                                 anchor, 0.0, backend="torch")
-    assert torch.equal(got, path)
+        assert int(K.ops(backend).masked_argmax(logits, mask)[0]) == 63  # type: ignore[arg-type]
 
 
 def case_block_inputs(device: torch.device, dtype: torch.dtype, m: int, block: int, width: int,
@@ -308,8 +166,8 @@ def case_block_inputs(device: torch.device, dtype: torch.dtype, m: int, block: i
         meta[-1, :3] = torch.tensor([0, vocab - 1, 0])  # a bucket's padding row
     meta = meta.to(device)
     embed = torch.randn(vocab, hidden, generator=gen).to(device)
-    got = K.block_inputs(meta, 3, width, embed, vocab - 1, block, dtype, backend="triton")
-    want = K.block_inputs(meta, 3, width, embed, vocab - 1, block, dtype, backend="torch")
+    got = K.ops("triton").block_inputs(meta, 3, width, embed, vocab - 1, block, dtype)
+    want = K.reference.block_inputs(meta, 3, width, embed, vocab - 1, block, dtype)
     for name, g, w in zip(("lens", "tables", "embeds", "positions"), got, want):
         assert g.dtype == w.dtype and g.shape == w.shape, name
         assert torch.equal(g, w), name

@@ -67,29 +67,28 @@ def test_block_attention_rejects(arg: str, bad: torch.Tensor) -> None:
     args = _attn_args()
     args[arg] = bad
     with pytest.raises(ValueError, match=arg):
-        K.block_attention(**args, scale=1.0, backend="triton")  # type: ignore[arg-type]
+        K.ops("triton").block_attention(**args, scale=1.0)
 
 
 def test_block_attention_rejects_bad_window() -> None:
     need_triton(CPU)
     with pytest.raises(ValueError, match="sliding_window"):
-        K.block_attention(**_attn_args(), scale=1.0, sliding_window=0,  # type: ignore[arg-type]
-                          backend="triton")
+        K.ops("triton").block_attention(**_attn_args(), scale=1.0, sliding_window=0)
 
 
 @pytest.mark.parametrize(("call", "arg"), [
-    (lambda: K.acc_append([torch.zeros(4, 8)], torch.zeros(2, 9), [2], [0], backend="triton"), "accs"),
-    (lambda: K.acc_append([torch.zeros(4, 8)], torch.zeros(2, 8), [3], [0], backend="triton"), "row_counts"),
-    (lambda: K.acc_append([torch.zeros(4, 8)], torch.zeros(2, 8), [2], [3], backend="triton"), "dst_starts"),
-    (lambda: K.acc_slide([torch.zeros(4, 8)], [2], [3], backend="triton"), "src_starts"),
-    (lambda: K.acc_slide([torch.zeros(4, 8)], [0, 1], [3], backend="triton"), "src_starts"),
-    (lambda: K.masked_argmax(torch.zeros(2, 40), torch.zeros(2, 1, dtype=torch.int32), backend="triton"), "bitmask"),
-    (lambda: K.masked_argmax(torch.zeros(2, 40, dtype=torch.int64), None, backend="triton"), "logits"),
-    (lambda: K.masked_sample(torch.zeros(2, 40), None, 1.0, -1, 1.0, backend="triton"), "top_k"),
-    (lambda: K.masked_sample(torch.zeros(2, 40), None, 1.0, 0, 0.0, backend="triton"), "top_p"),
-    (lambda: K.dynamic_conv(torch.zeros(1, 4, 64), torch.zeros(1, 4, 3, 3), torch.zeros(3, 64), 16, backend="triton"), "dynamic"),
-    (lambda: K.dynamic_conv(torch.zeros(1, 4, 64), torch.zeros(1, 4, 3, 4), torch.zeros(3, 64), 24, backend="triton"), "group_size"),
-    (lambda: K.ctx_kv_store(*_kv_args().values(), backend="cuda"), "backend"),  # type: ignore[arg-type]
+    (lambda: K.ops("triton").masked_argmax(torch.zeros(2, 40), torch.zeros(2, 1, dtype=torch.int32)), "bitmask"),
+    (lambda: K.ops("triton").masked_argmax(torch.zeros(2, 40, dtype=torch.int64), None), "logits"),
+    (lambda: K.ops("triton").causal_attention(torch.zeros(3, 4, 8), torch.zeros(2, 4, 3, 8),
+                                              torch.zeros(2, 4, 3, 8), torch.zeros(1, 2, dtype=torch.int32),
+                                              torch.tensor([0, 3], dtype=torch.int32),
+                                              torch.tensor([3], dtype=torch.int32),
+                                              torch.zeros(3, dtype=torch.int64), scale=1.0), "k_cache"),
+    (lambda: K.ops("triton").causal_attention(torch.zeros(3, 4, 8), torch.zeros(2, 4, 2, 8),
+                                              torch.zeros(2, 4, 2, 8), torch.zeros(1, 2, dtype=torch.int32),
+                                              torch.tensor([0, 3], dtype=torch.int64),
+                                              torch.tensor([3], dtype=torch.int32),
+                                              torch.zeros(3, dtype=torch.int64), scale=1.0), "q_starts"),
 ])
 def test_launchers_reject(call: Callable[[], object], arg: str) -> None:
     need_triton(CPU)
@@ -97,10 +96,12 @@ def test_launchers_reject(call: Callable[[], object], arg: str) -> None:
         call()
 
 
-def test_selector_needs_uniforms_when_sampling() -> None:
-    need_triton(CPU)
-    mod = importlib.import_module("blockdraft.kernels.dflash2")
-    z = torch.zeros(1, 2, 3)
-    with pytest.raises(ValueError, match="uniforms"):
-        mod.selector_walk(z, torch.zeros(1, 2, 3, dtype=torch.int64), z, torch.zeros(5, 3),
-                          torch.zeros(5, 3), torch.zeros(1, dtype=torch.int64), 0.5, None)
+def test_backends_are_named() -> None:
+    from blockdraft import ConfigError
+
+    with pytest.raises(ConfigError, match="backend"):
+        K.ops("cuda")  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="backend"):
+        K.resolve_backend("cuda", CPU)
+    assert K.resolve_backend("auto", CPU) == "torch"
+    assert K.ops("torch").acc_append is None and K.ops("torch").stage_gather is None

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import test_kernels_attention as att
+import test_kernels_causal as causal
 import test_kernels_kv_store as kvs
 import test_kernels_rows as rows
 from kernel_support import K, assert_close
@@ -38,7 +39,7 @@ def test_kv_store_gpu_slots_beyond_2_pow_31() -> None:
     pos = torch.tensor([7, 8, 9, 10], device=GPU)
     w = torch.ones(1, dim, dtype=torch.bfloat16, device=GPU)
     inv = torch.ones(dim // 2, device=GPU)
-    K.ctx_kv_store(kv, pos, slots, w, inv, 1.0, 1e-6, k_c, v_c, sp, backend="triton")
+    K.ops("triton").ctx_kv_store(kv, pos, slots, w, inv, 1.0, 1e-6, k_c, v_c, sp)
     flat = v_c.view(-1, heads, dim)
     for i, s in enumerate(slots.tolist()[:3]):
         assert torch.equal(flat[s], kv[i, 0, 1]) and int(sp[s]) == int(pos[i])
@@ -84,8 +85,7 @@ def test_attention_gpu_block_ids_and_offsets_beyond_2_pow_31() -> None:
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_acc_gpu(dtype: torch.dtype) -> None:
     rows.case_acc(GPU, dtype, windows=[10, 5, 40, 2000], counts=[3, 0, 7, 999],
-                  starts=[2, 5, 30, 1], src_starts=[1, 0, 20, 3], keeps=[9, 5, 17, 1990],
-                  cols=5 * 512 + 3)
+                  starts=[2, 5, 30, 1], cols=5 * 512 + 3)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -96,22 +96,30 @@ def test_masked_argmax_gpu(dtype: torch.dtype, r: int, vocab: int, with_mask: bo
     rows.case_argmax(GPU, dtype, r, vocab, with_mask)
 
 
-@pytest.mark.parametrize(("top_k", "top_p"), [(0, 1.0), (50, 1.0), (0, 0.9), (20, 0.5)])
-def test_masked_sample_gpu(top_k: int, top_p: float) -> None:
-    rows.case_sample(GPU, torch.bfloat16, 63, 32000, top_k, top_p, with_mask=True)
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_dynamic_conv_gpu(dtype: torch.dtype) -> None:
-    rows.case_conv(GPU, dtype, 32, 16, 4096, 4, 128)
-
-
-@pytest.mark.parametrize("temperature", [0.0, 0.7])
-def test_selector_gpu(temperature: float) -> None:
-    rows.case_selector(GPU, torch.float32, 32, 15, 32, 64, 151936, temperature)
-
-
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("m", "block", "width", "hidden"), [(1, 16, 1024, 4096), (33, 16, 1030, 4096)])
 def test_block_inputs_gpu(dtype: torch.dtype, m: int, block: int, width: int, hidden: int) -> None:
     rows.case_block_inputs(GPU, dtype, m, block, width, hidden)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("new", "ctx", "heads", "kv_heads", "dim", "page"), [
+    ([1], [4095], 32, 8, 128, 16),  # decode at 4K, Qwen3-8B heads
+    ([16] * 4, [4000, 17, 900, 0], 32, 8, 128, 16),  # verify blocks
+    ([512], [1024], 32, 8, 128, 16),  # a prefill chunk
+    ([3, 1, 20], [100, 7, 30], 12, 3, 64, 8),
+])
+def test_causal_attention_gpu(new: list[int], ctx: list[int], heads: int, kv_heads: int,
+                              dim: int, page: int, dtype: torch.dtype) -> None:
+    causal.case_causal(GPU, dtype, new, ctx, heads, kv_heads, dim, page)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_causal_attention_sliding_gpu(dtype: torch.dtype) -> None:
+    causal.case_causal(GPU, dtype, [16, 1], [300, 4000], 32, 8, 128, 16, window=128, splits=4)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("norm", [True, False])
+def test_qk_norm_rope_store_gpu(dtype: torch.dtype, norm: bool) -> None:
+    causal.case_rope_store(GPU, dtype, 37, 32, 8, 128, norm)

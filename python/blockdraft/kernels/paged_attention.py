@@ -220,8 +220,8 @@ def default_num_splits(n: int, kv_heads: int, max_ctx: int, device: torch.device
     empty (the count is trimmed to what equal whole-tile splits need: 33 wanted over 256 tiles
     is 8 tiles each, hence 32 splits).
 
-    Measured on the H200 at n = 1 x 16K, 8 KV heads (kernels/RESULTS.md, "Run 3"/"Run 4"):
-    32 splits 0.038 ms, 33 (one empty) 0.038 ms, 50 (the earlier 3-per-SM rule) 0.045 ms,
+    Measured on the H200 at n = 1 x 16K, 8 KV heads (kernels/RESULTS.md, split sweep):
+    32 splits 0.038 ms, 33 (one empty) 0.038 ms, 50 (3 programs per SM) 0.045 ms,
     64 0.044 ms, 16 0.047 ms.
     """
     tiles = max(1, math.ceil(max_ctx / block_n))

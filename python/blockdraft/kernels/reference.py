@@ -16,7 +16,7 @@ from collections.abc import Sequence
 import torch
 
 PAD_SLOT = -1
-"""Slot value of a row that must not be written (same value as ``blockdraft.PAD_SLOT``)."""
+"""Slot value of a row that must not be written (same value as ``blockdraft.core.PAD_SLOT``)."""
 
 
 def _layer_caches(caches: torch.Tensor | Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -168,15 +168,143 @@ def acc_append(
         cursor += count
 
 
-def acc_slide(accs: Sequence[torch.Tensor], src_starts: Sequence[int], keeps: Sequence[int]) -> None:
-    """Move rows ``[src_starts[i], src_starts[i] + keeps[i])`` of ``accs[i]`` to ``[0, keeps[i])``.
+def add_rms_norm(
+    h: torch.Tensor, y: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``h [M, H]`` (+ ``y [M, H]``) -> ``(h + y, rms_norm(h + y) * weight)``, each [M, H].
 
-    Ranges may overlap; the result is as if the source rows were copied out first.
+    The sum is rounded to ``h``'s dtype (the residual stream is kept in the activation dtype);
+    the norm is fp32 math with one cast at the end. ``y=None``: no add (``h`` is returned as
+    the first element).
     """
-    for acc, src, keep in zip(accs, src_starts, keeps):
-        kept = [acc[src + j].clone() for j in range(keep)]
-        for j in range(keep):
-            acc[j] = kept[j]
+    if y is not None:
+        h = (h.to(torch.float32) + y.to(torch.float32)).to(h.dtype)
+    hf = h.to(torch.float32)
+    rstd = torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps)
+    return h, (hf * rstd * weight.to(torch.float32)).to(h.dtype)
+
+
+def _head_rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """[M, heads, D] fp32 -> per-head RMSNorm times ``weight`` [D] (``None``: unchanged)."""
+    if weight is None:
+        return x
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight.to(torch.float32)
+
+
+def qk_norm_rope(
+    qkv: torch.Tensor,
+    positions: torch.Tensor,
+    q_norm_w: torch.Tensor | None,
+    k_norm_w: torch.Tensor | None,
+    inv_freq: torch.Tensor,
+    rope_scale: float,
+    eps: float,
+    num_heads: int,
+    num_kv_heads: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``qkv [M, (Hq+2Hkv)*D]`` (q heads, then k, then v), ``positions [M]`` int64 ->
+    ``q [M, Hq, D]``, ``k, v [M, Hkv, D]`` in ``qkv``'s dtype: q and k RMS-normed per head with
+    their weights ``[D]`` (``None``: no norm, as in Llama), then rotate-half RoPE at
+    ``positions``; v split off unchanged. fp32 math, one cast."""
+    m = qkv.shape[0]
+    d = qkv.shape[1] // (num_heads + 2 * num_kv_heads)
+    x = qkv.to(torch.float32).reshape(m, num_heads + 2 * num_kv_heads, d)
+    q = _head_rms_norm(x[:, :num_heads], q_norm_w, eps)
+    k = _head_rms_norm(x[:, num_heads : num_heads + num_kv_heads], k_norm_w, eps)
+    cos, sin = rope_cos_sin(positions, inv_freq, rope_scale)
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    q = q * cos + rotate_half(q) * sin
+    k = k * cos + rotate_half(k) * sin
+    v = qkv.reshape(m, num_heads + 2 * num_kv_heads, d)[:, num_heads + num_kv_heads :]
+    return q.to(qkv.dtype), k.to(qkv.dtype), v.contiguous()
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """``[M, 2I]`` (gate columns, then up) -> ``silu(gate) * up`` ``[M, I]``, each factor
+    rounded to the activation dtype before the product (as ``F.silu(gate) * up`` computes)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up
+
+
+def qk_norm_rope_store(
+    qkv: torch.Tensor,
+    positions: torch.Tensor,
+    slots: torch.Tensor,
+    q_norm_w: torch.Tensor | None,
+    k_norm_w: torch.Tensor | None,
+    inv_freq: torch.Tensor,
+    rope_scale: float,
+    eps: float,
+    num_heads: int,
+    num_kv_heads: int,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+) -> torch.Tensor:
+    """:func:`qk_norm_rope`, with K and V written into one layer's paged cache
+    ``[num_pages, page_size, Hkv, D]`` at ``slots [M]`` int64 (slot ``s`` is row ``s %
+    page_size`` of page ``s // page_size``; ``PAD_SLOT`` rows are not written). Returns
+    ``q [M, Hq, D]``."""
+    q, k, v = qk_norm_rope(qkv, positions, q_norm_w, k_norm_w, inv_freq, rope_scale, eps,
+                           num_heads, num_kv_heads)
+    k_flat = k_cache.view(-1, *k_cache.shape[2:])
+    v_flat = v_cache.view(-1, *v_cache.shape[2:])
+    keep = slots != PAD_SLOT
+    k_flat[slots[keep]] = k[keep].to(k_cache.dtype)
+    v_flat[slots[keep]] = v[keep].to(v_cache.dtype)
+    return q
+
+
+def causal_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    page_tables: torch.Tensor,
+    q_starts: torch.Tensor,
+    kv_lens: torch.Tensor,
+    positions: torch.Tensor,
+    *,
+    scale: float,
+    sliding_window: int | None = None,
+    max_rows: int | None = None,
+) -> torch.Tensor:
+    """New rows over their sequences' paged K/V, causal by position.
+
+    ``q [R, Hq, D]`` holds the new rows of ``n`` sequences back to back: sequence ``i``'s are
+    rows ``q_starts[i] .. q_starts[i + 1] - 1`` (``q_starts [n + 1]`` int32), at ``positions
+    [R]`` int64. Sequence ``i``'s keys are positions ``0 .. kv_lens[i] - 1`` (``[n]`` int32),
+    key ``p`` in row ``p % page_size`` of page ``page_tables[i, p // page_size]`` of
+    ``k_cache``/``v_cache [num_pages, page_size, Hkv, D]`` (the new rows' own K/V already
+    written there). A row at position ``t`` sees the keys at positions ``p <= t``, and with a
+    ``sliding_window`` only those with ``t - p < sliding_window``. Query head ``h`` uses K/V
+    head ``h // (Hq / Hkv)``. Returns ``[R, Hq, D]`` in ``q``'s dtype; fp32 math.
+    ``max_rows`` (the most new rows of any sequence) sizes the kernel's grid; the reference
+    needs no bound.
+    """
+    num_rows, num_heads, _ = q.shape
+    page = k_cache.shape[1]
+    group = num_heads // k_cache.shape[2]
+    out = torch.empty_like(q)
+    for i in range(page_tables.shape[0]):
+        r0, r1 = int(q_starts[i]), int(q_starts[i + 1])
+        if r1 == r0:
+            continue
+        kv_len = int(kv_lens[i])
+        keys = torch.arange(kv_len, device=q.device)
+        slots = page_tables[i, keys // page].to(torch.int64) * page + keys % page
+        k = k_cache.reshape(-1, *k_cache.shape[2:])[slots].to(torch.float32)  # [T, Hkv, D]
+        v = v_cache.reshape(-1, *v_cache.shape[2:])[slots].to(torch.float32)
+        k = k.repeat_interleave(group, dim=1)  # [T, Hq, D]
+        v = v.repeat_interleave(group, dim=1)
+        qs = q[r0:r1].to(torch.float32)  # [r, Hq, D]
+        scores = torch.einsum("rhd,thd->hrt", qs, k) * scale
+        qp = positions[r0:r1].to(torch.int64)
+        visible = keys[None, :] <= qp[:, None]
+        if sliding_window is not None:
+            visible = visible & (qp[:, None] - keys[None, :] < sliding_window)
+        scores = scores.masked_fill(~visible[None], float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        out[r0:r1] = torch.einsum("hrt,thd->rhd", probs, v).to(q.dtype)
+    return out
 
 
 def unpack_bitmask(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
@@ -208,141 +336,6 @@ def masked_argmax(logits: torch.Tensor, bitmask: torch.Tensor | None) -> torch.T
         best = values.max()
         out[r] = ids[(values == best).nonzero()[0, 0]]
     return out
-
-
-def sample_uniforms(
-    num_rows: int, device: torch.device, generator: torch.Generator | None
-) -> torch.Tensor:
-    """The [R] fp32 uniforms in [0, 1) that every sampler here turns into a token."""
-    return torch.rand(num_rows, generator=generator, device=device, dtype=torch.float32)
-
-
-def pick_by_uniform(probs: torch.Tensor, u: float) -> int:
-    """Inverse CDF over ``probs`` [K] (in the given order): first index whose running sum
-    exceeds ``u * sum(probs)``; the last nonzero index if rounding leaves none."""
-    total = float(probs.sum())
-    running = 0.0
-    last = 0
-    for i in range(probs.shape[0]):
-        p = float(probs[i])
-        if p <= 0.0:
-            continue
-        running += p
-        last = i
-        if u * total < running:
-            return i
-    return last
-
-
-def masked_sample(
-    logits: torch.Tensor,
-    bitmask: torch.Tensor | None,
-    temperature: float,
-    top_k: int,
-    top_p: float,
-    generator: torch.Generator | None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sample one allowed token per row; return (tokens [R] int64, q_prob [R] fp32).
-
-    Distribution: softmax(logits / temperature) over allowed ids, restricted to the ``top_k``
-    most likely (0 = all), then to the smallest prefix (by probability, descending, ties to
-    the lower id) whose mass before each kept token is ``< top_p``, renormalised. ``q_prob``
-    is the chosen token's probability under that final distribution. The token is drawn by
-    inverse CDF over that same order with one uniform per row from ``sample_uniforms``.
-    ``temperature <= 0`` is greedy: masked_argmax with q_prob 1. Rows with no allowed id give
-    token -1 and q_prob 0.
-    """
-    num_rows, vocab = logits.shape
-    if temperature <= 0:
-        tokens = masked_argmax(logits, bitmask)
-        return tokens, (tokens >= 0).to(torch.float32)
-    u = sample_uniforms(num_rows, logits.device, generator)
-    allowed = (
-        torch.ones(num_rows, vocab, dtype=torch.bool, device=logits.device)
-        if bitmask is None
-        else unpack_bitmask(bitmask, vocab)
-    )
-    tokens = torch.empty(num_rows, dtype=torch.int64, device=logits.device)
-    q_prob = torch.empty(num_rows, dtype=torch.float32, device=logits.device)
-    for r in range(num_rows):
-        ids = allowed[r].nonzero()[:, 0]
-        if ids.numel() == 0:
-            tokens[r], q_prob[r] = -1, 0.0
-            continue
-        probs = torch.softmax(logits[r, ids].to(torch.float32) / temperature, dim=0)
-        order = torch.sort(probs, descending=True, stable=True).indices
-        probs, ids = probs[order], ids[order]
-        if 0 < top_k < probs.shape[0]:
-            probs, ids = probs[:top_k], ids[:top_k]
-            probs = probs / probs.sum()
-        if top_p < 1.0:
-            keep = (probs.cumsum(0) - probs) < top_p
-            probs = torch.where(keep, probs, torch.zeros_like(probs))
-            probs = probs / probs.sum()
-        i = pick_by_uniform(probs, float(u[r]))
-        tokens[r], q_prob[r] = ids[i], probs[i]
-    return tokens, q_prob
-
-
-def dynamic_conv(
-    hidden: torch.Tensor, dynamic: torch.Tensor, base: torch.Tensor, group_size: int
-) -> torch.Tensor:
-    """DFlash2 grouped dynamic causal convolution along the block, zero before its start.
-
-    hidden [n, B, H]; dynamic [n, B, K, H / group_size]; base [K, H] -> [n, B, H]:
-    ``out[s, t, h] = sum_{o < K, o <= t} (base[o, h] + dynamic[s, t, o, h // group_size])
-    * hidden[s, t - o, h]``.
-    """
-    n, length, hidden_size = hidden.shape
-    taps = base.shape[0]
-    x = hidden.to(torch.float32)
-    out = torch.zeros(n, length, hidden_size, dtype=torch.float32, device=hidden.device)
-    group_of = torch.arange(hidden_size, device=hidden.device) // group_size
-    for t in range(length):
-        for o in range(min(taps, t + 1)):
-            coeff = base[o].to(torch.float32) + dynamic[:, t, o][:, group_of].to(torch.float32)
-            out[:, t] += coeff * x[:, t - o]
-    return out.to(hidden.dtype)
-
-
-def selector_walk(
-    unary: torch.Tensor,
-    candidates: torch.Tensor,
-    hidden_proj: torch.Tensor,
-    pred_codebook: torch.Tensor,
-    succ_codebook: torch.Tensor,
-    anchor: torch.Tensor,
-    temperature: float,
-    uniforms: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """DFlash2 candidate-selector walk over P positions, left to right.
-
-    unary [n, P, K] (the top-K logits); candidates [n, P, K] int64 (their ids); hidden_proj
-    [n, P, r]; pred_codebook, succ_codebook [V, r]; anchor [n] int64 (first predecessor).
-    ``score[k] = unary[k] + sum_r pred[prev, r] * h[r] * succ[cand_k, r]``. Greedy
-    (``temperature <= 0``): argmax, ties to the lower candidate index. Sampling: ``q =
-    softmax(score / temperature)``, index by inverse CDF in candidate order with
-    ``uniforms`` [n, P]. Returns (path [n, P] int64, q [n, P, K] fp32 or None when greedy).
-    """
-    n, num_pos, k = unary.shape
-    path = torch.empty(n, num_pos, dtype=torch.int64, device=unary.device)
-    sampling = temperature > 0
-    q_all = torch.empty(n, num_pos, k, dtype=torch.float32, device=unary.device) if sampling else None
-    for s in range(n):
-        prev = int(anchor[s])
-        for p in range(num_pos):
-            pred = pred_codebook[prev].to(torch.float32) * hidden_proj[s, p].to(torch.float32)
-            succ = succ_codebook[candidates[s, p]].to(torch.float32)  # [K, r]
-            scores = unary[s, p].to(torch.float32) + succ @ pred
-            if q_all is not None and uniforms is not None:
-                q = torch.softmax(scores / temperature, dim=0)
-                q_all[s, p] = q
-                index = pick_by_uniform(q, float(uniforms[s, p]))
-            else:
-                index = int(torch.argmax(scores))
-            prev = int(candidates[s, p, index])
-            path[s, p] = prev
-    return path, q_all
 
 
 def block_inputs(

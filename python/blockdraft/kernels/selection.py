@@ -1,12 +1,11 @@
 # Triton ships no type information and @triton.jit kernels take untyped tensor/pointer
 # arguments; the host launchers below are fully annotated.
 # mypy: disable-error-code="import-untyped,untyped-decorator,no-untyped-def"
-"""Masked selection over logits: argmax (a kernel) and temperature / top-k / top-p sampling.
+"""Masked argmax over logits with a packed allowed-token bitmask.
 
 The argmax splits the vocabulary across programs when there are few rows (decode: a handful of
 rows must still fill the GPU) and reduces the per-split winners in a second tiny kernel; the
-split count is a function of shapes only. Sampling masks and scales with a kernel, then uses
-torch for the sort the top-k/top-p cut needs.
+split count is a function of shapes only, so a captured graph stays valid.
 """
 
 from __future__ import annotations
@@ -18,9 +17,7 @@ import triton
 import triton.language as tl
 
 from ._validate import FLOAT_DTYPES, check, sm_count
-from .reference import sample_uniforms
 
-_BLOCK_V = 1024
 _NO_ID = tl.constexpr(1 << 62)  # "no allowed id seen yet"; larger than any vocabulary id
 _NO_ID32 = tl.constexpr(2**31 - 1)  # the same inside the partial kernel (ids are int32 there)
 
@@ -179,28 +176,6 @@ def masked_argmax_combine_kernel(
     tl.store(out_ptr + row, tl.where(best == _NO_ID, -1, best))
 
 
-@triton.jit(do_not_specialize=["num_rows"])
-def masked_scale_kernel(
-    logits_ptr,  # [R, V] (row stride s_row, last dim contiguous)
-    bitmask_ptr,  # [R, ceil(V/32)] int32 contiguous (unused without HAS_MASK)
-    out_ptr,  # [R, V] fp32 contiguous: logits / temperature, -inf where not allowed
-    num_rows,
-    vocab,
-    num_words,
-    s_row,
-    inv_temperature,
-    HAS_MASK: tl.constexpr,
-    BLOCK_V: tl.constexpr,
-):
-    row = tl.program_id(0).to(tl.int64)
-    ids = tl.program_id(1).to(tl.int64) * BLOCK_V + tl.arange(0, BLOCK_V).to(tl.int64)
-    in_range = ids < vocab
-    x = tl.load(logits_ptr + row * s_row + ids, mask=in_range, other=0.0).to(tl.float32)
-    ok = _bits_allowed(bitmask_ptr, row, ids, in_range, num_words, HAS_MASK)
-    y = tl.where(ok, x * inv_temperature, float("-inf"))
-    tl.store(out_ptr + row * vocab + ids, y, mask=in_range)
-
-
 def _check_inputs(logits: torch.Tensor, bitmask: torch.Tensor | None) -> tuple[int, int, int]:
     check("logits", logits, shape=[None, None], dtypes=FLOAT_DTYPES, last_dim_contiguous=True)
     num_rows, vocab = logits.shape
@@ -214,9 +189,9 @@ def _check_inputs(logits: torch.Tensor, bitmask: torch.Tensor | None) -> tuple[i
 def argmax_tile(num_rows: int, vocab: int) -> tuple[int, int, int]:
     """``(mask words per tile, warps, tiles per loop step)`` of the argmax partial kernel,
     from the H200 sweeps in kernels/RESULTS.md: many rows (a batch's drafts) run best as many
-    small programs (32 words = 1024 ids, 2 warps) that load two tiles per step (run 7: 0.0638
-    -> 0.0536 ms at 512 x 151936 with a mask); a few rows (one sequence's drafts) as wide ones
-    (64 words, 8 warps, one tile per step: two measured no faster, run 7); small vocabularies
+    small programs (32 words = 1024 ids, 2 warps) that load two tiles per step (0.0638 ->
+    0.0536 ms at 512 x 151936 with a mask); a few rows (one sequence's drafts) as wide ones
+    (64 words, 8 warps, one tile per step: two measured no faster); small vocabularies
     get a tile that is not mostly padding."""
     if vocab <= 2048:
         return 16, 2, 1
@@ -286,73 +261,3 @@ def masked_argmax(
         num_warps=1,
     )
     return out
-
-
-def masked_scale(logits: torch.Tensor, bitmask: torch.Tensor | None,
-                 temperature: float) -> torch.Tensor:
-    """[R, V] -> [R, V] fp32: ``logits / temperature``, ``-inf`` where the bitmask forbids."""
-    num_rows, vocab, num_words = _check_inputs(logits, bitmask)
-    out = torch.empty((num_rows, vocab), dtype=torch.float32, device=logits.device)
-    if num_rows == 0 or vocab == 0:
-        return out
-    mask_arg = bitmask if bitmask is not None else out
-    masked_scale_kernel[(num_rows, triton.cdiv(vocab, _BLOCK_V))](
-        logits, mask_arg, out, num_rows, vocab, num_words, logits.stride(0),
-        1.0 / temperature, HAS_MASK=bitmask is not None, BLOCK_V=_BLOCK_V, num_warps=4,
-    )
-    return out
-
-
-def sample_from_scores(
-    scores: torch.Tensor, top_k: int, top_p: float, u: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Vectorised sampler behind ``masked_sample`` (torch ops, any device).
-
-    scores [R, V] fp32 (already scaled, -inf = forbidden), u [R] uniforms ->
-    (tokens [R] int64, q_prob [R] fp32) with the order and cut rules of
-    ``reference.masked_sample``.
-    """
-    num_rows, vocab = scores.shape
-    any_allowed = (~torch.isneginf(scores)).any(dim=1)
-    safe = torch.where(any_allowed[:, None], scores, torch.zeros_like(scores))
-    probs = torch.softmax(safe, dim=1)
-    probs = torch.where(torch.isneginf(scores), torch.zeros_like(probs), probs)
-    probs, order = torch.sort(probs, dim=1, descending=True, stable=True)
-    if 0 < top_k < vocab:
-        probs[:, top_k:] = 0.0
-        probs = probs / probs.sum(dim=1, keepdim=True)
-    if top_p < 1.0:
-        keep = (probs.cumsum(dim=1) - probs) < top_p
-        probs = torch.where(keep, probs, torch.zeros_like(probs))
-        probs = probs / probs.sum(dim=1, keepdim=True)
-    cdf = probs.cumsum(dim=1)
-    threshold = u[:, None] * cdf[:, -1:]
-    pick = (cdf <= threshold).sum(dim=1)
-    last_nonzero = ((probs > 0).sum(dim=1) - 1).clamp_min(0)
-    pick = torch.minimum(pick, last_nonzero)
-    tokens = order.gather(1, pick[:, None])[:, 0]
-    q_prob = probs.gather(1, pick[:, None])[:, 0]
-    tokens = torch.where(any_allowed, tokens, torch.full_like(tokens, -1))
-    q_prob = torch.where(any_allowed, q_prob, torch.zeros_like(q_prob))
-    return tokens, q_prob
-
-
-def masked_sample(
-    logits: torch.Tensor,
-    bitmask: torch.Tensor | None,
-    temperature: float,
-    top_k: int,
-    top_p: float,
-    generator: torch.Generator | None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Triton-backed sampling; same contract as ``reference.masked_sample``."""
-    if top_k < 0:
-        raise ValueError(f"top_k: must be >= 0, got {top_k}")
-    if not 0.0 < top_p <= 1.0:
-        raise ValueError(f"top_p: must be in (0, 1], got {top_p}")
-    if temperature <= 0:
-        tokens = masked_argmax(logits, bitmask)
-        return tokens, (tokens >= 0).to(torch.float32)
-    scores = masked_scale(logits, bitmask, temperature)
-    u = sample_uniforms(scores.shape[0], logits.device, generator)
-    return sample_from_scores(scores, top_k, top_p, u)

@@ -1,7 +1,7 @@
 """Reference attention of the drafter's block rows over context K/V plus the block's own K/V.
 
 Plain torch, fp32 math, masks by absolute position; the ground truth that the paged Triton
-attention is checked against. Rules (DESIGN §1):
+attention is checked against. Rules (docs/design/dflash.md, "The drafter"):
 
 * full-attention layers: every block row sees every ctx row and every block row
   (bidirectional in the block), unless the config forces ``is_causal: true``;

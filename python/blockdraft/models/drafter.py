@@ -98,7 +98,8 @@ class DFlashDrafter(nn.Module):
         self.norm = RMSNorm(h, config.rms_norm_eps, device=device, dtype=dtype)
         self.rope = Rope.from_config(config, device)
 
-    def _layer(self, i: int) -> DecoderLayer:
+    def layer(self, i: int) -> DecoderLayer:
+        """Decoder layer ``i`` (typed access to ``layers[i]``)."""
         layer = self.layers[i]
         assert isinstance(layer, DecoderLayer)
         return layer
@@ -136,7 +137,7 @@ class DFlashDrafter(nn.Module):
         """[L*2*Hkv*D, H]: every layer's ``k_proj`` then ``v_proj`` weight, stacked layer-major."""
         parts: list[Tensor] = []
         for i in range(self.config.num_layers):
-            attn = self._layer(i).self_attn
+            attn = self.layer(i).self_attn
             parts += [attn.k_proj.weight, attn.v_proj.weight]
         return torch.cat(parts, dim=0)
 
@@ -146,14 +147,14 @@ class DFlashDrafter(nn.Module):
             return None
         parts: list[Tensor] = []
         for i in range(self.config.num_layers):
-            attn = self._layer(i).self_attn
+            attn = self.layer(i).self_attn
             assert attn.k_proj.bias is not None and attn.v_proj.bias is not None
             parts += [attn.k_proj.bias, attn.v_proj.bias]
         return torch.cat(parts, dim=0)
 
     def k_norm_weights(self) -> Tensor:
         """[L, D]: every layer's ``k_norm`` weight."""
-        return torch.stack([self._layer(i).self_attn.k_norm.weight for i in range(self.config.num_layers)])
+        return torch.stack([self.layer(i).self_attn.k_norm.weight for i in range(self.config.num_layers)])
 
     def context_kv(self, fused: Tensor, positions: Tensor) -> list[tuple[Tensor, Tensor]]:
         """Per layer ``(K, V)`` of ctx rows: ``fused`` [R, H], ``positions`` [R] -> each [R, Hkv, D].
@@ -165,7 +166,7 @@ class DFlashDrafter(nn.Module):
         cos, sin = self.rope.cos_sin(positions, fused.dtype)
         out: list[tuple[Tensor, Tensor]] = []
         for i in range(c.num_layers):
-            attn = self._layer(i).self_attn
+            attn = self.layer(i).self_attn
             k: Tensor = attn.k_proj(fused)
             v: Tensor = attn.v_proj(fused)
             k = attn.k_norm(k.reshape(r, c.num_kv_heads, c.head_dim))
@@ -192,7 +193,7 @@ class DFlashDrafter(nn.Module):
             h = h * c.input_embedding_scale
         cos, sin = self.rope.cos_sin(positions, h.dtype)
         for i in range(c.num_layers):
-            layer = self._layer(i)
+            layer = self.layer(i)
             attn = layer.self_attn
             residual = h
             x: Tensor = layer.input_layernorm(h)

@@ -8,9 +8,9 @@ kernels: q/k RMSNorm + RoPE (+ the v split) in one launch, residual add + RMSNor
 (the next sub-block's input norm, or the final norm, fused into the previous residual add), and
 SwiGLU's ``silu(gate) * up`` in one launch.
 
-With ``backend="triton"`` the fused steps are the kernels of
-:mod:`blockdraft.models.fused_kernels` (fp32 math, one rounding); with ``"torch"`` they are the
-reference's own functions, so on the CPU the result equals ``DFlashDrafter.forward_block`` up to
+The fused steps are the ``add_rms_norm``, ``qk_norm_rope`` and ``silu_mul`` ops of the
+:class:`~blockdraft.kernels.KernelOps` it is given (Triton kernels, or their torch references:
+fp32 math, one rounding), so in fp32 the result equals ``DFlashDrafter.forward_block`` up to
 GEMM summation order. The stacked weights are copies: about ``L x (Hq+2Hkv)*D x H + L x 2I x H``
 extra elements (1.25 GB at qwen3-8b drafter shapes in bf16).
 
@@ -20,17 +20,12 @@ returns ``None`` for them and for any drafter that is not a :class:`DFlashDrafte
 
 from __future__ import annotations
 
-from typing import Literal
-
 import torch
 from torch import Tensor
 from torch.nn import functional as F
 
+from blockdraft.kernels import KernelOps
 from blockdraft.models.drafter import AttendFn, DFlashDrafter
-from blockdraft.models.layers import rms_norm
-from blockdraft.models.rope import apply_rope
-
-FastBackend = Literal["torch", "triton"]
 
 
 class FastDrafter:
@@ -42,11 +37,11 @@ class FastDrafter:
         gate_up_weight: per layer ``[2I, H]`` (gate rows, then up).
     """
 
-    def __init__(self, drafter: DFlashDrafter, backend: FastBackend) -> None:
+    def __init__(self, drafter: DFlashDrafter, ops: KernelOps) -> None:
         c = drafter.config
         self.drafter = drafter
         self.config = c
-        self.backend: FastBackend = backend
+        self.ops = ops
         self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
         self.qkv_weight: list[Tensor] = []
         self.qkv_bias: list[Tensor | None] = []
@@ -59,7 +54,7 @@ class FastDrafter:
         self.post_norm: list[Tensor] = []
         with torch.no_grad():
             for i in range(c.num_layers):
-                layer = drafter._layer(i)
+                layer = drafter.layer(i)
                 a = layer.self_attn
                 self.qkv_weight.append(
                     torch.cat((a.q_proj.weight, a.k_proj.weight, a.v_proj.weight), 0).contiguous()
@@ -84,58 +79,28 @@ class FastDrafter:
         self.eps = float(c.rms_norm_eps)
         self.inv_freq = drafter.rope.inv_freq.to(drafter.device, torch.float32)
         self.rope_scale = float(drafter.rope.attention_scaling)
-        self._kernels = None
-        if backend == "triton":
-            from blockdraft.models import fused_kernels
-
-            self._kernels = fused_kernels
 
     @classmethod
-    def from_drafter(cls, drafter: object, backend: FastBackend) -> FastDrafter | None:
+    def from_drafter(cls, drafter: object, ops: KernelOps) -> FastDrafter | None:
         """The fused view, or ``None`` where there is none (DFlash2, foreign drafters)."""
         if not isinstance(drafter, DFlashDrafter) or drafter.config.is_dflash2:
             return None
-        if any(drafter._layer(i).attention_conv is not None for i in range(drafter.config.num_layers)):
+        if any(drafter.layer(i).attention_conv is not None for i in range(drafter.config.num_layers)):
             return None
-        return cls(drafter, backend)
+        return cls(drafter, ops)
 
-    # ---- fused steps (Triton or the reference's torch functions) ---------------------------
+    # ---- fused steps -----------------------------------------------------------------------
 
     def add_rms_norm(self, h: Tensor, y: Tensor | None, weight: Tensor) -> tuple[Tensor, Tensor]:
         """``(h + y, rms_norm(h + y) * weight)`` over [M, H] (``y=None``: no add)."""
-        if self._kernels is not None:
-            out: tuple[Tensor, Tensor] = self._kernels.add_rms_norm(h, y, weight, self.eps)
-            return out
-        if y is not None:
-            h = h + y
-        return h, rms_norm(h, weight, self.eps)
+        return self.ops.add_rms_norm(h, y, weight, self.eps)
 
-    def qk_norm_rope(
-        self, qkv: Tensor, positions: Tensor, layer: int, cos_sin: tuple[Tensor, Tensor] | None
-    ) -> tuple[Tensor, Tensor, Tensor]:
+    def qk_norm_rope(self, qkv: Tensor, positions: Tensor, layer: int) -> tuple[Tensor, Tensor, Tensor]:
         """``qkv [M, (Hq+2Hkv)*D]``, ``positions [M]`` -> q [M,Hq,D], k, v [M,Hkv,D]."""
-        hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
-        if self._kernels is not None:
-            out: tuple[Tensor, Tensor, Tensor] = self._kernels.qk_norm_rope(
-                qkv, positions, self.q_norm[layer], self.k_norm[layer], self.inv_freq,
-                self.rope_scale, self.eps, hq, hkv,
-            )
-            return out
-        assert cos_sin is not None
-        cos, sin = cos_sin
-        m = qkv.shape[0]
-        q = rms_norm(qkv[:, : hq * d].reshape(m, hq, d), self.q_norm[layer], self.eps)
-        k = rms_norm(qkv[:, hq * d : (hq + hkv) * d].reshape(m, hkv, d), self.k_norm[layer], self.eps)
-        v = qkv[:, (hq + hkv) * d :].reshape(m, hkv, d)
-        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
-
-    def silu_mul(self, gate_up: Tensor) -> Tensor:
-        """``[M, 2I]`` -> ``silu(gate) * up`` [M, I]."""
-        if self._kernels is not None:
-            out: Tensor = self._kernels.silu_mul(gate_up)
-            return out
-        gate, up = gate_up.chunk(2, dim=-1)
-        return F.silu(gate) * up
+        return self.ops.qk_norm_rope(
+            qkv, positions, self.q_norm[layer], self.k_norm[layer], self.inv_freq,
+            self.rope_scale, self.eps, self.num_heads, self.num_kv_heads,
+        )
 
     # ---- forwards ---------------------------------------------------------------------------
 
@@ -156,22 +121,18 @@ class FastDrafter:
         if c.input_embedding_scale != 1.0:  # x * 1.0 == x: skip a pass over the rows
             h = h * c.input_embedding_scale
         flat_pos = positions.reshape(m)
-        cos_sin = None
-        if self._kernels is None:
-            cos, sin = self.drafter.rope.cos_sin(flat_pos, h.dtype)
-            cos_sin = (cos, sin)
         h, x = self.add_rms_norm(h, None, self.in_norm[0])
         for i in range(c.num_layers):
             qkv = F.linear(x, self.qkv_weight[i], self.qkv_bias[i])
-            q, k, v = self.qk_norm_rope(qkv, flat_pos, i, cos_sin)
+            q, k, v = self.qk_norm_rope(qkv, flat_pos, i)
             o = attend(i, q.view(n, b, hq, d), k.view(n, b, hkv, d), v.view(n, b, hkv, d))
             w_o, b_o = self.o_proj[i]
             y = F.linear(o.reshape(m, hq * d), w_o, b_o)
             h, x = self.add_rms_norm(h, y, self.post_norm[i])
-            y = F.linear(self.silu_mul(F.linear(x, self.gate_up_weight[i])), self.down_weight[i])
+            y = F.linear(self.ops.silu_mul(F.linear(x, self.gate_up_weight[i])), self.down_weight[i])
             nxt = self.in_norm[i + 1] if i + 1 < c.num_layers else self.final_norm
             h, x = self.add_rms_norm(h, y, nxt)
         return x.view(n, b, size)
 
 
-__all__ = ["FastDrafter", "FastBackend"]
+__all__ = ["FastDrafter"]

@@ -1,12 +1,13 @@
 # Triton ships no type information and @triton.jit kernels take untyped tensor/pointer
 # arguments; the host launchers below are fully annotated.
 # mypy: disable-error-code="import-untyped,untyped-decorator,no-untyped-def"
-"""Triton kernels of :mod:`blockdraft.models.fast`: the elementwise work around the GEMMs.
+"""Fused elementwise kernels around a decoder layer's GEMMs: residual add + RMSNorm, per-head
+q/k RMSNorm + RoPE (with the v split), SwiGLU's ``silu(gate) * up``.
 
 Each replaces a chain of small torch kernels of the reference layer (RMSNorm as pow/mean/rsqrt/
 mul, RoPE as cat/neg/mul/add, the residual add, SwiGLU's silu and mul) by one launch. Math in
-fp32, one rounding to the output dtype at the end. Imported only where Triton is available;
-:mod:`blockdraft.models.fast` has the torch equivalents.
+fp32, one rounding to the output dtype at the end. The references (same signatures) are
+``reference.add_rms_norm``, ``reference.qk_norm_rope`` and ``reference.silu_mul``.
 """
 
 from __future__ import annotations
@@ -15,9 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-
-def _pow2(x: int) -> int:
-    return 1 << max(0, (int(x) - 1).bit_length())
+from ._validate import next_pow2
 
 
 @triton.jit(do_not_specialize=["num_rows"])
@@ -61,7 +60,7 @@ def add_rms_norm(
     if rows:
         _add_rms_norm_kernel[(rows,)](
             h, y.contiguous() if y is not None else h, weight, h_out, x_out, rows, float(eps),
-            SIZE=size, BLOCK=_pow2(size), HAS_Y=y is not None, num_warps=8 if size >= 2048 else 4,
+            SIZE=size, BLOCK=next_pow2(size), HAS_Y=y is not None, num_warps=8 if size >= 2048 else 4,
         )
     return h_out, x_out
 
@@ -70,12 +69,13 @@ def add_rms_norm(
 def _qk_norm_rope_kernel(
     qkv_ptr,  # [M, (Hq + 2*Hkv) * D]
     pos_ptr,  # [M] int64
-    wq_ptr,  # [D]
-    wk_ptr,  # [D]
+    wq_ptr,  # [D] (unread without HAS_NORM)
+    wk_ptr,  # [D] (unread without HAS_NORM)
     inv_freq_ptr,  # [D/2] fp32
     q_ptr,  # [M, Hq, D]
-    k_ptr,  # [M, Hkv, D]
-    v_ptr,  # [M, Hkv, D]
+    k_ptr,  # [M, Hkv, D], or a paged cache [num_pages * page_size, Hkv, D] with HAS_SLOTS
+    v_ptr,  # as k_ptr
+    slot_ptr,  # [M] int64 destination rows of k/v (HAS_SLOTS; negative = not written)
     num_rows,
     rope_scale,
     eps,
@@ -84,6 +84,8 @@ def _qk_norm_rope_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_H: tl.constexpr,  # heads per program
     BLOCK_HALF: tl.constexpr,
+    HAS_NORM: tl.constexpr,  # per-head q/k RMSNorm (Qwen3); without it RoPE only (Llama)
+    HAS_SLOTS: tl.constexpr,  # k/v rows go to slot_ptr's rows (a paged cache), not row's
 ):
     # One program per (row, group of BLOCK_H heads), all heads of the group at once ([heads,
     # D/2] halves): the RoPE angles are computed once per program, q and k heads get RMSNorm
@@ -102,13 +104,17 @@ def _qk_norm_rope_kernel(
     is_k = (heads >= HQ) & (heads < HQ + HKV)
     is_v = heads >= HQ + HKV
     # RMSNorm per head (q, k), with that kind's weight
-    rstd = 1.0 / tl.sqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / HEAD_DIM + eps)
-    wq1 = tl.load(wq_ptr + dims, mask=dmask, other=0.0).to(tl.float32)
-    wq2 = tl.load(wq_ptr + half + dims, mask=dmask, other=0.0).to(tl.float32)
-    wk1 = tl.load(wk_ptr + dims, mask=dmask, other=0.0).to(tl.float32)
-    wk2 = tl.load(wk_ptr + half + dims, mask=dmask, other=0.0).to(tl.float32)
-    n1 = x1 * rstd[:, None] * tl.where(is_q, wq1, wk1)
-    n2 = x2 * rstd[:, None] * tl.where(is_q, wq2, wk2)
+    if HAS_NORM:
+        rstd = 1.0 / tl.sqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / HEAD_DIM + eps)
+        wq1 = tl.load(wq_ptr + dims, mask=dmask, other=0.0).to(tl.float32)
+        wq2 = tl.load(wq_ptr + half + dims, mask=dmask, other=0.0).to(tl.float32)
+        wk1 = tl.load(wk_ptr + dims, mask=dmask, other=0.0).to(tl.float32)
+        wk2 = tl.load(wk_ptr + half + dims, mask=dmask, other=0.0).to(tl.float32)
+        n1 = x1 * rstd[:, None] * tl.where(is_q, wq1, wk1)
+        n2 = x2 * rstd[:, None] * tl.where(is_q, wq2, wk2)
+    else:
+        n1 = x1
+        n2 = x2
     # rotate-half RoPE at this row's position (angles once per row)
     angle = tl.load(pos_ptr + row).to(tl.float32) * tl.load(inv_freq_ptr + dims, mask=dmask,
                                                               other=0.0)
@@ -119,44 +125,102 @@ def _qk_norm_rope_kernel(
     q_dst = q_ptr + (row * HQ + heads) * HEAD_DIM + dims
     tl.store(q_dst, o1.to(q_ptr.dtype.element_ty), mask=live & is_q)
     tl.store(q_dst + half, o2.to(q_ptr.dtype.element_ty), mask=live & is_q)
-    k_dst = k_ptr + (row * HKV + (heads - HQ)) * HEAD_DIM + dims
-    tl.store(k_dst, o1.to(k_ptr.dtype.element_ty), mask=live & is_k)
-    tl.store(k_dst + half, o2.to(k_ptr.dtype.element_ty), mask=live & is_k)
-    v_dst = v_ptr + (row * HKV + (heads - HQ - HKV)) * HEAD_DIM + dims
-    tl.store(v_dst, x1.to(v_ptr.dtype.element_ty), mask=live & is_v)
-    tl.store(v_dst + half, x2.to(v_ptr.dtype.element_ty), mask=live & is_v)
+    if HAS_SLOTS:
+        dst = tl.load(slot_ptr + row)
+        kv_live = live & (dst >= 0)
+    else:
+        dst = row
+        kv_live = live
+    k_dst = k_ptr + (dst * HKV + (heads - HQ)) * HEAD_DIM + dims
+    tl.store(k_dst, o1.to(k_ptr.dtype.element_ty), mask=kv_live & is_k)
+    tl.store(k_dst + half, o2.to(k_ptr.dtype.element_ty), mask=kv_live & is_k)
+    v_dst = v_ptr + (dst * HKV + (heads - HQ - HKV)) * HEAD_DIM + dims
+    tl.store(v_dst, x1.to(v_ptr.dtype.element_ty), mask=kv_live & is_v)
+    tl.store(v_dst + half, x2.to(v_ptr.dtype.element_ty), mask=kv_live & is_v)
+
+
+def _launch_qk_norm_rope(
+    qkv: torch.Tensor, positions: torch.Tensor, q_norm_w: torch.Tensor | None,
+    k_norm_w: torch.Tensor | None, inv_freq: torch.Tensor, rope_scale: float, eps: float,
+    num_heads: int, num_kv_heads: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    slots: torch.Tensor | None,
+) -> None:
+    if (q_norm_w is None) != (k_norm_w is None):
+        raise ValueError("q_norm_w and k_norm_w: give both or neither")
+    rows = qkv.shape[0]
+    if not rows:
+        return
+    head_dim = qkv.shape[1] // (num_heads + 2 * num_kv_heads)
+    heads = num_heads + 2 * num_kv_heads
+    # 8 heads per program: enough programs for a few rows (decode), few angle computations
+    # for many (measured on the H200: one program per head was 2.4 us per launch at 16 rows
+    # and 16 us at 512 rows; one per row 3.2 us and 6.7 us).
+    block_h = min(8, next_pow2(heads))
+    _qk_norm_rope_kernel[(rows, triton.cdiv(heads, block_h))](
+        qkv, positions.contiguous(), q_norm_w if q_norm_w is not None else inv_freq,
+        k_norm_w if k_norm_w is not None else inv_freq, inv_freq, q, k, v,
+        slots if slots is not None else positions, rows,
+        float(rope_scale), float(eps), HQ=num_heads, HKV=num_kv_heads, HEAD_DIM=head_dim,
+        BLOCK_H=block_h, BLOCK_HALF=next_pow2(head_dim // 2),
+        HAS_NORM=q_norm_w is not None, HAS_SLOTS=slots is not None, num_warps=2,
+    )
 
 
 def qk_norm_rope(
     qkv: torch.Tensor,
     positions: torch.Tensor,
-    q_norm_w: torch.Tensor,
-    k_norm_w: torch.Tensor,
+    q_norm_w: torch.Tensor | None,
+    k_norm_w: torch.Tensor | None,
     inv_freq: torch.Tensor,
     rope_scale: float,
     eps: float,
     num_heads: int,
     num_kv_heads: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``qkv [M, (Hq+2Hkv)*D]``, ``positions [M]`` int64 -> q [M, Hq, D], k, v [M, Hkv, D]."""
+    """``qkv [M, (Hq+2Hkv)*D]``, ``positions [M]`` int64 -> q [M, Hq, D], k, v [M, Hkv, D];
+    the norm weights are both given (Qwen3) or both ``None`` (no q/k norm)."""
     rows = qkv.shape[0]
     head_dim = qkv.shape[1] // (num_heads + 2 * num_kv_heads)
     qkv = qkv.contiguous()
     q = qkv.new_empty((rows, num_heads, head_dim))
     k = qkv.new_empty((rows, num_kv_heads, head_dim))
     v = qkv.new_empty((rows, num_kv_heads, head_dim))
-    if rows:
-        heads = num_heads + 2 * num_kv_heads
-        # 8 heads per program: enough programs for a few rows (decode), few angle computations
-        # for many (measured on the H200: one program per head was 2.4 us per launch at 16 rows
-        # and 16 us at 512 rows; one per row 3.2 us and 6.7 us).
-        block_h = min(8, _pow2(heads))
-        _qk_norm_rope_kernel[(rows, triton.cdiv(heads, block_h))](
-            qkv, positions.contiguous(), q_norm_w, k_norm_w, inv_freq, q, k, v, rows,
-            float(rope_scale), float(eps), HQ=num_heads, HKV=num_kv_heads, HEAD_DIM=head_dim,
-            BLOCK_H=block_h, BLOCK_HALF=_pow2(head_dim // 2), num_warps=2,
-        )
+    _launch_qk_norm_rope(qkv, positions, q_norm_w, k_norm_w, inv_freq, rope_scale, eps,
+                         num_heads, num_kv_heads, q, k, v, None)
     return q, k, v
+
+
+def qk_norm_rope_store(
+    qkv: torch.Tensor,
+    positions: torch.Tensor,
+    slots: torch.Tensor,
+    q_norm_w: torch.Tensor | None,
+    k_norm_w: torch.Tensor | None,
+    inv_freq: torch.Tensor,
+    rope_scale: float,
+    eps: float,
+    num_heads: int,
+    num_kv_heads: int,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+) -> torch.Tensor:
+    """:func:`qk_norm_rope` with K and V written into one layer's paged cache at ``slots``
+    (same contract as ``reference.qk_norm_rope_store``); one launch. Returns q."""
+    rows = qkv.shape[0]
+    head_dim = qkv.shape[1] // (num_heads + 2 * num_kv_heads)
+    for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if (cache.dim() != 4 or tuple(cache.shape[2:]) != (num_kv_heads, head_dim)
+                or not cache.is_contiguous() or cache.dtype != qkv.dtype
+                or cache.device != qkv.device):
+            raise ValueError(f"{name}: expected a contiguous [pages, page_size, {num_kv_heads}, "
+                             f"{head_dim}] {qkv.dtype} tensor on {qkv.device}")
+    if slots.shape != (rows,) or slots.dtype != torch.int64:
+        raise ValueError(f"slots: expected [{rows}] int64, got {list(slots.shape)} {slots.dtype}")
+    qkv = qkv.contiguous()
+    q = qkv.new_empty((rows, num_heads, head_dim))
+    _launch_qk_norm_rope(qkv, positions, q_norm_w, k_norm_w, inv_freq, rope_scale, eps,
+                         num_heads, num_kv_heads, q, k_cache, v_cache, slots.contiguous())
+    return q
 
 
 @triton.jit(do_not_specialize=["num_rows"])
@@ -186,4 +250,4 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return out
 
 
-__all__ = ["add_rms_norm", "qk_norm_rope", "silu_mul"]
+__all__ = ["add_rms_norm", "qk_norm_rope", "qk_norm_rope_store", "silu_mul"]
