@@ -7,6 +7,8 @@ here and on the GPU in ``tests/gpu``.
 
 from __future__ import annotations
 
+import dataclasses
+
 from typing import Any
 
 import pytest
@@ -176,17 +178,17 @@ def test_triton_batch_commit_is_one_kernel_launch(
     """A step's few rows per sequence (up to B, none cut) go in with one accumulator-kernel
     call; a batch with a cut (more rows than a window) or with more than B rows per sequence
     (a prefill) takes the per-sequence copies. Same rows either way."""
-    from blockdraft.kernels import accumulator
-
     calls: list[int] = []
-    real = accumulator.acc_append_mapped
 
     def counting(rows: Any, table: Any) -> None:
         calls.append(int(table.numel() - 2 * rows.shape[0]))  # the accumulators' addresses
         real(rows, table)
 
-    monkeypatch.setattr(accumulator, "acc_append_mapped", counting)
     batch, b_states, single, s_states = _pair(drafter, target, "triton", [20, 20, 5])
+    writer = batch.writer
+    real = writer.ops.acc_append
+    assert real is not None
+    monkeypatch.setattr(writer, "ops", dataclasses.replace(writer.ops, acc_append=counting))
     rows = torch.randn(15, K_H, generator=torch.Generator().manual_seed(1))
     # B = 4: 7 rows for 2 sequences (one launch); 12 rows > window 5 + B + 1 = 10 (a cut);
     # 11 rows for 2 sequences > 2 x B (copies)

@@ -44,7 +44,7 @@ def pair() -> tuple[Any, Any]:
 def make(pair: tuple[Any, Any], pool: BlockPool | None = None, num_blocks: int = 64) -> DFlashProposer:
     target, drafter = pair
     return DFlashProposer(
-        drafter, target, max_seq_len=48, num_blocks=num_blocks, kv_block_size=4,
+        drafter, target, max_seq_len=48, num_blocks=num_blocks, page_size=4,
         max_batch=4, backend="torch", pool=pool,
     )
 

@@ -15,6 +15,7 @@ import torch
 from tinypair import drafter_config, tiny_drafter, tiny_target
 
 from blockdraft import DFlashProposer
+from blockdraft import kernels
 from blockdraft.kernels import triton_available
 from blockdraft.models.attention import ReferenceAttend
 from blockdraft.models.fast import FastDrafter
@@ -26,7 +27,7 @@ BACKENDS = ["torch", pytest.param("triton", marks=pytest.mark.skipif(
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_fast_forward_equals_the_reference_forward_in_fp32(backend: str) -> None:
     drafter = tiny_drafter(drafter_config(block=4, layers=2))
-    fast = FastDrafter.from_drafter(drafter, backend)  # type: ignore[arg-type]
+    fast = FastDrafter.from_drafter(drafter, kernels.ops(backend))  # type: ignore[arg-type]
     assert fast is not None
     gen = torch.Generator().manual_seed(0)
     ctx = torch.randn(2, 7, 64, generator=gen)
@@ -52,14 +53,13 @@ def test_qk_norm_rope_head_groups(backend: str, heads: int, kv_heads: int, rows:
     """Head counts that do not fill the kernel's groups of 8 (12, 10 and 12 heads)."""
     drafter = tiny_drafter(drafter_config(extra={
         "num_attention_heads": heads, "num_key_value_heads": kv_heads, "head_dim": 8}))
-    ref = FastDrafter.from_drafter(drafter, "torch")
-    fast = FastDrafter.from_drafter(drafter, backend)  # type: ignore[arg-type]
+    ref = FastDrafter.from_drafter(drafter, kernels.ops("torch"))
+    fast = FastDrafter.from_drafter(drafter, kernels.ops(backend))  # type: ignore[arg-type]
     assert ref is not None and fast is not None
     gen = torch.Generator().manual_seed(heads * 10 + kv_heads)
     qkv = torch.randn(rows, (heads + 2 * kv_heads) * 8, generator=gen)
     pos = torch.randint(0, 300, (rows,), generator=gen)
-    cos_sin = drafter.rope.cos_sin(pos, qkv.dtype)
-    for got, want in zip(fast.qk_norm_rope(qkv, pos, 0, cos_sin), ref.qk_norm_rope(qkv, pos, 0, cos_sin)):
+    for got, want in zip(fast.qk_norm_rope(qkv, pos, 0), ref.qk_norm_rope(qkv, pos, 0)):
         torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5)
 
 
@@ -69,19 +69,19 @@ def test_dflash2_drafters_have_no_fused_view() -> None:
     from blockdraft.models import DFlash2Drafter
 
     drafter = DFlash2Drafter(cfg, device="cpu", dtype=torch.float32)
-    assert FastDrafter.from_drafter(drafter, "torch") is None
-    assert FastDrafter.from_drafter(object(), "torch") is None
+    assert FastDrafter.from_drafter(drafter, kernels.ops("torch")) is None
+    assert FastDrafter.from_drafter(object(), kernels.ops("torch")) is None
 
 
 def _steps(prop: DFlashProposer, eager_calls: list[int]) -> list[list[list[int]]]:
     """3 sequences: a long first commit (stored eagerly), then 1..4 rows per step (staged)."""
-    original = prop._store_ctx_kv
+    original = prop.forward.store_plans
 
     def counting(items: Any) -> None:
         eager_calls.append(len(items))
         original(items)
 
-    prop._store_ctx_kv = counting  # type: ignore[method-assign]
+    prop.forward.store_plans = counting  # type: ignore[method-assign]
     rows = torch.randn(200, 64, generator=torch.Generator().manual_seed(5))
     states = [prop.alloc_state_for(80) for _ in range(3)]
     pos = [11, 5, 17]
@@ -113,22 +113,22 @@ def test_precompute_in_the_graph_gives_the_plain_drafts(backend: str) -> None:
     drafter = tiny_drafter(drafter_config(block=4, layers=2))
 
     def make(graphs: str, be: str) -> DFlashProposer:
-        return DFlashProposer(drafter, target, max_seq_len=120, num_blocks=90, kv_block_size=4,
+        return DFlashProposer(drafter, target, max_seq_len=120, num_blocks=90, page_size=4,
                               max_batch=4, graphs=graphs, backend=be)  # type: ignore[arg-type]
 
     plain_eager: list[int] = []
     plain = _steps(make("off", "torch"), plain_eager)
     static_prop = make("static", backend)
-    runner = static_prop._graphs
-    assert runner is not None and runner.fast is not None
+    runner = static_prop.graph_runner
+    assert runner is not None and runner.forward.fused_view() is not None
     launches: list[tuple[int, int, int]] = []
-    real_launch = runner._launch
+    real_launch = runner.launch
 
     def recording(bucket: Any, n: int, cap: int) -> Any:
         launches.append((bucket.size, bucket.meta.staged, cap))
         return real_launch(bucket, n, cap)
 
-    runner._launch = recording  # type: ignore[method-assign]
+    runner.launch = recording  # type: ignore[method-assign]
     graph_eager: list[int] = []
     graph = _steps(static_prop, graph_eager)
     assert graph == plain
@@ -142,7 +142,8 @@ def test_precompute_in_the_graph_gives_the_plain_drafts(backend: str) -> None:
     assert len(plain_eager) == 8
     assert sum(graph_eager) == 3
     # The last call (step 7, n=3 -> bucket 4) staged 3 + 3 + 4 rows (commits of steps 5 and 6).
-    assert runner._slots[4].meta.staged == 10
+    bucket = runner.bucket(4)
+    assert bucket is not None and bucket.meta.staged == 10
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -154,7 +155,7 @@ def test_graph_staging_after_double_commits_and_slides(backend: str) -> None:
     drafter = tiny_drafter(drafter_config(block=4, layers=2))
 
     def run(graphs: str) -> tuple[list[list[list[int]]], int]:
-        prop = DFlashProposer(drafter, target, max_seq_len=40, num_blocks=60, kv_block_size=4,
+        prop = DFlashProposer(drafter, target, max_seq_len=40, num_blocks=60, page_size=4,
                               max_batch=2, graphs=graphs, backend=backend)  # type: ignore[arg-type]
         rows = torch.randn(400, 64, generator=torch.Generator().manual_seed(9))
         states = [prop.alloc_state_for(12), prop.alloc_state_for(30)]  # windows 17 and 35
@@ -168,7 +169,7 @@ def test_graph_staging_after_double_commits_and_slides(backend: str) -> None:
                     k = 1 + (step * 7 + i) % 3
                     prop.commit_ctx(st, rows[pos[i] : pos[i] + k], range(pos[i], pos[i] + k))
                     pos[i] += k
-                fresh = st._fresh
+                fresh = st.kept_range
                 plan_start = st.ctx.ctx_committed
                 fresh_hits += int(fresh is not None and fresh[0] == plan_start)
             got = prop.propose_batch(states, [3, 5], list(pos), 3)
@@ -178,7 +179,7 @@ def test_graph_staging_after_double_commits_and_slides(backend: str) -> None:
                 prop.after_verify(st, 0)
         for st in states:
             prop.free_state(st)
-            assert st._fresh is None
+            assert st.kept_range is None
         return out, fresh_hits
 
     plain, _ = run("off")
@@ -194,7 +195,7 @@ def test_graph_path_declining_a_wide_table_leaves_no_stale_staging(backend: str)
     next graph call: here they name slots of a freed sequence whose blocks a new sequence now
     holds, and storing them again would overwrite the new sequence's K/V with old rows.
     Drafts equal the plain path's throughout."""
-    from blockdraft.graphs import GraphRunner
+    from blockdraft.proposer import GraphRunner
 
     target = tiny_target()
     drafter = tiny_drafter(drafter_config(block=4, layers=2))
@@ -202,11 +203,11 @@ def test_graph_path_declining_a_wide_table_leaves_no_stale_staging(backend: str)
 
     def run(graphs: str) -> list[list[list[int]]]:
         # 11 blocks: a and b at their largest take 10; the pool hands a's freed ones to e
-        prop = DFlashProposer(drafter, target, max_seq_len=120, num_blocks=11, kv_block_size=4,
+        prop = DFlashProposer(drafter, target, max_seq_len=120, num_blocks=11, page_size=4,
                               max_batch=2, graphs=graphs, backend=backend)  # type: ignore[arg-type]
         if graphs == "static":
-            prop.ceiling = 16  # graphs 4 blocks wide: longer tables take the plain path
-            prop._graphs = GraphRunner(prop, "static")
+            # graphs 4 blocks wide: longer tables take the plain path
+            prop.graph_runner = GraphRunner(prop.forward, "static", ceiling=16, max_batch=2)
         st = {k: prop.alloc_state_for(100) for k in "ab"}
         pos = dict.fromkeys("abe", 0)
         out: list[list[list[int]]] = []
@@ -261,7 +262,7 @@ def test_drafts_without_autograd_whether_or_not_the_caller_has_it_on(graphs: str
     rows = torch.randn(20, 64, generator=torch.Generator().manual_seed(4))
     got = []
     for ctx in (torch.enable_grad, torch.inference_mode):
-        prop = DFlashProposer(drafter, target, max_seq_len=40, num_blocks=20, kv_block_size=4,
+        prop = DFlashProposer(drafter, target, max_seq_len=40, num_blocks=20, page_size=4,
                               graphs=graphs)  # type: ignore[arg-type]
         st = prop.alloc_state_for(20)
         with ctx():
@@ -270,7 +271,7 @@ def test_drafts_without_autograd_whether_or_not_the_caller_has_it_on(graphs: str
             prop.after_verify(st, 1)
             prop.commit_ctx(st, rows[9:11], range(9, 11))
             got.append(prop.propose(st, 4, 11, 3))
-        assert prop._k_all.grad_fn is None and not prop._k_all.requires_grad
+        assert prop.cache.k.grad_fn is None and not prop.cache.k.requires_grad
         prop.free_state(st)
     assert got[:2] == got[2:]
 
@@ -278,9 +279,9 @@ def test_drafts_without_autograd_whether_or_not_the_caller_has_it_on(graphs: str
 def test_stage_caps() -> None:
     target = tiny_target()
     drafter = tiny_drafter(drafter_config(block=8, layers=1))
-    prop = DFlashProposer(drafter, target, max_seq_len=64, num_blocks=40, kv_block_size=4,
+    prop = DFlashProposer(drafter, target, max_seq_len=64, num_blocks=40, page_size=4,
                           max_batch=4, graphs="static")
-    runner = prop._graphs
+    runner = prop.graph_runner
     assert runner is not None
     assert runner.stage_caps(1) == [1, 4, 8] and runner.stage_caps(4) == [4, 16, 32]
     assert [runner.stage_cap(4, k) for k in (0, 4, 5, 16, 17, 32)] == [4, 4, 16, 16, 32, 32]

@@ -1,7 +1,9 @@
-"""DFlashProposer: every behaviour of DESIGN §2 (torch backend, tiny random pair, CPU)."""
+"""DFlashProposer: every behaviour of the proposer contract (docs/design/dflash.md; torch backend,
+tiny random pair, CPU)."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from typing import Any
@@ -11,7 +13,7 @@ import torch
 from scorecard import expect_clear_error, score
 from tinypair import K_H, drafter_config, make_proposer, tiny_drafter, tiny_target
 
-import blockdraft.proposer as proposer_mod
+import blockdraft.proposer.proposer as proposer_mod
 from blockdraft import BlockPool, ConfigError, InvalidStateError, PoolExhaustedError
 from blockdraft.proposer import DFlashProposer, DFlashState
 
@@ -175,13 +177,13 @@ def test_propose_computes_kv_for_uncommitted_rows_only(drafter: Any, target: Any
     assert len(drafts) == prop.block_gamma - 1
     assert all(0 <= t < prop.vocab_size for t in drafts)
     assert st.ctx_committed == 6 and st.last_num_drafted == len(drafts) and st.seq_len == 7
-    assert len(st.block_table) == math.ceil(6 / prop.kv_block_size)
-    k_before = prop._k_all.clone()
+    assert len(st.block_table) == math.ceil(6 / prop.page_size)
+    k_before = prop.cache.k.clone()
     prop.commit_ctx(st, rows(2, 6), [6, 7])
     prop.propose(st, 1, 8, 1)
-    changed = (prop._k_all != k_before).any(dim=(0, 3, 4)).nonzero().tolist()
+    changed = (prop.cache.k != k_before).any(dim=(0, 3, 4)).nonzero().tolist()
     # Exactly the two new rows' slots (rows 6 and 7 of the block table) were written.
-    slots = {b * prop.kv_block_size + o for b, o in changed}
+    slots = {b * prop.page_size + o for b, o in changed}
     table = st.block_table
     assert slots == {table[r // 4] * 4 + r % 4 for r in (6, 7)}
 
@@ -344,7 +346,7 @@ def test_propose_batch_declines_leave_everything_unchanged(
     assert prop.propose_batch([a, b], [1, 2], [5, 5], 1) is None
     assert same(before, snapshot(prop, states))
     monkeypatch.undo()
-    monkeypatch.setattr(prop._ops, "ctx_kv_store", boom)
+    monkeypatch.setattr(prop.forward, "ops", dataclasses.replace(prop.forward.ops, ctx_kv_store=boom))
     assert prop.propose_batch([a, b], [1, 2], [5, 5], 1) is None
     assert same(before, snapshot(prop, states))
     score.fault_points += 2

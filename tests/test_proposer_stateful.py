@@ -20,7 +20,7 @@ import torch
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, rule
-from scorecard import score
+from scorecard import expect_clear_error, score
 from tinypair import K_H, tiny_drafter, tiny_target
 
 from blockdraft import InvalidStateError, PoolExhaustedError
@@ -38,7 +38,7 @@ class ProposerMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.prop = DFlashProposer(
-            DRAFTER, TARGET, max_seq_len=40, num_blocks=12, kv_block_size=4, max_batch=3, backend="torch"
+            DRAFTER, TARGET, max_seq_len=40, num_blocks=12, page_size=4, max_batch=3, backend="torch"
         )
         self.states: list[DFlashState] = []
         self.next_pos: dict[int, int] = {}
@@ -110,6 +110,13 @@ class ProposerMachine(RuleBasedStateMachine):
     def propose(self, s: DFlashState, nd: int, tok: int) -> None:
         pos = self.next_pos[id(s)]
         before = self._snap()
+        if s.ctx_len == 0:
+            # the lifecycle is strict: context is committed before anything is proposed
+            with expect_clear_error(InvalidStateError, "no committed context"):
+                self.prop.propose(s, tok, pos, nd)
+            assert self._snap() == before
+            score.invariant_checks += 1
+            return
         try:
             drafts = self.prop.propose(s, tok, pos, nd)
         except PoolExhaustedError:
@@ -215,7 +222,7 @@ class ProposerMachine(RuleBasedStateMachine):
             assert 0 <= s.ctx_committed <= s.ctx_len <= s.window
             pos = s.ctx_positions
             assert len(pos) == s.ctx_len and all(a < b for a, b in zip(pos, pos[1:]))
-            assert len(s.block_table) == math.ceil(s.ctx_committed / pool.block_size)
+            assert len(s.block_table) == math.ceil(s.ctx_committed / pool.page_size)
             held += s.block_table
         assert len(held) == len(set(held))  # invariant 2
         assert all(pool.is_allocated(b) for b in held)

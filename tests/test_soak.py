@@ -30,7 +30,7 @@ from scorecard import score
 from tinypair import K_H, tiny_drafter, tiny_target
 
 from blockdraft import PoolExhaustedError, faults
-from blockdraft.proposer import DFlashProposer, DFlashState, _Step
+from blockdraft.proposer import DFlashProposer, DFlashState, Proposal
 from core_checks import check_world
 
 LIVE = 8
@@ -70,24 +70,24 @@ def soak(
     target = tiny_target().to(device)
     drafter = tiny_drafter().to(device)
     prop = DFlashProposer(
-        drafter, target, max_seq_len=64, num_blocks=num_blocks, kv_block_size=4,
+        drafter, target, max_seq_len=64, num_blocks=num_blocks, page_size=4,
         max_batch=LIVE, backend=backend,  # type: ignore[arg-type]
     )
     rep = SoakReport()
     rng = random.Random(seed)
-    real_draft = prop._draft
+    real_run = prop.forward.run
     calls = [0]
 
-    def draft(step: _Step, take: int, mask: Any) -> list[list[int]]:
+    def run(proposal: Proposal, take: int, mask: Any) -> torch.Tensor:
         calls[0] += 1
         if calls[0] % real_every == 0:
-            rep.real_proposals += len(step.plans)
-            return real_draft(step, take, mask)
-        # the proposer's own confirm + note, as after a real forward
-        prop._confirm(step, take)
-        return [[(tok + 1 + j) % VOCAB for j in range(take)] for tok in step.tokens]
+            rep.real_proposals += len(proposal.plans)
+            return real_run(proposal, take, mask)
+        # drafts without the forward; the proposer confirms and notes them as after a real one
+        return torch.tensor([[(tok + 1 + j) % VOCAB for j in range(take)] for tok in proposal.tokens],
+                            dtype=torch.int64, device=device)
 
-    prop._draft = draft  # type: ignore[method-assign]
+    prop.forward.run = run  # type: ignore[method-assign]
     rows = torch.randn(64, K_H, device=device)
     live: list[Seq] = []
     sites = [s for s in faults.SITES if s != "target_forward"]

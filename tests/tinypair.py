@@ -98,7 +98,7 @@ def make_proposer(drafter: Any, target: Any, **kw: Any) -> Any:
     max_batch 4 unless given)."""
     from blockdraft.proposer import DFlashProposer
 
-    for key, value in (("max_seq_len", 256), ("num_blocks", 64), ("kv_block_size", 4),
+    for key, value in (("max_seq_len", 256), ("num_blocks", 64), ("page_size", 4),
                        ("max_batch", 4), ("backend", "torch")):
         kw.setdefault(key, value)
     return DFlashProposer(drafter, target, **kw)

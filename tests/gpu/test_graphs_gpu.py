@@ -50,12 +50,13 @@ def test_captured_graphs_give_the_plain_drafts() -> None:
     drafter = bd_bench.build_drafter(shape, dev, torch.float32)
     results = []
     for mode in ("off", "capture"):
-        prop = DFlashProposer(drafter, target, max_seq_len=1024, num_blocks=400, kv_block_size=16,
+        prop = DFlashProposer(drafter, target, max_seq_len=1024, num_blocks=400, page_size=16,
                               max_batch=8, graphs=mode)  # type: ignore[arg-type]
         results.append(_run(prop, shape, seed=5))
         if mode == "capture":
-            assert prop._graphs is not None and prop._graphs.disabled is None
-            assert prop._graphs.captures >= 2 and prop._graphs.replays >= 10
+            runner = prop.graph_runner
+            assert runner is not None and runner.disabled is None
+            assert runner.captures >= 2 and runner.replays >= 10
     assert results[0] == results[1]
 
 
@@ -75,7 +76,7 @@ def test_batch_commit_on_the_gpu_equals_single_commits(dtype: torch.dtype) -> No
     runs = []
     for batched in (False, True):
         prop = DFlashProposer(drafter, target, max_seq_len=1024, num_blocks=400,
-                              kv_block_size=16, max_batch=4, graphs="capture")
+                              page_size=16, max_batch=4, graphs="capture")
         assert prop.backend == "triton"
         states = [prop.alloc_state_for(300) for _ in firsts]
         pos = [0] * len(firsts)

@@ -12,7 +12,7 @@ bucket::
 
     meta [bucket, 3 + W + 3B] int64 on the device:
         column 0: ctx rows with K/V (the plan's row_end), 1: anchor token, 2: anchor position,
-        columns 3..3+W: the block table (W = ceil(ceiling / block_size) entries, zero padded),
+        columns 3..3+W: the block table (W = ceil(ceiling / page_size) entries, zero padded),
         then B positions, B slots and B source addresses of the staged ctx rows (staged row j
         is meta row j // B, entry j % B; unused entries have slot PAD_SLOT = -1, which the
         store skips; the layout is the Rust core's, ``blockdraft_core::step``)
@@ -24,16 +24,18 @@ bucket::
 
 A sequence commits ``accepted + 1`` (1..B) rows per step, so its plan always fits its B staged
 rows; a longer plan (a prefill, a first call) has its K/V stored eagerly before the replay.
-The drafter layers run through :class:`~blockdraft.models.fast.FastDrafter` (stacked weights,
-fused elementwise kernels) when the drafter has that view.
+The steps are those of :class:`~blockdraft.proposer.forward.DraftForward` (the plain path runs
+the same ones); the drafter layers run through its fused view (stacked weights, fused
+elementwise kernels) when the drafter has one.
 
 The host keeps a pinned copy of ``meta``, written in place by the Rust core's
 ``GraphMeta.fill`` in one call for all the sequences (:meth:`GraphRunner._fill`): per row the
 three scalars, plus the blocks a precompute plan appended (a row's whole table is rewritten
 only when the row holds another state or its table changed in some other way, e.g. after a
-slide), and the staged positions/slots. One host-to-device copy per call moves it. The states' device block tables are not made per call
-(``DFlashState.block_table_dev`` builds one from the core on access). Rows past ``n`` (bucket
-padding) have no context and their drafts are ignored. Inside the graph the ctx K/V store runs
+slide), and the staged positions/slots. One host-to-device copy per call moves it. The
+states' device block tables are not made per call (``DFlashState.block_table_dev`` builds one
+from the core on access). Rows past ``n`` (bucket padding) have no context and their drafts
+are ignored. Inside the graph the ctx K/V store runs
 on a second stream beside the first layer's input work (:meth:`GraphRunner._store_beside`).
 
 Attention splits are derived from ``W`` (shapes only), so a graph stays valid for every context
@@ -46,32 +48,18 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 import torch
 from torch import Tensor
 
 from blockdraft import faults
-from blockdraft._core import ConfigError, GraphMeta
-from blockdraft.models.fast import FastDrafter
-
-if TYPE_CHECKING:
-    from blockdraft.proposer import DFlashProposer
+from blockdraft._core import GraphMeta
+from blockdraft.cuda_graphs import capture, default_buckets
+from blockdraft.proposer.forward import DraftForward
+from blockdraft.proposer.state import Proposal
 
 log = logging.getLogger(__name__)
-
-GraphMode = Literal["auto", "capture", "static", "off"]
-
-
-def default_buckets(max_batch: int) -> list[int]:
-    """Powers of two below ``max_batch``, and ``max_batch`` itself."""
-    out = [1]
-    while out[-1] * 2 < max_batch:
-        out.append(out[-1] * 2)
-    if out[-1] != max_batch:
-        out.append(max_batch)
-    return out
-
 
 class _Bucket:
     """Static buffers (and, when capturing, the graph) for up to ``size`` sequences."""
@@ -80,7 +68,7 @@ class _Bucket:
         self,
         size: int,
         width: int,
-        gamma: int,
+        block_size: int,
         row_width: int,
         dtype: torch.dtype,
         device: torch.device,
@@ -88,56 +76,66 @@ class _Bucket:
         mask_id: int,
     ):
         self.size = size
-        cols = GraphMeta.layout(width, gamma)[4]
+        cols = GraphMeta.layout(width, block_size)[4]
         self.host = torch.zeros((size, cols), dtype=torch.int64, pin_memory=pin)
         # The core's writer of `host` (it sets the initial contents: mask anchors, no slots),
         # with its mirror of which state each row holds.
-        self.meta = GraphMeta(self.host, width, gamma, mask_id, row_width * dtype.itemsize)
+        self.meta = GraphMeta(self.host, width, block_size, mask_id, row_width * dtype.itemsize)
         self.dev = torch.zeros((size, cols), dtype=torch.int64, device=device)
-        self.stage = torch.zeros((size * gamma, row_width), dtype=dtype, device=device)
+        self.stage = torch.zeros((size * block_size, row_width), dtype=dtype, device=device)
         # Per staging capacity (see GraphRunner.stage_caps): the captured graph and its output.
         self.graphs: dict[int, Any] = {}
         self.outs: dict[int, Tensor] = {}
 
 
 class GraphRunner:
-    """Static-buffer draft forward for a :class:`~blockdraft.DFlashProposer` (greedy DFlash).
+    """Static-buffer draft forward (greedy DFlash, no grammar mask) of one proposer.
 
     Args:
-        prop: the proposer (its drafter, target parts, caches and kernels are used in place).
+        forward: the proposer's draft forward (its drafter, target head, cache and kernels
+            are used in place).
         mode: ``"capture"`` records a CUDA graph per bucket on first use and replays it;
             ``"static"`` runs the same buffers eagerly (any device).
+        ceiling: the proposer's window ceiling (the block tables' width follows from it).
+        max_batch: the most sequences one call takes.
         buckets: batch sizes with their own buffers (default: :func:`default_buckets`).
+
+    Attributes:
+        captures / replays: graphs recorded and replayed so far.
+        disabled: why the runner stopped taking calls (a failed capture), or ``None``.
     """
 
     def __init__(
         self,
-        prop: DFlashProposer,
+        forward: DraftForward,
         mode: Literal["capture", "static"],
+        *,
+        ceiling: int,
+        max_batch: int,
         buckets: Sequence[int] | None = None,
     ) -> None:
-        self.prop = prop
+        self.forward = forward
         self.mode = mode
-        self.width = max(1, math.ceil(prop.ceiling / prop.kv_block_size))
-        self.buckets = sorted(set(buckets or default_buckets(prop.max_batch)))
+        spec = forward.spec
+        self.block_size = spec.block_size
+        self.width = max(1, math.ceil(ceiling / forward.cache.page_size))
+        self.buckets = sorted(set(buckets or default_buckets(max_batch)))
         self._slots: dict[int, _Bucket] = {}
         self._pool: Any = None
         self.captures = 0
         self.replays = 0
         self.disabled: str | None = None
         self._store_stream: Any = None  # the ctx K/V store's stream (CUDA only)
-        self.gamma = prop.gamma
         # staged rows per sequence with a graph of their own, ascending (see stage_caps)
-        self._stage_per = (1, min(4, self.gamma), self.gamma)
+        self._stage_per = (1, min(4, self.block_size), self.block_size)
         # the metadata's columns (the core's layout)
         self._table_col, self._pos_col, self._slot_col, self._src_col, _ = GraphMeta.layout(
-            self.width, self.gamma
+            self.width, self.block_size
         )
-        # On Triton the replay gathers the staged accumulator rows itself, by the addresses
-        # the core writes into the metadata; elsewhere the host copies them into `stage`.
-        self.gather = prop.backend == "triton"
-        # The fused view of the drafter (stacked weights); None keeps the drafter's own forward.
-        self.fast: FastDrafter | None = FastDrafter.from_drafter(prop.drafter, prop.backend)
+        # Where the backend gathers the staged accumulator rows itself (Triton), the replay
+        # does, by the addresses the core writes into the metadata; elsewhere the host copies
+        # them into `stage`.
+        self.gather = forward.ops.stage_gather is not None
 
     # ------------------------------------------------------------------ public
 
@@ -149,38 +147,42 @@ class GraphRunner:
         return None
 
     def accepts(self, n: int) -> bool:
+        """Whether a call for ``n`` sequences can take this path."""
         return self.disabled is None and self.bucket_for(n) is not None
 
-    def draft(self, step: Any) -> Tensor | None:
+    def bucket(self, size: int) -> _Bucket | None:
+        """The buffers of bucket ``size`` once a call used them (``None`` before)."""
+        return self._slots.get(size)
+
+    def draft(self, proposal: Proposal) -> Tensor | None:
         """Drafts ``[n, B-1]`` int64 on the device for the prepared sequences, or ``None`` when
         this call must take the plain path (a table wider than the graphs' width).
 
-        ``step`` is the proposer's ``_Step``; its precompute plans are outstanding
-        and their K/V is not stored yet: when this returns drafts it has stored it (plans of at
-        most B rows inside the graph, longer ones eagerly first); when it returns ``None`` it
-        has stored nothing and the caller stores and drafts on the plain path. Call it under
-        ``torch.no_grad()`` (the proposer's ``_draft`` does).
+        The proposal's precompute plans are outstanding and their K/V is not stored yet: when
+        this returns drafts it has stored it (plans of at most B rows inside the graph,
+        longer ones eagerly first); when it returns ``None`` it has stored nothing and the
+        caller stores and drafts on the plain path. Call it under ``torch.no_grad()``.
         """
-        n = len(step.plans)
+        n = len(proposal.plans)
         size = self.bucket_for(n)
         if size is None or self.disabled is not None:
             return None
         bucket = self._slots.get(size)
         if bucket is None:
-            prop = self.prop
+            fwd = self.forward
             bucket = _Bucket(
-                size, self.width, self.gamma, prop.ctx_row_width, prop.dtype, prop.device,
-                self.mode == "capture", prop.mask_token_id,
+                size, self.width, self.block_size, fwd.spec.ctx_row_width, fwd.dtype,
+                fwd.device, self.mode == "capture", fwd.spec.mask_token_id,
             )
             self._slots[size] = bucket
-        staged = self._fill(bucket, step)
+        staged = self._fill(bucket, proposal)
         if staged is None:
             return None
         if faults._ACTIVE is not None:
             # The graph replaces the eager forward: the same fault site covers it.
             faults.hit("forward")
         bucket.dev.copy_(bucket.host, non_blocking=True)
-        return self._launch(bucket, n, self.stage_cap(bucket.size, staged))
+        return self.launch(bucket, n, self.stage_cap(bucket.size, staged))
 
     def stage_caps(self, size: int) -> list[int]:
         """The staging capacities (ctx rows whose K/V one call stores) with a graph of their
@@ -196,7 +198,7 @@ class GraphRunner:
                 return per * size
         raise AssertionError(f"{staged} staged rows exceed the bucket's {size} x B")
 
-    def _launch(self, bucket: _Bucket, n: int, cap: int) -> Tensor | None:
+    def launch(self, bucket: _Bucket, n: int, cap: int) -> Tensor | None:
         """The device work of one call on the filled buffers, storing ``cap`` staged rows'
         K/V: replay (capturing on first use) or, in static mode, the eager forward. ``None``:
         capture failed, graphs are off."""
@@ -209,7 +211,7 @@ class GraphRunner:
             except Exception as exc:  # noqa: BLE001 - fall back to the plain path for good
                 self.disabled = f"CUDA graph capture failed: {exc}"
                 log.warning("DFlash proposer: %s; using the eager path", self.disabled)
-                torch.cuda.synchronize(self.prop.device)
+                torch.cuda.synchronize(self.forward.device)
                 return None
         graph.replay()
         self.replays += 1
@@ -217,30 +219,30 @@ class GraphRunner:
 
     # ------------------------------------------------------------------ internals
 
-    def _fill(self, bucket: _Bucket, step: Any) -> int | None:
+    def _fill(self, bucket: _Bucket, proposal: Proposal) -> int | None:
         """Write the call into the bucket's buffers; returns the number of staged rows, or
         ``None`` when a block table is wider than the graphs (nothing stored then).
 
-        The core writes ``meta`` (:class:`~blockdraft._core.GraphMeta`). On Triton it also
-        writes where each staged row lies and the replay gathers them; elsewhere the staged
-        plans' accumulator rows go to ``stage`` here, in one copy. Plans longer than B rows
-        are stored eagerly here instead. This is the per-sequence host work of a graph-path
-        call: one core call (and off Triton one list of row views)."""
-        states = step.states
-        bases = [st._addr for st in states] if self.gather else None
-        got = bucket.meta.fill(step.plans, step.tokens, step.positions, bases)
+        The core writes ``meta`` (:class:`~blockdraft._core.GraphMeta`). With the in-graph
+        gather it also writes where each staged row lies; elsewhere the staged plans'
+        accumulator rows go to ``stage`` here, in one copy. Plans longer than B rows are
+        stored eagerly here instead. This is the per-sequence host work of a graph-path
+        call: one core call (and without the gather one list of row views)."""
+        states = proposal.states
+        bases = [st.acc_address for st in states] if self.gather else None
+        got = bucket.meta.fill(proposal.plans, proposal.tokens, proposal.positions, bases)
         if got is None:
             return None
         staged, eager, staged_rows = got
         if eager:
-            self.prop._store_ctx_kv([(states[i], step.plans[i]) for i in eager])
+            self.forward.store_plans([(states[i], proposal.plans[i]) for i in eager])
         if not staged:
             return 0
         if faults._ACTIVE is not None:
             faults.hit("kv_cache")
         if self.gather:
             return int(staged)
-        rows = [_rows(states[i], start, end) for i, start, end in staged_rows]
+        rows = [states[i].rows(start, end) for i, start, end in staged_rows]
         if len(rows) > 1:
             torch.cat(rows, 0, out=bucket.stage[:staged])
         else:
@@ -249,46 +251,39 @@ class GraphRunner:
 
     def _forward(self, meta: Tensor, stage: Tensor, cap: int) -> Tensor:
         """meta [m, 3 + W + 3B], stage [m*B, k*H] -> drafts [m, B-1] int64 (the plain path's
-        math, fixed shapes): the first ``cap`` staged rows' ctx K/V into the paged cache (staged
-        row j is meta row j // B, entry j % B), then the draft."""
-        prop = self.prop
-        m, b = meta.shape[0], prop.gamma
-        fast = self.fast
+        steps, fixed shapes): the first ``cap`` staged rows' ctx K/V into the paged cache
+        (staged row j is meta row j // B, entry j % B), then the draft."""
+        fwd = self.forward
+        m, b = meta.shape[0], self.block_size
         pc, sc = self._pos_col, self._slot_col
+        stage_gather = fwd.ops.stage_gather
 
         def store() -> None:
-            if self.gather:
-                from blockdraft.kernels.accumulator import stage_gather
-
+            if stage_gather is not None:
                 stage_gather(meta, sc, self._src_col, b, stage[:cap])
-            prop._write_ctx_kv(
+            fwd.write_ctx_kv(
                 stage[:cap],
                 meta[:, pc : pc + b].reshape(-1)[:cap],
                 meta[:, sc : sc + b].reshape(-1)[:cap],
-                fast.fuse_context if fast is not None else prop.drafter.fuse_context,
+                fused=True,
             )
 
         # On CUDA the ctx K/V store runs on a second stream: nothing before the first layer's
         # attention reads the paged cache, so the drafter's inputs, first norm and q/k/v GEMM
         # run beside it, and the first attention waits for it.
         joined = self._store_beside(meta.device, store)
-        ctx_lens, block_tables, embeds, q_pos = prop._ops.block_inputs(
-            meta, self._table_col, self.width, prop._embed, prop.mask_token_id, b, prop.dtype
-        )
-        paged = prop._paged_attend(block_tables, ctx_lens, q_pos, fault_hooks=False)
+        ctx_lens, block_tables, embeds, q_pos = fwd.block_inputs(meta, self._table_col, self.width)
+        paged = fwd.attention(block_tables, ctx_lens, q_pos, fault_hooks=False)
 
         def attend(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
             if layer == 0:
                 joined()
             return paged(layer, q, k, v)
 
-        forward_block = fast.forward_block if fast is not None else prop.drafter.forward_block
-        hidden = forward_block(embeds, q_pos, attend)  # [m, B, H]
+        hidden = fwd.layers(embeds, q_pos, attend, fused=True)  # [m, B, H]
         joined()  # joined even if no layer attended (a repeated wait is a no-op)
-        rows = hidden[:, 1:].reshape(m * (b - 1), prop.hidden_size)
-        logits = prop.drafter.logits(rows, prop._lm_head)  # [m*(B-1), V]
-        picked: Tensor = prop._ops.masked_argmax(logits, None).view(m, b - 1)
-        return picked
+        rows = hidden[:, 1:].reshape(m * (b - 1), fwd.spec.hidden_size)
+        return fwd.greedy(rows).view(m, b - 1)
 
     def _store_beside(self, device: torch.device, store: Callable[[], None]) -> Callable[[], None]:
         """Run ``store`` on the store stream (CUDA) or right away (elsewhere); returns what
@@ -308,19 +303,10 @@ class GraphRunner:
         return lambda: main.wait_event(done)
 
     def _capture(self, bucket: _Bucket, cap: int) -> Any:
-        device = self.prop.device
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
-        # Warm up on a side stream (Triton compiles, cuBLAS picks its kernels), then record.
-        side = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
-        side.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                self._forward(bucket.dev, bucket.stage, cap)
-        torch.cuda.current_stream(device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            out = self._forward(bucket.dev, bucket.stage, cap)
+        graph, out = capture(lambda: self._forward(bucket.dev, bucket.stage, cap),
+                             self.forward.device, self._pool)
         bucket.graphs[cap] = graph
         bucket.outs[cap] = out
         self.captures += 1
@@ -331,28 +317,4 @@ class GraphRunner:
         return graph
 
 
-def _rows(state: Any, start: int, end: int) -> Tensor:
-    """Accumulator rows ``[start, end)`` of a proposer state: the view its last ``commit_ctx``
-    kept when that is the range, else a new one."""
-    fresh = state._fresh
-    if fresh is not None and fresh[0] == start and fresh[1] == end:
-        view: Tensor = fresh[2]
-        return view
-    view = state.acc[start:end]
-    return view
-
-
-def resolve_mode(mode: str, device: torch.device) -> Literal["capture", "static"] | None:
-    """``"auto"``: capture on CUDA, nothing elsewhere; ``"off"``: nothing."""
-    if mode not in ("auto", "capture", "static", "off"):
-        raise ConfigError(f"graphs must be 'auto', 'capture', 'static' or 'off', not {mode!r}")
-    if mode == "off":
-        return None
-    if mode == "auto":
-        return "capture" if device.type == "cuda" else None
-    if mode == "capture" and device.type != "cuda":
-        raise ConfigError("graphs='capture' needs a CUDA device")
-    return "static" if mode == "static" else "capture"
-
-
-__all__ = ["GraphMode", "GraphRunner", "default_buckets", "resolve_mode"]
+__all__ = ["GraphRunner"]

@@ -1,0 +1,21 @@
+"""The DFlash proposer (the contract class :class:`DFlashProposer`) and its parts.
+
+| module | concept |
+| --- | --- |
+| ``proposer`` | the contract: states, commit, propose, verify, free |
+| ``state`` | one sequence's state (:class:`DFlashState`) and one proposal over many |
+| ``spec`` | what is read from the drafter and the target, checked |
+| ``cache`` | the paged drafter K/V of the pool |
+| ``commit`` | verified rows into the accumulators, as the core plans |
+| ``forward`` | the draft forward (:class:`DraftForward`), shared by both paths |
+| ``graphs`` | its CUDA-graph replay (:class:`GraphRunner`) |
+"""
+
+from __future__ import annotations
+
+from blockdraft.proposer.forward import DraftForward
+from blockdraft.proposer.graphs import GraphRunner
+from blockdraft.proposer.proposer import DFlashProposer
+from blockdraft.proposer.state import DFlashState, Proposal
+
+__all__ = ["DFlashProposer", "DFlashState", "DraftForward", "GraphRunner", "Proposal"]

@@ -1,0 +1,277 @@
+"""The draft forward: one proposal's device work, from the paged context to the drafts.
+
+Steps, each a public method so that the plain path (:meth:`DraftForward.run`) and the graph
+runner (:mod:`blockdraft.proposer.graphs`, which replays the same steps over static buffers)
+compose the same pieces:
+
+1. :meth:`~DraftForward.store_plans` / :meth:`~DraftForward.write_ctx_kv`: the ctx rows of the
+   outstanding plans -> ``fc`` + ``hidden_norm`` -> one GEMM for every layer's K/V -> the paged
+   store (``k_norm`` + RoPE) of all layers in one launch;
+2. :meth:`~DraftForward.embed_blocks` (or :meth:`~DraftForward.block_inputs` from the graph
+   metadata): ``[anchor, MASK x (B-1)]`` embedded with the target's table, and positions;
+3. :meth:`~DraftForward.layers` with :meth:`~DraftForward.attention`: the drafter layers, each
+   attending over the sequence's paged ctx K/V plus the block's own K/V;
+4. :meth:`~DraftForward.pick`: the target ``lm_head`` and the drafts (masked argmax, or
+   DFlash2's candidate selector).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import Tensor
+from torch.nn import functional as F
+
+from blockdraft import faults
+from blockdraft._core import PrecomputePlan
+from blockdraft.kernels import KernelOps
+from blockdraft.kernels.reference import embed_blocks, unpack_bitmask
+from blockdraft.models.drafter import AttendFn, DFlashDrafter
+from blockdraft.models.fast import FastDrafter
+from blockdraft.proposer.cache import DrafterCache
+from blockdraft.proposer.spec import DraftSpec, TargetHead
+from blockdraft.proposer.state import DFlashState, Proposal
+from blockdraft.sampling import SamplingParams, target_probs
+
+
+class DraftForward:
+    """The draft forward of one proposer (its drafter, target head, paged cache and kernels).
+
+    Args:
+        drafter: the DFlash / DFlash2 drafter (its ``forward_block``, ``fuse_context``,
+            ``logits`` and, for DFlash2, ``draft``).
+        spec / head: what the proposer read from the drafter and the target.
+        cache: the paged ctx K/V the store writes and the attention reads.
+        ops: the kernels of the proposer's backend.
+        dtype / device: of the cache and the accumulators.
+    """
+
+    def __init__(
+        self,
+        drafter: DFlashDrafter,
+        spec: DraftSpec,
+        head: TargetHead,
+        cache: DrafterCache,
+        ops: KernelOps,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        self.drafter = drafter
+        self.spec = spec
+        self.head = head
+        self.cache = cache
+        self.ops = ops
+        self.dtype = dtype
+        self.device = device
+        self._kv_weight = drafter.ctx_kv_weight()
+        self._kv_bias = drafter.ctx_kv_bias()
+        self._k_norm_w = drafter.k_norm_weights()
+        self._inv_freq = drafter.rope.inv_freq.to(device=device, dtype=torch.float32)
+        self._rope_scale = float(drafter.rope.attention_scaling)
+        self._fused: FastDrafter | None = None
+        self._fused_made = False
+        self.last_q: Tensor | None = None
+        """The draft distribution ``[n, take, V]`` of the last sampled :meth:`run`."""
+
+    # ------------------------------------------------------------------ 1. ctx K/V
+
+    def write_ctx_kv(
+        self, ctx: Tensor, positions: Tensor, slots: Tensor, *, fused: bool = False
+    ) -> None:
+        """ctx rows ``[R, k*H]`` at ``positions`` / ``slots`` ``[R]`` int64 -> fc + hidden_norm
+        (the fused view's with ``fused``) -> one GEMM for every layer's K/V -> the paged store
+        of all layers in one launch (``PAD_SLOT`` rows skipped)."""
+        view = self.fused_view() if fused else None
+        fuse = view.fuse_context if view is not None else self.drafter.fuse_context
+        spec = self.spec
+        kv = F.linear(fuse(ctx), self._kv_weight, self._kv_bias).view(
+            -1, spec.num_layers, 2, spec.num_kv_heads, spec.head_dim
+        )
+        c = self.cache
+        self.ops.ctx_kv_store(
+            kv, positions, slots, self._k_norm_w, self._inv_freq, self._rope_scale, spec.eps,
+            c.k, c.v, c.slot_pos,
+        )
+
+    @torch.no_grad()
+    def store_plans(self, items: Sequence[tuple[DFlashState, PrecomputePlan]]) -> None:
+        """The K/V of every plan's rows ``[row_start, row_end)`` (of its state's accumulator)
+        into the plan's slots: one GEMM and one store launch for all of them."""
+        rows: list[Tensor] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        for state, plan in items:
+            if plan.row_end > plan.row_start:
+                assert state.acc is not None
+                rows.append(state.acc[plan.row_start : plan.row_end])
+                positions.extend(plan.positions)
+                slots.extend(plan.slots)
+        if not rows:
+            return
+        ctx = torch.cat(rows, 0) if len(rows) > 1 else rows[0]
+        if faults._ACTIVE is not None:
+            faults.hit("kv_cache")
+        self.write_ctx_kv(
+            ctx.to(self.dtype),
+            torch.tensor(positions, dtype=torch.int64, device=self.device),
+            torch.tensor(slots, dtype=torch.int64, device=self.device),
+        )
+
+    # ------------------------------------------------------------------ 2. block inputs
+
+    def embed_blocks(self, anchors: Tensor, starts: Tensor) -> tuple[Tensor, Tensor]:
+        """Anchors and start positions ``[n]`` -> the blocks ``[anchor, MASK x (B-1)]``
+        embedded with the target's table ``[n, B, H]`` and their positions ``[n, B]``. Raw
+        target embeddings: the drafter applies ``input_embedding_scale`` itself."""
+        spec = self.spec
+        return embed_blocks(
+            anchors, starts, self.head.embed, spec.mask_token_id, spec.block_size, self.dtype
+        )
+
+    def block_inputs(
+        self, meta: Tensor, table_col: int, width: int
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """The graph metadata ``[m, C]`` -> ``(ctx lens [m] int32, block tables [m, width]
+        int32, embedded blocks [m, B, H], positions [m, B])`` (one kernel on Triton)."""
+        spec = self.spec
+        return self.ops.block_inputs(
+            meta, table_col, width, self.head.embed, spec.mask_token_id, spec.block_size,
+            self.dtype,
+        )
+
+    # ------------------------------------------------------------------ 3. layers
+
+    def attention(
+        self, block_tables: Tensor, ctx_lens: Tensor, q_pos: Tensor, *, fault_hooks: bool = True
+    ) -> AttendFn:
+        """The drafter's ``attend``: block queries over each sequence's paged ctx K/V
+        (``block_tables [n, W]`` int32, ``ctx_lens [n]`` int32 rows with K/V) plus the block's
+        own K/V. ``fault_hooks=False`` for code captured in a CUDA graph, where a hook would
+        only run at capture time."""
+        spec, cache, attend_op = self.spec, self.cache, self.ops.block_attention
+
+        def attend(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+            if fault_hooks and faults._ACTIVE is not None:
+                faults.hit("attention")
+            return attend_op(
+                q, k, v, cache.k_layers[layer], cache.v_layers[layer], block_tables, ctx_lens,
+                q_pos, cache.slot_pos, scale=spec.scale,
+                sliding_window=spec.layer_window[layer], causal_block=spec.layer_causal[layer],
+            )
+
+        return attend
+
+    def fused_view(self) -> FastDrafter | None:
+        """The drafter's fused view (stacked weights, fused elementwise kernels), made on first
+        use; ``None`` for drafters without one (DFlash2)."""
+        if not self._fused_made:
+            self._fused = FastDrafter.from_drafter(self.drafter, self.ops)
+            self._fused_made = True
+        return self._fused
+
+    def layers(self, embeds: Tensor, q_pos: Tensor, attend: AttendFn, *, fused: bool = False) -> Tensor:
+        """The drafter layers over ``n`` blocks: ``embeds [n, B, H]``, ``q_pos [n, B]`` ->
+        ``[n, B, H]`` after the final norm; ``fused`` runs the fused view where there is one."""
+        view = self.fused_view() if fused else None
+        forward_block: Callable[[Tensor, Tensor, AttendFn], Tensor] = (
+            view.forward_block if view is not None else self.drafter.forward_block
+        )
+        return forward_block(embeds, q_pos, attend)
+
+    # ------------------------------------------------------------------ 4. drafts
+
+    def greedy(self, rows: Tensor, bitmask: Tensor | None = None) -> Tensor:
+        """Hidden rows ``[R, H]`` -> the target head -> masked argmax ``[R]`` int64 (-1 where
+        the bitmask ``[R, ceil(V/32)]`` allows nothing)."""
+        logits = self.drafter.logits(rows, self.head.lm_head)
+        out: Tensor = self.ops.masked_argmax(logits, bitmask)
+        return out
+
+    def pick(self, hidden: Tensor, anchors: Tensor, take: int, mask: Tensor | None) -> Tensor:
+        """``hidden [n, B, H]`` -> the first ``take`` drafts ``[n, take]`` int64; ``mask``
+        ``[take, ceil(V/32)]`` packed allowed tokens per draft (the same for every sequence).
+        -1 marks a draft with nothing allowed, which ends that sequence's drafts."""
+        n = hidden.shape[0]
+        if self.spec.is_dflash2:
+            # The selector walks all B-1 rows left to right; keep the first `take`.
+            draft = self.drafter.draft(hidden[:, 1:], anchors, self.head.lm_head)
+            picked: Tensor = draft.tokens[:, :take]
+            if mask is not None:
+                allowed = unpack_bitmask(mask, self.head.vocab_size)
+                ok = allowed.gather(1, picked[0][:, None])[:, 0]
+                # A disallowed draft ends the band: later drafts would condition on it.
+                picked = torch.where(ok.to(torch.int64).cumprod(0).bool()[None], picked, -1)
+            return picked
+        rows = hidden[:, 1 : 1 + take].reshape(n * take, self.spec.hidden_size)
+        bits = mask.repeat(n, 1) if mask is not None else None
+        return self.greedy(rows, bits).view(n, take)
+
+    def sample(
+        self, hidden: Tensor, anchors: Tensor, take: int, params: SamplingParams,
+        generator: torch.Generator | None,
+    ) -> tuple[Tensor, Tensor]:
+        """``hidden [n, B, H]`` -> ``take`` drafts per sequence sampled from the drafter's
+        distribution, and that distribution ``q [n, take, V]`` fp32 (each draft's, given the
+        drafts before it): the drafter's logits through ``params`` (temperature, top-k,
+        top-p) for DFlash; DFlash2's selector walk samples among its candidates."""
+        n = hidden.shape[0]
+        vocab = self.head.vocab_size
+        if self.spec.is_dflash2:
+            draft = self.drafter.draft(hidden[:, 1:], anchors, self.head.lm_head,
+                                       temperature=params.temperature, generator=generator)
+            assert draft.q is not None and draft.candidates is not None
+            q = torch.zeros((n, draft.q.shape[1], vocab), dtype=torch.float32, device=hidden.device)
+            q.scatter_(2, draft.candidates, draft.q)
+            return draft.tokens[:, :take], q[:, :take]
+        rows = hidden[:, 1 : 1 + take].reshape(n * take, self.spec.hidden_size)
+        logits = self.drafter.logits(rows, self.head.lm_head)
+        q = target_probs(logits, params.temperature, params.top_p, params.top_k)
+        if generator is not None and generator.device != q.device:
+            # a host generator (the usual kind) draws on the host
+            tokens = torch.multinomial(q.cpu(), 1, generator=generator)[:, 0].to(q.device)
+        else:
+            tokens = torch.multinomial(q, 1, generator=generator)[:, 0]
+        return tokens.view(n, take), q.view(n, take, vocab)
+
+    # ------------------------------------------------------------------ the plain path
+
+    def run(
+        self, proposal: Proposal, take: int, mask: Tensor | None,
+        sampling: tuple[SamplingParams, torch.Generator | None] | None = None,
+    ) -> Tensor:
+        """The whole forward of ``proposal`` on the plain path: store its plans' K/V, draft.
+        Returns ``[n, take]`` int64 drafts (see :meth:`pick`); with ``sampling`` ``(params,
+        generator)`` the drafts are sampled (:meth:`sample`) and their distribution is kept
+        in :attr:`last_q`. Every plan stays outstanding (the caller confirms or aborts
+        them)."""
+        n = len(proposal.plans)
+        self.store_plans(list(zip(proposal.states, proposal.plans)))
+        tables = [ctx.block_table + plan.new_blocks for ctx, plan in zip(proposal.ctxs, proposal.plans)]
+        width = max(1, max(len(t) for t in tables))
+        if faults._ACTIVE is not None:
+            faults.hit("block_table_dev")
+        block_tables = torch.zeros((n, width), dtype=torch.int32)
+        for i, t in enumerate(tables):
+            if t:
+                block_tables[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
+        block_tables = block_tables.to(self.device)
+        ctx_lens = torch.tensor(
+            [plan.row_end for plan in proposal.plans], dtype=torch.int32, device=self.device
+        )
+        anchors = torch.tensor(proposal.tokens, dtype=torch.int64, device=self.device)
+        starts = torch.tensor(proposal.positions, dtype=torch.int64, device=self.device)
+        embeds, q_pos = self.embed_blocks(anchors, starts)
+        attend = self.attention(block_tables, ctx_lens, q_pos)
+        if faults._ACTIVE is not None:
+            faults.hit("forward")
+        hidden = self.layers(embeds, q_pos, attend)  # [n, B, H]
+        if faults._ACTIVE is not None:
+            faults.hit("logits")
+        if sampling is not None:
+            tokens, self.last_q = self.sample(hidden, anchors, take, sampling[0], sampling[1])
+            return tokens
+        return self.pick(hidden, anchors, take, mask)
+
+
+__all__ = ["DraftForward"]

@@ -1,0 +1,619 @@
+"""The DFlash proposer: the contract a serving engine calls.
+
+The Rust core (:mod:`blockdraft._core`) decides every piece of bookkeeping (which pool blocks a
+sequence holds, which context rows it keeps and at which positions, how many rows have K/V in
+the paged cache, whether a batch is accepted, whose state it is and whether it is live); the
+parts of this package own the tensors and move them according to the core's plans:
+
+* ``commit_ctx`` / ``commit_ctx_batch``: ``plan_appends`` -> :class:`ContextWriter` (slides,
+  accumulator copies) -> ``AppendBatch.apply``;
+* ``propose`` / ``propose_batch``: ``plan_proposals`` (every anchor checked, every sequence's
+  K/V planned, all or nothing) -> :class:`DraftForward` (or its replay,
+  :class:`GraphRunner`) -> ``confirm_proposals``. Any failure before the confirm aborts the
+  plans, which gives the blocks back and leaves every state as it was.
+
+Each entry point makes one core call per phase for all its sequences, so the per-sequence host
+work of a step is a few list comprehensions.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any, Literal
+
+import torch
+from torch import Tensor
+
+from blockdraft import _core, faults, kernels
+from blockdraft._core import BlockPool, ConfigError, ContextState, InvalidStateError
+from blockdraft.levers import Levers, read_levers
+from blockdraft.proposer.cache import DrafterCache
+from blockdraft.proposer.commit import ContextWriter, as_positions, check_rows
+from blockdraft.proposer.forward import DraftForward
+from blockdraft.cuda_graphs import GraphMode, resolve_mode
+from blockdraft.proposer.graphs import GraphRunner
+from blockdraft.proposer.spec import DraftSpec, TargetHead
+from blockdraft.proposer.state import DFlashState, Proposal
+from blockdraft.sampling import SamplingParams
+
+log = logging.getLogger(__name__)
+
+BackendName = Literal["auto", "torch", "triton"]
+
+_owner_ids = itertools.count(1)
+# The window-cap notice is once per process: it is about the server's sizing, not about any
+# one sequence.
+_cap_logged = False
+
+
+class DFlashProposer:
+    """Drafts blocks of tokens for many sequences with a DFlash drafter.
+
+    Args:
+        drafter: a loaded DFlash / DFlash2 drafter (:func:`blockdraft.load_drafter`).
+        target: the target model (a Hugging Face causal LM or a
+            :class:`~blockdraft.TargetAdapter`); only its input embeddings, ``lm_head`` and
+            config are used.
+        max_seq_len: the longest sequence the target serves; with the context cap it bounds
+            each state's window. Default: the target config's ``max_position_embeddings``.
+        num_blocks: paged K/V blocks in the pool. ``None`` sizes the pool to
+            ``pool_memory_fraction`` of free device memory, at most what ``max_batch`` full
+            windows need.
+        pool_memory_fraction: fraction of free memory for the pool when ``num_blocks`` is None.
+        page_size: tokens per paged K/V block.
+        max_batch: the most sequences one ``propose_batch`` accepts.
+        backend: "triton", "torch", or "auto" (Triton on CUDA, torch elsewhere).
+        device: where the K/V cache and accumulators live (default: the drafter's device).
+        dtype: K/V cache and accumulator dtype (default: the drafter's dtype).
+        pool: share an existing :class:`~blockdraft.BlockPool` (its sizes win).
+        batched_path: allow the batched ``propose_batch`` path at all.
+        graphs: the steady-state draft forward (greedy DFlash, no grammar mask) through a
+            :class:`GraphRunner`: ``"auto"`` captures CUDA graphs per batch-size bucket on CUDA
+            and runs the plain path elsewhere; ``"capture"``, ``"static"`` (the graph path's
+            buffers, run eagerly) or ``"off"`` force one.
+        levers: the proposer's levers (:class:`~blockdraft.Levers`); default: read from the
+            ``BLOCKDRAFT_DFLASH_*`` environment variables.
+
+    Raises:
+        ConfigError: a bad lever, backend or ``graphs`` mode (``"capture"`` off CUDA too), a
+            drafter that does not fit the target, or no ``max_seq_len`` and a target without
+            ``max_position_embeddings``.
+        ValueError: non-positive sizes.
+    """
+
+    def __init__(
+        self,
+        drafter: Any,
+        target: Any,
+        *,
+        max_seq_len: int | None = None,
+        num_blocks: int | None = None,
+        pool_memory_fraction: float = 0.25,
+        page_size: int = 16,
+        max_batch: int = 16,
+        backend: BackendName = "auto",
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+        pool: BlockPool | None = None,
+        batched_path: bool = True,
+        graphs: GraphMode = "auto",
+        levers: Levers | None = None,
+    ) -> None:
+        self.spec = spec = DraftSpec.from_drafter(drafter)
+        self.head = head = TargetHead.from_target(target)
+        head.check_fits(spec)
+        if max_seq_len is None:
+            if head.max_positions is None:
+                raise ConfigError(
+                    "max_seq_len not given and the target config has no max_position_embeddings"
+                )
+            max_seq_len = head.max_positions
+        for name, value in (("max_seq_len", max_seq_len), ("max_batch", max_batch),
+                            ("page_size", page_size)):
+            if value < 1:
+                raise ValueError(f"{name} must be >= 1, not {value}")
+        if not 0.0 < pool_memory_fraction <= 1.0:
+            raise ValueError(f"pool_memory_fraction must be in (0, 1], not {pool_memory_fraction}")
+        if levers is not None and not isinstance(levers, Levers):
+            raise TypeError(f"levers must be a blockdraft.Levers, not {type(levers).__name__}")
+        self.levers: Levers = levers if levers is not None else read_levers()
+        self.drafter = drafter
+        self.target = target
+        first = next(iter(drafter.parameters()), None)
+        self.device = torch.device(
+            device if device is not None else (first.device if first is not None else "cpu")
+        )
+        self.dtype = dtype if dtype is not None else (first.dtype if first is not None else torch.float32)
+        self.backend: kernels.Backend = kernels.resolve_backend(backend, self.device)
+        ops = kernels.ops(self.backend)
+        self.max_seq_len = max_seq_len
+        self.max_batch = max_batch
+        self._batched_path = batched_path
+        self.ceiling = _core.ctx_ceiling(max_seq_len, self.levers.ctx_cap)
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        self.ctx_slot_bytes = spec.ctx_row_width * elem
+        if pool is None:
+            if num_blocks is None:
+                num_blocks = DrafterCache.default_num_blocks(
+                    spec, page_size, elem, windows=max_batch, window=self.ceiling,
+                    fraction=pool_memory_fraction, device=self.device,
+                )
+            pool = BlockPool(num_blocks, page_size)
+        self.pool = pool
+        self.cache = DrafterCache(pool, spec, self.dtype, self.device)
+        self.forward = DraftForward(drafter, spec, head, self.cache, ops, self.dtype, self.device)
+        self.writer = ContextWriter(ops, spec.block_size)
+        self._owner = next(_owner_ids)
+        mode = resolve_mode(graphs, self.device)
+        self._graphs: GraphRunner | None = (
+            GraphRunner(self.forward, mode, ceiling=self.ceiling, max_batch=max_batch)
+            if mode is not None else None
+        )
+        self._graphs_paused = False
+
+    # ------------------------------------------------------------------ properties
+
+    @property
+    def block_gamma(self) -> int:
+        """The drafter's block size B (anchor + B-1 drafts)."""
+        return self.spec.block_size
+
+    @property
+    def block_size(self) -> int:
+        """The drafter's block size B (the same as :attr:`block_gamma`)."""
+        return self.spec.block_size
+
+    @property
+    def page_size(self) -> int:
+        """Tokens per paged K/V block of the pool."""
+        return self.pool.page_size
+
+    @property
+    def owner_id(self) -> int:
+        """Tag carried by every state this proposer makes."""
+        return self._owner
+
+    @property
+    def target_layer_ids(self) -> list[int]:
+        """The target layers whose outputs form a ctx row, in row order."""
+        return list(self.spec.target_layer_ids)
+
+    @property
+    def ctx_row_width(self) -> int:
+        """``k * H``: values per ctx row (``hidden_rows`` is ``[R, ctx_row_width]``)."""
+        return self.spec.ctx_row_width
+
+    @property
+    def vocab_size(self) -> int:
+        """V, the target head's vocabulary (drafts and bitmasks cover it)."""
+        return self.head.vocab_size
+
+    @property
+    def graph_runner(self) -> GraphRunner | None:
+        """The graph path, when ``graphs`` turned it on (``None`` otherwise). Assign a
+        :class:`GraphRunner` over this proposer's :attr:`forward` to replace it (e.g. with
+        other buckets or a narrower width), or ``None`` to turn the graph path off."""
+        return self._graphs
+
+    @graph_runner.setter
+    def graph_runner(self, runner: GraphRunner | None) -> None:
+        if runner is not None and runner.forward is not self.forward:
+            raise ValueError("the graph runner must run this proposer's forward")
+        self._graphs = runner
+
+    @contextlib.contextmanager
+    def eager(self) -> Iterator[None]:
+        """Inside the block, proposals take the plain path even where graphs are on (to time
+        or check one against the other)."""
+        before, self._graphs_paused = self._graphs_paused, True
+        try:
+            yield
+        finally:
+            self._graphs_paused = before
+
+    # ------------------------------------------------------------------ states
+
+    def alloc_state(self) -> DFlashState:
+        """A fresh state whose window is the ceiling (``max_seq_len`` bounded by the cap)."""
+        return self._alloc(None)
+
+    def alloc_state_for(self, budget_tokens: int) -> DFlashState:
+        """A fresh state whose window is ``min(ceiling, budget_tokens + B + 1)``.
+
+        Args:
+            budget_tokens: prompt plus max new tokens (>= 0).
+
+        Raises:
+            TypeError / ValueError: a budget that is not an int, or negative.
+        """
+        if isinstance(budget_tokens, bool) or not isinstance(budget_tokens, int):
+            raise TypeError(f"budget_tokens must be an int, not {type(budget_tokens).__name__}")
+        if budget_tokens < 0:
+            raise ValueError(f"budget_tokens must be >= 0, not {budget_tokens}")
+        return self._alloc(budget_tokens)
+
+    def _alloc(self, budget: int | None) -> DFlashState:
+        global _cap_logged
+        window = _core.ctx_window(self.max_seq_len, self.block_size, budget, self.levers.ctx_cap)
+        if self.ceiling < self.max_seq_len and not _cap_logged:
+            _cap_logged = True
+            mib = 1024 * 1024
+            log.info(
+                "DFlash ctx window capped to %d of max_seq_len %d (%d MB/seq instead of %d MB): "
+                "the accumulator is per sequence, so the uncapped size is what runs out of "
+                "memory at high concurrency and long context. Override with "
+                "BLOCKDRAFT_DFLASH_CTX_CAP=<tokens> (0 = uncapped).",
+                self.ceiling,
+                self.max_seq_len,
+                self.ceiling * self.ctx_slot_bytes // mib,
+                self.max_seq_len * self.ctx_slot_bytes // mib,
+            )
+        # Zeroed so that no earlier allocation's data is visible through a fresh state.
+        if faults._ACTIVE is not None:
+            faults.hit("accumulator")
+        acc = torch.zeros((window, self.ctx_row_width), dtype=self.dtype, device=self.device)
+        return DFlashState(ContextState(self.pool, window, self._owner), acc)
+
+    def free_state(self, st: object) -> None:
+        """Give back every block and the accumulator; reset every counter. Idempotent.
+
+        A state of another kind is ignored; a DFlash state of another proposer is an error.
+
+        Raises:
+            InvalidStateError: a state of another proposer.
+        """
+        if not isinstance(st, DFlashState):
+            return
+        st.ctx.free(self._owner)
+        st.release()
+
+    def _ctxs(self, states: Sequence[object], what: str) -> list[ContextState]:
+        """The core states of ``states``; the core checks their owner, liveness and that none
+        repeats. A non-state raises ``InvalidStateError``."""
+        ctxs = [st.ctx for st in states if type(st) is DFlashState]
+        if len(ctxs) != len(states):
+            ctxs = []
+            for st in states:
+                if not isinstance(st, DFlashState):
+                    raise InvalidStateError(
+                        f"{what}: not a DFlash proposer state ({type(st).__name__})"
+                    )
+                ctxs.append(st.ctx)
+        return ctxs
+
+    # ------------------------------------------------------------------ commit
+
+    def commit_ctx(
+        self, st: DFlashState, hidden_rows: Tensor, positions: Sequence[int] | Tensor | Iterable[int]
+    ) -> None:
+        """Append verified target context rows; slides the window when it is full.
+
+        Args:
+            st: a live state of this proposer.
+            hidden_rows: ``[R, k*H]`` concatenated target hidden states of the selected layers.
+            positions: ``R`` strictly increasing token positions, after the last one committed.
+                When ``R`` exceeds the window only the newest ``window`` rows are kept.
+
+        Raises:
+            InvalidStateError: a foreign or freed state.
+            TypeError / ValueError: bad rows or positions (nothing changed).
+        """
+        ctxs = self._ctxs([st], "commit_ctx")
+        check_rows(hidden_rows, self.ctx_row_width, self.device)
+        pos = as_positions(positions)
+        if len(pos) != hidden_rows.shape[0]:
+            raise ValueError(f"{hidden_rows.shape[0]} rows but {len(pos)} positions")
+        if not len(pos):
+            raise ValueError("positions must not be empty")
+        batch = _core.plan_appends("commit_ctx", ctxs, [pos], self._owner)
+        self.writer.write([st], batch, hidden_rows)
+
+    def commit_ctx_batch(
+        self,
+        states: Sequence[DFlashState],
+        hidden_rows: Tensor,
+        positions: Sequence[Sequence[int] | Tensor | Iterable[int]],
+    ) -> None:
+        """:meth:`commit_ctx` for many sequences at once, as a serving step has them after one
+        verify forward: one core call plans every append, and one copy launch (the
+        accumulator kernel on the Triton backend) writes all the rows.
+
+        Args:
+            states: distinct live states of this proposer.
+            hidden_rows: ``[sum R_i, k*H]``: the rows of ``states[0]``, then ``states[1]``, ...
+            positions: per state its ``R_i`` positions (the rules of :meth:`commit_ctx`; a
+                state may get 0 rows). When ``R_i`` exceeds a window only its newest rows are
+                kept.
+
+        All or nothing: every state is checked and planned before any accumulator is
+        touched, so an error leaves every state as it was.
+
+        Raises:
+            InvalidStateError: a foreign or freed state.
+            TypeError / ValueError: bad rows or positions, a state given twice, or row counts
+                that do not add up to ``hidden_rows`` (nothing changed).
+        """
+        ctxs = self._ctxs(states, "commit_ctx_batch")
+        if len(positions) != len(ctxs):
+            raise ValueError(f"{len(ctxs)} states but {len(positions)} position lists")
+        check_rows(hidden_rows, self.ctx_row_width, self.device)
+        lists = [as_positions(p) for p in positions]
+        batch = _core.plan_appends("commit_ctx_batch", ctxs, lists, self._owner)
+        if batch.n_rows != hidden_rows.shape[0]:
+            raise ValueError(f"{hidden_rows.shape[0]} rows but {batch.n_rows} positions in all")
+        self.writer.write(states, batch, hidden_rows)
+
+    # ------------------------------------------------------------------ propose
+
+    def propose(
+        self,
+        st: DFlashState,
+        last_token: int,
+        position: int,
+        num_drafts: int,
+        grammar_bitmask: Tensor | Sequence[int] | None = None,
+    ) -> list[int]:
+        """Draft up to ``num_drafts`` tokens following ``last_token`` at ``position``.
+
+        Args:
+            st: a live state of this proposer with committed context.
+            last_token: the anchor (last verified token).
+            position: the anchor's position; drafts predict ``position + 1 ...``.
+            num_drafts: ``1 .. B-1`` (the draft-cap lever may return fewer).
+            grammar_bitmask: packed int32 allowed-token bits, ``[ceil(V/32)]`` for every draft
+                or ``[num_drafts, ceil(V/32)]`` per draft; masked-out tokens are never drafted.
+
+        Returns:
+            The drafts (``min(num_drafts, draft_cap)`` tokens).
+
+        Raises:
+            InvalidStateError: a foreign or freed state, or one with no committed context.
+            ValueError: bad token, position, ``num_drafts`` or bitmask (nothing changed).
+            PoolExhaustedError: no blocks for the new context K/V (nothing changed).
+        """
+        ctxs = self._ctxs([st], "propose")
+        take = self._num_take(num_drafts)
+        mask = self._bitmask(grammar_bitmask, take) if grammar_bitmask is not None else None
+        proposal = self._plan("propose", [st], ctxs, [last_token], [position])
+        try:
+            tokens = self._draft(proposal, take, mask)
+        except BaseException:
+            proposal.abort()
+            raise
+        return tokens[0]
+
+    def propose_sampled(
+        self,
+        states: Sequence[DFlashState],
+        last_tokens: Sequence[int],
+        positions: Sequence[int],
+        num_drafts: int,
+        params: SamplingParams,
+        generator: torch.Generator | None = None,
+    ) -> tuple[list[list[int]], Tensor]:
+        """Drafts sampled from the drafter's distribution, for lossless rejection sampling at
+        ``params.temperature > 0``: one forward over the ``n`` states (``n >= 1``, the rules of
+        :meth:`propose_batch` for the arguments, but it raises instead of declining).
+
+        Returns:
+            ``n`` lists of ``min(num_drafts, draft_cap)`` drafts, and their distribution ``q
+            [n, take, V]`` fp32 on the proposer's device (``q[i, j]``: what draft ``j`` of
+            sequence ``i`` was drawn from, given the drafts before it).
+
+        Raises:
+            InvalidStateError / ValueError / PoolExhaustedError: as :meth:`propose` (nothing
+                changed).
+        """
+        if params.greedy:
+            raise ValueError("propose_sampled needs temperature > 0 (greedy drafts: propose)")
+        ctxs = self._ctxs(states, "propose_sampled")
+        if not ctxs or len(last_tokens) != len(ctxs) or len(positions) != len(ctxs):
+            raise ValueError(
+                f"propose_sampled: {len(ctxs)} states, {len(last_tokens)} tokens and "
+                f"{len(positions)} positions (at least one of each, as many of each)"
+            )
+        take = self._num_take(num_drafts)
+        proposal = self._plan("propose_sampled", list(states), ctxs, last_tokens, positions)
+        try:
+            if torch.is_grad_enabled():
+                with torch.no_grad():
+                    picked = self.forward.run(proposal, take, None, (params, generator))
+            else:
+                picked = self.forward.run(proposal, take, None, (params, generator))
+            q = self.forward.last_q
+            assert q is not None
+            drafts: list[list[int]] = picked.tolist()
+            proposal.confirm(take)
+        except BaseException:
+            proposal.abort()
+            raise
+        return drafts, q
+
+    def propose_batch_max(self) -> int:
+        """1 without the batched path or with ``BLOCKDRAFT_DFLASH_BATCH_PROPOSE`` < 2, else that
+        width capped at ``max_batch``."""
+        return _core.propose_batch_max(self._batched_path, self.levers.batch_propose, self.max_batch)
+
+    def propose_batch(
+        self,
+        states: Sequence[DFlashState],
+        last_tokens: Sequence[int],
+        positions: Sequence[int],
+        num_drafts: int,
+    ) -> list[list[int]] | None:
+        """Draft for ``n`` sequences in one drafter forward over ``n * B`` rows.
+
+        Returns ``None`` (never raises) to decline; the caller then uses ``propose`` per
+        sequence. A declined call leaves the pool and every state as they were, except that with
+        the batched precompute off, the sequences already prepared keep their (valid) ctx K/V.
+
+        Returns:
+            ``n`` lists of at most ``min(num_drafts, draft_cap)`` drafts, or ``None``.
+        """
+        try:
+            n = len(last_tokens)
+            reason = _core.batch_decline_reason(
+                n,
+                self.max_batch,
+                self._batched_path and self.levers.batch_propose >= 2,
+                len(positions),
+                len(states),
+            )
+        except Exception as exc:  # noqa: BLE001 - declining is the contract
+            reason = f"bad arguments: {exc}"
+        if reason is not None:
+            log.debug("DFlash propose_batch declined: %s", reason)
+            return None
+        proposal: Proposal | None = None
+        try:
+            take = self._num_take(num_drafts)
+            ctxs = self._ctxs(states, "propose_batch")
+            if not self.levers.batched_precompute:
+                self._precompute_each(list(states), ctxs, last_tokens, positions)
+            proposal = self._plan("propose_batch", list(states), ctxs, last_tokens, positions)
+            return self._draft(proposal, take, None)
+        except Exception as exc:  # noqa: BLE001 - declining is the contract
+            if proposal is not None:
+                proposal.abort()
+            log.warning("DFlash batched propose: %s - per-sequence path", exc)
+            return None
+        except BaseException:
+            if proposal is not None:
+                proposal.abort()
+            raise
+
+    def _plan(
+        self,
+        what: str,
+        states: list[DFlashState],
+        ctxs: list[ContextState],
+        tokens: Sequence[int],
+        positions: Sequence[int],
+    ) -> Proposal:
+        """Check every anchor and state and plan every sequence's ctx K/V (all or nothing: on
+        an error no plan is outstanding)."""
+        args = (what, ctxs, tokens, positions, self.head.vocab_in, self._owner)
+        fail_at = faults.hits("pool_blocks", len(ctxs)) if faults._ACTIVE is not None else None
+        # `fail_at` exists in test builds only (faults cannot be armed in a release build).
+        plans = (_core.plan_proposals(*args) if fail_at is None
+                 else _core.plan_proposals(*args, fail_at))
+        return Proposal(states, ctxs, list(tokens), list(positions), plans)
+
+    def _precompute_each(
+        self,
+        states: list[DFlashState],
+        ctxs: list[ContextState],
+        tokens: Sequence[int],
+        positions: Sequence[int],
+    ) -> None:
+        """The batched precompute lever off: once every anchor is checked and every plan made,
+        each sequence's ctx K/V is stored (one GEMM each) and its plan confirmed by itself, so a
+        failure part way leaves the sequences before it with valid K/V (the draft then plans
+        again: empty plans for them)."""
+        proposal = self._plan("propose_batch", states, ctxs, tokens, positions)
+        try:
+            for st, plan in zip(proposal.states, proposal.plans):
+                self.forward.store_plans([(st, plan)])
+                st.ctx.confirm_precompute(plan)
+        except BaseException:
+            proposal.abort()
+            raise
+
+    def _draft(self, proposal: Proposal, take: int, mask: Tensor | None) -> list[list[int]]:
+        """Run the proposal's forward (graph path where it applies), pick drafts, confirm the
+        plans. Returns ``take`` drafts per sequence, fewer where a draft had nothing allowed.
+        Raises on any failure with every plan still outstanding (the caller aborts them).
+
+        Enters ``no_grad`` only when gradients are on: callers such as the engine already run
+        under ``inference_mode``, and the context costs µs."""
+        if torch.is_grad_enabled():
+            with torch.no_grad():
+                return self._draft_nograd(proposal, take, mask)
+        return self._draft_nograd(proposal, take, mask)
+
+    def _draft_nograd(self, proposal: Proposal, take: int, mask: Tensor | None) -> list[list[int]]:
+        n = len(proposal.plans)
+        runner = self._graphs
+        if (runner is not None and not self._graphs_paused and mask is None
+                and not self.spec.is_dflash2 and runner.accepts(n)):
+            # The graph path stores the outstanding ctx K/V itself; None: it stored nothing.
+            got = runner.draft(proposal)
+            if got is not None:
+                if got.shape[0] != n:
+                    raise RuntimeError(f"the graph path returned {got.shape[0]} rows for {n} sequences")
+                # Confirmed while the replay runs, before `tolist` waits for it: the K/V is
+                # stored by work already launched, and every host-side failure point lies
+                # before the launch. (A CUDA error surfacing at the wait leaves the plans
+                # confirmed; the device context is unusable after one anyway, and aborting a
+                # confirmed plan is a no-op.) At n = 32 this takes the confirms off the call's
+                # critical path.
+                proposal.confirm(take)
+                rows: list[list[int]] = (got if take == got.shape[1] else got[:, :take]).tolist()
+                return rows
+        picked = self.forward.run(proposal, take, mask)  # [n, take]
+        anchors = torch.tensor(proposal.tokens, dtype=torch.int64, device=picked.device)
+        # Row 0 (the anchor) is never a draft; the core's band split drops it.
+        band = torch.cat([anchors[:, None], picked], 1).reshape(-1).tolist()
+        bands = _core.split_bands(band, n, take + 1, True, take)
+        if bands is None:
+            raise RuntimeError(f"the drafter forward returned fewer than {n * (take + 1)} rows")
+        # A row with no allowed token (-1 from masked_argmax) ends that sequence's drafts.
+        bands = [d[: d.index(-1)] if -1 in d else d for d in bands]
+        proposal.confirm([len(d) for d in bands])
+        return bands
+
+    # ------------------------------------------------------------------ verify
+
+    def after_verify(self, st: DFlashState, num_accepted: int) -> None:
+        """Record the verification of the last proposal (resets ``last_num_drafted``).
+
+        Raises:
+            InvalidStateError: a state of another proposer (or kind), or a freed one.
+            ValueError: more accepted than drafted.
+        """
+        _core.verify_all("after_verify", self._ctxs([st], "after_verify"), [num_accepted], self._owner)
+
+    def after_verify_batch(self, states: Sequence[DFlashState], num_accepted: Sequence[int]) -> None:
+        """:meth:`after_verify` for many states in one core call (a serving step's verify).
+
+        Raises:
+            InvalidStateError: a foreign or freed state (the states before it are recorded).
+            TypeError / ValueError: a count that is not an int, negative, or more than the
+                state's drafts; a state given twice; lengths that differ.
+        """
+        _core.verify_all(
+            "after_verify_batch", self._ctxs(states, "after_verify_batch"), num_accepted, self._owner
+        )
+
+    # ------------------------------------------------------------------ internals
+
+    def _num_take(self, num_drafts: int) -> int:
+        if isinstance(num_drafts, bool) or not isinstance(num_drafts, int):
+            raise TypeError(f"num_drafts must be an int, not {type(num_drafts).__name__}")
+        if not 1 <= num_drafts <= self.block_size - 1:
+            raise ValueError(f"num_drafts must be in 1..{self.block_size - 1}, not {num_drafts}")
+        cap = self.levers.draft_cap
+        return num_drafts if cap is None else min(num_drafts, cap)
+
+    def _bitmask(self, mask: Tensor | Sequence[int], rows: int) -> Tensor:
+        words = (self.vocab_size + 31) // 32
+        t = mask if isinstance(mask, Tensor) else torch.tensor(list(mask), dtype=torch.int64)
+        if t.is_floating_point() or t.dtype == torch.bool:
+            raise ValueError(f"grammar_bitmask must hold packed int32 words, not {t.dtype}")
+        if t.dtype != torch.int32:
+            # Accept unsigned-looking words (bit 31 set) given as Python ints.
+            t = torch.where(t >= 2**31, t - 2**32, t).to(torch.int32)
+        if t.dim() == 1:
+            t = t.unsqueeze(0).expand(rows, -1)
+        if t.dim() != 2 or t.shape[1] != words or t.shape[0] < rows:
+            raise ValueError(
+                f"grammar_bitmask must be [{words}] or [{rows}, {words}] packed int32, "
+                f"not {list(t.shape)}"
+            )
+        return t[:rows].to(self.device).contiguous()
+
+
+__all__ = ["DFlashProposer"]

@@ -1,0 +1,155 @@
+"""One sequence's proposer state, and one proposal over many of them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from blockdraft import _core
+from blockdraft._core import ContextState, PrecomputePlan
+
+
+class DFlashState:
+    """One sequence's proposer state: core bookkeeping + accumulator + device block table.
+
+    Attributes:
+        ctx: the core's :class:`~blockdraft.core.ContextState` (window, positions, blocks, counters).
+        acc: the context accumulator ``[window, k*H]`` (zeroed at allocation; ``None`` once
+            freed).
+        acc_address: the accumulator's device address (the batched append and the graph
+            path's gather reach it by address; read once, since every step needs it).
+
+    The read-only properties (``window``, ``ctx_len``, ``ctx_committed``, ``ctx_positions``,
+    ``block_table``, ``seq_len``, ``prefill_done``, ``last_num_drafted``,
+    ``last_num_accepted``, ``freed``, ``owner``) are the same-named getters of ``ctx``.
+    """
+
+    __slots__ = ("_fresh", "_table", "acc", "acc_address", "ctx")
+
+    def __init__(self, ctx: ContextState, acc: Tensor) -> None:
+        self.ctx = ctx
+        self.acc: Tensor | None = acc
+        self.acc_address = acc.data_ptr()
+        # (first row, end row, view of acc) of the last commit: the rows a proposal usually
+        # stages next (a different plan range means it does not apply).
+        self._fresh: tuple[int, int, Tensor] | None = None
+        # (core version, device table): the last table made by `block_table_dev`.
+        self._table: tuple[int, Tensor] | None = None
+
+    def rows(self, start: int, end: int) -> Tensor:
+        """Accumulator rows ``[start, end)``: the view the last commit kept when that is the
+        range (no new view on a step's hot path), else a new one."""
+        fresh = self._fresh
+        if fresh is not None and fresh[0] == start and fresh[1] == end:
+            return fresh[2]
+        assert self.acc is not None
+        return self.acc[start:end]
+
+    @property
+    def kept_range(self) -> tuple[int, int] | None:
+        """The accumulator row range ``[start, end)`` whose view the last commit kept."""
+        fresh = self._fresh
+        return None if fresh is None else (fresh[0], fresh[1])
+
+    def keep_rows(self, start: int, end: int, view: Tensor) -> None:
+        """Remember ``view`` as accumulator rows ``[start, end)`` (see :meth:`rows`)."""
+        self._fresh = (start, end, view)
+
+    def release(self) -> None:
+        """Drop the tensors (the core state is freed by the proposer)."""
+        self.acc = None
+        self._fresh = None
+        self._table = None
+
+    @property
+    def block_table_dev(self) -> Tensor | None:
+        """The block table on the device ``[num_blocks]`` int32 (``None`` before the first
+        proposal and after free), made from the core's table when it changed since the last
+        access: no proposal makes one per sequence."""
+        # `prefill_done`: a proposal was confirmed since allocation (free resets it)
+        if self.acc is None or not self.ctx.prefill_done:
+            return None
+        version = self.ctx.version
+        if self._table is None or self._table[0] != version:
+            table = torch.tensor(self.ctx.block_table, dtype=torch.int32, device=self.acc.device)
+            self._table = (version, table)
+        return self._table[1]
+
+    @property
+    def owner(self) -> int:
+        return self.ctx.owner
+
+    @property
+    def window(self) -> int:
+        return self.ctx.window
+
+    @property
+    def ctx_len(self) -> int:
+        return self.ctx.ctx_len
+
+    @property
+    def ctx_committed(self) -> int:
+        return self.ctx.ctx_committed
+
+    @property
+    def ctx_positions(self) -> list[int]:
+        return self.ctx.ctx_positions
+
+    @property
+    def block_table(self) -> list[int]:
+        return self.ctx.block_table
+
+    @property
+    def seq_len(self) -> int:
+        return self.ctx.seq_len
+
+    @property
+    def prefill_done(self) -> bool:
+        return self.ctx.prefill_done
+
+    @property
+    def last_num_drafted(self) -> int:
+        return self.ctx.last_num_drafted
+
+    @property
+    def last_num_accepted(self) -> int:
+        return self.ctx.last_num_accepted
+
+    @property
+    def freed(self) -> bool:
+        return self.ctx.freed
+
+    def __repr__(self) -> str:
+        return (
+            f"DFlashState(window={self.window}, ctx_len={self.ctx_len}, "
+            f"ctx_committed={self.ctx_committed}, blocks={self.ctx.num_blocks}, "
+            f"freed={self.freed})"
+        )
+
+
+@dataclass(slots=True)
+class Proposal:
+    """One proposal over ``n`` sequences, as parallel lists: the states (and their core
+    states), anchors and their positions, and the outstanding K/V plans from
+    ``plan_proposals`` (each state's rows ``[plan.row_start, plan.row_end)`` still need K/V in
+    the paged cache, into ``plan.slots``)."""
+
+    states: list[DFlashState]
+    ctxs: list[ContextState]
+    tokens: list[int]
+    positions: list[int]
+    plans: list[PrecomputePlan]
+
+    def confirm(self, counts: int | list[int]) -> None:
+        """The drafts exist: confirm every plan (their K/V is stored) and note each proposal
+        (``counts[i]`` drafts, or ``counts`` for every sequence)."""
+        _core.confirm_proposals(self.plans, self.positions, counts)
+
+    def abort(self) -> None:
+        """Give back every plan's blocks (confirmed plans are ignored)."""
+        _core.abort_plans(self.plans)
+
+
+__all__ = ["DFlashState", "Proposal"]
