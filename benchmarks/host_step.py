@@ -13,6 +13,7 @@ import timeit
 import torch
 
 from blockdraft import bench
+from blockdraft.bench.host import stub_launch
 
 shape = bench.SHAPES["tiny"]
 dev = torch.device("cpu")
@@ -21,12 +22,10 @@ drafter = bench.build_drafter(shape, dev, torch.float32)
 calls = int(sys.argv[1]) if len(sys.argv) > 1 else 400
 n = 32
 
-prop = bench._make_proposer(drafter, target, shape, 128, n, "static", 3 * calls + 64)
-seqs = bench._Seqs(prop, shape, 128, n, torch.Generator().manual_seed(0))
+prop = bench.make_proposer(drafter, target, shape, 128, n, "static", 3 * calls + 64)
+seqs = bench.Seqs(prop, shape, 128, n, torch.Generator().manual_seed(0))
 idx = list(range(n))
-ready = torch.zeros((n, prop.gamma - 1), dtype=torch.int64)
-prop._graphs._launch = lambda bucket, m, cap: ready[:m]
-seqs.warm(idx, 3)
+ready = torch.zeros((n, prop.block_gamma - 1), dtype=torch.int64)
 
 
 def step() -> tuple[float, float]:
@@ -39,13 +38,15 @@ def step() -> tuple[float, float]:
     return t1 - t0, t2 - t1
 
 
-for _ in range(20):
-    step()
-commits, proposals = zip(*[step() for _ in range(calls)])
+with stub_launch(prop.graph_runner, lambda bucket, m, cap: ready[:m]):
+    seqs.warm(idx, 3)
+    for _ in range(20):
+        step()
+    commits, proposals = zip(*[step() for _ in range(calls)])
 c = statistics.median(commits) * 1e6 / n
 p = statistics.median(proposals) * 1e6 / n
 
-single = bench._make_proposer(drafter, target, shape, 128, 1, "static", 200000)
+single = bench.make_proposer(drafter, target, shape, 128, 1, "static", 200000)
 st = single.alloc_state()
 row = torch.randn(1, shape.ctx_row_width)
 pos = [0]

@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
-# Quick check of the issue-6 propose targets on one CUDA GPU (< 60 s with the model build):
+# Quick check of the proposer's latency targets on one CUDA GPU (< 60 s with the model build):
 #   OUT=/some/dir bash benchmarks/quick_h200.sh
 # Random qwen3-8b pair in bf16; propose n=1 at 4K and 16K, propose_batch n=32 at 4K, median of
 # REPS timed calls (CUDA events, each call preceded by one committed ctx row), graphs on, then
 # the plain path (no graphs) on the same states. Prints one table; writes $OUT/quick.json and
-# $OUT/quick.md. Needs blockdraft importable (wheel or `maturin develop`).
+# $OUT/quick.md (default: a new directory under ${TMPDIR:-/tmp}/blockdraft-bench, outside the
+# checkout). Needs blockdraft importable (wheel or `maturin develop`).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
-OUT="${OUT:-$root/bench-out}"
+OUT="${OUT:-${TMPDIR:-/tmp}/blockdraft-bench/quick-$(date +%Y%m%d-%H%M%S)-$$}"
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 OUT REPS="${REPS:-20}"
 "${PYTHON:-python3}" - <<'PY'

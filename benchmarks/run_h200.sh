@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
-# The whole issue-6 matrix on one CUDA GPU, in one go (qwen3-8b random pair, bf16):
+# The whole benchmark matrix on one CUDA GPU, in one go (qwen3-8b random pair, bf16):
 #   OUT=/some/dir bash benchmarks/run_h200.sh
 # Writes env.log, gpu_tests.log (graph == plain drafts), bench.json, bench.md, bench.log and
-# the two PNG charts under $OUT. Needs blockdraft importable (wheel or `maturin develop`) and
+# the two PNG charts under $OUT (default: a new directory under ${TMPDIR:-/tmp}/blockdraft-bench,
+# outside the checkout). Needs blockdraft importable (wheel or `maturin develop`) and
 # dflash==0.1.0 for the reference columns. REPS / LOOP_REPS / E2E_STEPS / E2E_REPEATS / SHAPE
 # override sizes.
 set -uo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
-OUT="${OUT:-$root/bench-out}"
+OUT="${OUT:-${TMPDIR:-/tmp}/blockdraft-bench/run-$(date +%Y%m%d-%H%M%S)-$$}"
 mkdir -p "$OUT"
 py="${PYTHON:-python3}"
 export PYTHONUNBUFFERED=1
@@ -21,4 +22,5 @@ rc=0
 "$py" -m blockdraft.cli bench --shape "${SHAPE:-qwen3-8b}" --reps "${REPS:-15}" --warmup 2 \
   --loop-reps "${LOOP_REPS:-3}" --e2e-steps "${E2E_STEPS:-16}" --e2e-repeats "${E2E_REPEATS:-3}" --out "$OUT" --plot \
   2>&1 | tee "$OUT/bench.log" || rc=1
+echo "results in $OUT"
 exit "$rc"

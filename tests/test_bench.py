@@ -1,5 +1,8 @@
 """The benchmark tool on the tiny shape (CPU) and the CUDA-graph path's bookkeeping.
 
+The bench's figures are not checked here (timings belong in benchmarks): its records, its
+report, where it writes, how it logs, and the helpers through which it reaches the proposer.
+
 The graph path (``graphs="static"``: the captured path's buffers run eagerly) must give the
 plain path's drafts through batch-size changes, bucket padding, slides and aborted plans.
 """
@@ -7,7 +10,10 @@ plain path's drafts through batch-size changes, bucket padding, slides and abort
 from __future__ import annotations
 
 import json
+import logging
 import math
+import re
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -17,8 +23,9 @@ from tinypair import drafter_config, tiny_drafter, tiny_target
 
 from blockdraft import ConfigError, DFlashProposer
 from blockdraft import bench as bd_bench
+from blockdraft.bench.host import stub_launch
 from blockdraft.cli import main as cli_main
-from blockdraft.graphs import default_buckets, resolve_mode
+from blockdraft.cuda_graphs import default_buckets, resolve_mode
 
 
 def _drive(mode: str, budget: int, seed: int) -> tuple[list[Any], list[list[int]]]:
@@ -27,7 +34,8 @@ def _drive(mode: str, budget: int, seed: int) -> tuple[list[Any], list[list[int]
     target = tiny_target()
     drafter = tiny_drafter(drafter_config(block=4, layers=2))
     prop = DFlashProposer(
-        drafter, target, max_seq_len=200, num_blocks=80, kv_block_size=4, max_batch=4, graphs=mode
+        drafter, target, max_seq_len=200, num_blocks=80, max_batch=4, graphs=mode,
+        page_size=4,
     )
     gen = torch.Generator().manual_seed(seed)
     rows = torch.randn(400, 64, generator=gen)
@@ -72,11 +80,12 @@ def test_static_graph_path_gives_the_plain_drafts(budget: int) -> None:
 def test_static_graph_path_after_an_aborted_plan_rereads_the_table() -> None:
     target = tiny_target()
     drafter = tiny_drafter(drafter_config(block=4))
+    page = {"page_size": 4}
     prop = DFlashProposer(
-        drafter, target, max_seq_len=64, num_blocks=40, kv_block_size=4, max_batch=2, graphs="static"
+        drafter, target, max_seq_len=64, num_blocks=40, max_batch=2, graphs="static", **page
     )
     plain = DFlashProposer(
-        drafter, target, max_seq_len=64, num_blocks=40, kv_block_size=4, max_batch=2, graphs="off"
+        drafter, target, max_seq_len=64, num_blocks=40, max_batch=2, graphs="off", **page
     )
     rows = torch.randn(30, 64, generator=torch.Generator().manual_seed(3))
     outs = []
@@ -87,7 +96,7 @@ def test_static_graph_path_after_an_aborted_plan_rereads_the_table() -> None:
         p.after_verify(st, 0)
         p.commit_ctx(st, rows[10:17], range(10, 17))
         # A failing forward aborts the plan: its new blocks go back to the pool.
-        runner = p._graphs
+        runner = p.graph_runner
         boom = RuntimeError("injected")
         original = p.drafter.forward_block
 
@@ -96,7 +105,7 @@ def test_static_graph_path_after_an_aborted_plan_rereads_the_table() -> None:
 
         p.drafter.forward_block = fail  # type: ignore[method-assign]
         # The graph path drafts through the drafter's fused view (same math, stacked weights).
-        fast = runner.fast if runner is not None else None
+        fast = p.forward.fused_view() if p.graph_runner is not None else None
         if fast is not None:
             fast.forward_block = fail  # type: ignore[method-assign]
         with pytest.raises(RuntimeError, match="injected"):
@@ -133,7 +142,7 @@ def test_memory_report_matches_the_formula_to_the_byte() -> None:
     dtype = torch.float32
     target = bd_bench.build_target(shape, torch.device("cpu"), dtype)
     drafter = bd_bench.build_drafter(shape, torch.device("cpu"), dtype)
-    prop = bd_bench._make_proposer(drafter, target, shape, 37, 2, "off", 20)
+    prop = bd_bench.make_proposer(drafter, target, shape, 37, 2, "off", 20)
     st = prop.alloc_state()
     prop.commit_ctx(st, torch.randn(37, shape.ctx_row_width), range(37))
     prop.propose(st, 3, 37, shape.block_size - 1)
@@ -148,7 +157,10 @@ def test_memory_report_matches_the_formula_to_the_byte() -> None:
     prop.free_state(st)
 
 
-def test_bench_tiny_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_bench_tiny_end_to_end(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="blockdraft.bench")
     out = tmp_path / "b"
     rc = cli_main(
         [
@@ -195,6 +207,7 @@ def test_bench_tiny_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str
     md = (out / "bench.md").read_text()
     assert "## Propose latency" in md and "## End to end" in md
     assert md in capsys.readouterr().out
+    _assert_rounded_logs(caplog, {"propose", "reference", "host", "e2e"})
 
 
 def test_bench_rejects_bad_configs() -> None:
@@ -208,3 +221,125 @@ def test_bench_rejects_bad_configs() -> None:
         bd_bench.run(bd_bench.BenchConfig(e2e_backends=["cudnn"]))
     with pytest.raises(ValueError, match="e2e_repeats"):
         bd_bench.run(bd_bench.BenchConfig(e2e_repeats=0))
+
+
+_UNROUNDED = re.compile(r"\d\.\d{4,}|\d[eE][-+]?\d")
+
+
+def _assert_rounded_logs(caplog: pytest.LogCaptureFixture, kinds: set[str]) -> None:
+    """Every bench log line has its figures rounded (at most 3 decimals, no exponents), and
+    each of ``kinds`` (the first word of a section's lines) logged at least once."""
+    msgs = [r.getMessage() for r in caplog.records if r.name.startswith("blockdraft.bench")]
+    assert kinds <= {m.split(" ", 1)[0].rstrip(":") for m in msgs}, msgs
+    unrounded = [m for m in msgs if _UNROUNDED.search(m)]
+    assert not unrounded, unrounded
+
+
+def _tiny_run(argv: list[str]) -> int:
+    return cli_main(
+        ["bench", "--shape", "tiny", "--contexts", "16", "--batches", "1", "--reps", "2",
+         "--warmup", "1", "--loop-reps", "1", "--sections", "propose", *argv]
+    )
+
+
+def test_bench_writes_under_the_system_temp_dir_by_default(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    system_tmp = tmp_path / "system-tmp"
+    system_tmp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(system_tmp))
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)
+    assert _tiny_run(["--batches", "0"]) == 2  # a bad config leaves no directory behind
+    assert list(system_tmp.rglob("*")) in ([], [system_tmp / "blockdraft-bench"])
+    assert _tiny_run([]) == 0
+    assert list(cwd.iterdir()) == []
+    runs = list((system_tmp / "blockdraft-bench").iterdir())
+    assert len(runs) == 1 and runs[0].name.startswith("tiny-")
+    assert sorted(p.name for p in runs[0].iterdir()) == ["bench.json", "bench.md"]
+    out = capsys.readouterr().out
+    assert f"wrote {runs[0] / 'bench.json'}, {runs[0] / 'bench.md'}" in out
+    # Every run gets a new, empty directory of its own, even within the same second.
+    again = [bd_bench.default_out_dir("tiny") for _ in range(2)]
+    assert len({runs[0], *again}) == 3 and all(list(d.iterdir()) == [] for d in again)
+
+
+def test_bench_help_names_the_default_output_dir(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as done:
+        cli_main(["bench", "--shape", "tiny", "--help"])
+    assert done.value.code == 0
+    out = capsys.readouterr().out
+    assert "--out" in out and "system temp dir" in " ".join(out.split())
+    # argparse may wrap the path at a hyphen
+    assert "<tmp>/blockdraft-bench/<shape>-" in "".join(out.split())
+
+
+def test_report_names_the_timing_method_of_the_device(tmp_path: Path) -> None:
+    assert _tiny_run(["--out", str(tmp_path)]) == 0
+    result = json.loads((tmp_path / "bench.json").read_text())
+    assert result["environment"]["device"] == "cpu"
+    md = bd_bench.to_markdown(result)
+    assert "## Propose latency (ms; wall clock around the call)" in md
+    assert "CUDA" not in md
+    result["environment"]["device"] = "cuda:0"
+    md = bd_bench.to_markdown(result)
+    assert "## Propose latency (ms; CUDA events around the call, which ends in a host sync)" in md
+    assert bd_bench.timing_method("cpu") == "wall clock"
+    assert bd_bench.timing_method(torch.device("cuda", 1)) == "CUDA events"
+
+
+def test_quick_bench_logs_rounded_figures(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="blockdraft.bench")
+    shape = bd_bench.SHAPES["tiny"]
+    cpu = torch.device("cpu")
+    target = bd_bench.build_target(shape, cpu, torch.float32)
+    drafter = bd_bench.build_drafter(shape, cpu, torch.float32)
+    recs = bd_bench.bench_quick(shape, drafter, target, cpu, cells=[(24, 1), (24, 2)], reps=2,
+                                warmup=1)
+    assert [(r["context"], r["batch"]) for r in recs] == [(24, 1), (24, 2)]
+    _assert_rounded_logs(caplog, {"quick"})
+
+
+def test_memory_figures_read_the_cache() -> None:
+    shape = bd_bench.SHAPES["tiny"]
+    target = bd_bench.build_target(shape, torch.device("cpu"), torch.float32)
+    drafter = bd_bench.build_drafter(shape, torch.device("cpu"), torch.float32)
+    prop = bd_bench.make_proposer(drafter, target, shape, 20, 1, "off", 8)
+    assert prop.page_size == 16
+    # One block: every layer's K and V rows of 16 slots, fp32 (+ its slot positions).
+    assert prop.cache.bytes_per_block == 16 * shape.drafter_layers * 2 * 2 * 16 * 4 + 4 * 16
+
+
+def test_graphs_off_and_a_stubbed_launch_steer_the_graph_path() -> None:
+    shape = bd_bench.SHAPES["tiny"]
+    target = bd_bench.build_target(shape, torch.device("cpu"), torch.float32)
+    drafter = bd_bench.build_drafter(shape, torch.device("cpu"), torch.float32)
+    prop = bd_bench.make_proposer(drafter, target, shape, 20, 2, "static", 40)
+    runner = prop.graph_runner
+    assert runner is not None and runner.mode == "static"
+    seqs = bd_bench.Seqs(prop, shape, 20, 2, torch.Generator().manual_seed(5))
+    launches: list[int] = []
+    ready = torch.full((2, shape.block_size - 1), 7, dtype=torch.int64)
+
+    def launch(bucket: Any, n: int, cap: int) -> torch.Tensor:
+        launches.append(n)
+        return ready[:n]
+
+    idx = [0, 1]
+    with stub_launch(runner, launch):
+        seqs.advance(idx)
+        assert seqs.propose_batch(idx) == [[7] * (shape.block_size - 1)] * 2
+        assert launches == [2]
+        with prop.eager():
+            seqs.advance(idx)
+            plain = seqs.propose_batch(idx)
+        assert launches == [2] and plain != [[7] * (shape.block_size - 1)] * 2
+        assert prop.graph_runner is runner
+    seqs.advance(idx)
+    seqs.propose_batch(idx)  # the real launch is back
+    assert launches == [2]
+    seqs.free()
+    assert prop.pool.num_free == prop.pool.num_blocks
+    bd_bench.release(prop)
+    assert prop.graph_runner is None

@@ -1,0 +1,108 @@
+"""The ``blockdraft bench`` command line: its options, the config they make, and the run."""
+
+from __future__ import annotations
+
+import logging
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from blockdraft.bench.config import BenchConfig
+from blockdraft.bench.driver import resolve, run
+from blockdraft.bench.report import to_markdown, write_outputs
+from blockdraft.bench.shapes import SHAPES
+
+log = logging.getLogger(__name__)
+
+OUT_ROOT_NAME = "blockdraft-bench"
+"""The folder under the system temp dir that holds the default output directories."""
+
+
+def default_out_dir(shape: str) -> Path:
+    """A new, empty directory ``<system temp>/blockdraft-bench/<shape>-<date>-<time>-<random>``:
+    the output directory of a run without ``--out``.
+
+    Outside any checkout, so a run never leaves results in a working tree; a new one per call,
+    so no run overwrites another.
+    """
+    root = Path(tempfile.gettempdir()) / OUT_ROOT_NAME
+    root.mkdir(parents=True, exist_ok=True)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    return Path(tempfile.mkdtemp(prefix=f"{shape}-{stamp}-", dir=root))
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def add_arguments(parser: Any) -> None:
+    """The ``bench`` subcommand's options (shared by the CLI and ``python -m``)."""
+    parser.add_argument("--shape", default="tiny", choices=sorted(SHAPES))
+    parser.add_argument("--contexts", default=None, help="comma-separated (default 512,4096,16384; tiny: 32,128)")
+    parser.add_argument("--batches", default=None, help="comma-separated (default 1,4,16,32,64; tiny: 1,4)")
+    parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--loop-reps", type=int, default=5)
+    parser.add_argument("--e2e-steps", type=int, default=24)
+    parser.add_argument("--e2e-repeats", type=int, default=1,
+                        help="end-to-end runs per engine (alternating); the median is reported")
+    parser.add_argument("--e2e-backends", default="flash,default",
+                        help="SDPA settings of the end-to-end section on CUDA, in run order")
+    parser.add_argument("--sections", default="propose,reference,e2e,host,kernels",
+                        help="comma-separated: propose, reference, e2e, host, kernels, target, spec")
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--out",
+        default=None,
+        help=(
+            "directory for bench.json / bench.md (created if missing; updated after every "
+            "section). Default: a new directory under the system temp dir, "
+            f"<tmp>/{OUT_ROOT_NAME}/<shape>-<date>-<time>-<random>; the path is printed"
+        ),
+    )
+    parser.add_argument("--plot", action="store_true", help="also write PNG charts (matplotlib)")
+
+
+def config_from_args(args: Any) -> BenchConfig:
+    """The :class:`BenchConfig` of parsed ``bench`` options (the tiny shape has smaller
+    default contexts and batches)."""
+    tiny = args.shape == "tiny"
+    return BenchConfig(
+        shape=args.shape,
+        contexts=_ints(args.contexts) if args.contexts else ([32, 128] if tiny else [512, 4096, 16384]),
+        batches=_ints(args.batches) if args.batches else ([1, 4] if tiny else [1, 4, 16, 32, 64]),
+        reps=args.reps,
+        warmup=args.warmup,
+        loop_reps=args.loop_reps,
+        e2e_steps=args.e2e_steps,
+        e2e_repeats=args.e2e_repeats,
+        e2e_backends=[b.strip() for b in args.e2e_backends.split(",") if b.strip()],
+        device=args.device,
+        dtype=args.dtype,
+        sections=[s for s in args.sections.split(",") if s.strip()],
+        seed=args.seed,
+    )
+
+
+def main_from_args(args: Any) -> int:
+    """Run, write the outputs, print the markdown and the files written; 0 when every
+    section ran, 1 when one failed (its traceback is in the outputs)."""
+    cfg = config_from_args(args)
+    resolve(cfg)  # a bad config fails here, before the default output directory is made
+    out = Path(args.out) if args.out else default_out_dir(cfg.shape)
+    log.info("bench: writing to %s", out)
+
+    def checkpoint(partial: dict[str, Any]) -> None:
+        write_outputs(partial, out)
+
+    result = run(cfg, checkpoint=checkpoint)
+    files = write_outputs(result, out, plots=args.plot)
+    print(to_markdown(result))
+    print("wrote " + ", ".join(str(f) for f in files))
+    return 1 if result["errors"] else 0

@@ -1,0 +1,44 @@
+"""A sequence's drafter memory, measured from its tensors and from the formula."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+
+
+def state_memory(prop: Any, st: Any) -> dict[str, Any]:
+    """A state's drafter memory: measured from its tensors vs the formula.
+
+    The formula: accumulator = window x ctx_slot_bytes (ctx_slot_bytes = k x H x elem); paged
+    K/V = blocks x page_size x (L x 2 x Hkv x D x elem), with blocks <= ceil(ctx rows /
+    page_size).
+    """
+    cfg = prop.drafter.config
+    elem = torch.empty((), dtype=prop.dtype).element_size()
+    acc_measured = int(st.acc.numel() * st.acc.element_size())
+    k, v = prop.cache.k, prop.cache.v  # [layers, blocks, page_size, kv_heads, head_dim] each
+    block_bytes = int(k[:, 0].numel() * k.element_size() + v[:, 0].numel() * v.element_size())
+    kv_measured = int(st.ctx.num_blocks * block_bytes)
+    rows = int(st.ctx_len)
+    page = prop.page_size
+    acc_formula = int(st.window) * prop.ctx_row_width * elem
+    need_blocks = math.ceil(rows / page)
+    per_row = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * elem
+    kv_formula = need_blocks * page * per_row
+    return {
+        "window": int(st.window),
+        "ctx_rows": rows,
+        "blocks": int(st.ctx.num_blocks),
+        "blocks_bound": need_blocks,
+        "acc_bytes": acc_measured,
+        "acc_bytes_formula": acc_formula,
+        "kv_bytes": kv_measured,
+        "kv_bytes_formula": kv_formula,
+        "kv_bytes_per_row": per_row,
+        "total_bytes": acc_measured + kv_measured,
+        "equal_to_formula": acc_measured == acc_formula and kv_measured == kv_formula,
+        "blocks_within_bound": int(st.ctx.num_blocks) <= need_blocks,
+    }

@@ -1,0 +1,87 @@
+"""The reference section: the public reference's drafter forward (``dflash`` 0.1.0) at batch 1,
+same weights and inputs, under each SDPA backend setting."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Any
+
+import torch
+
+from blockdraft.bench.config import BenchConfig
+from blockdraft.bench.figures import fmt
+from blockdraft.bench.shapes import Shape, build_reference_drafter
+from blockdraft.bench.timing import cell_times
+
+log = logging.getLogger(__name__)
+
+
+def sdpa_context(backend: str) -> Any:
+    """``"flash"``: flash attention, with memory-efficient attention only for calls that pass
+    a mask (flash takes none; the HF target's cached forwards pass one, and flash alone then
+    fails with "No available kernel"); cuDNN is off. ``"default"``: torch's own choice."""
+    if backend == "flash":
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION])
+    return contextlib.nullcontext()
+
+
+def bench_reference(
+    cfg: BenchConfig, shape: Shape, drafter: Any, target: Any, device: torch.device
+) -> list[dict[str, Any]]:
+    """The reference drafter forward at batch 1: one new ctx row + a block of B over a cache
+    holding ``ctx`` rows, then ``lm_head`` and argmax (what its generate loop does per step)."""
+    from dflash.model import _crop_to, _make_cache  # type: ignore[import-untyped]
+
+    ref = build_reference_drafter(drafter, shape)
+    embed = target.get_input_embeddings().weight
+    head = target.lm_head
+    backends = ["flash", "default"] if device.type == "cuda" else ["default"]
+    out: list[dict[str, Any]] = []
+    gen = torch.Generator(device=device).manual_seed(cfg.seed + 99)
+    b = shape.block_size
+    for ctx in cfg.contexts:
+        hidden = torch.empty((1, ctx + 1, shape.ctx_row_width), dtype=ref.fc.weight.dtype, device=device)
+        hidden.normal_(generator=gen)
+        ids = torch.full((1, b), shape.mask_token_id, dtype=torch.long, device=device)
+        ids[0, 0] = 5
+        for backend in backends:
+            rec: dict[str, Any] = {"context": ctx, "backend": backend}
+            try:
+                with torch.inference_mode(), sdpa_context(backend):
+                    cache = _make_cache(ref.config)
+                    pos = torch.arange(ctx + 1 + b, device=device)[None]
+                    ref(
+                        position_ids=pos[:, : ctx + b],
+                        noise_embedding=torch.nn.functional.embedding(ids, embed),
+                        target_hidden=hidden[:, :ctx],
+                        past_key_values=cache,
+                        use_cache=True,
+                    )
+                    _crop_to(cache, ctx)
+
+                    def step() -> None:
+                        noise = torch.nn.functional.embedding(ids, embed)
+                        # ref and hidden are deleted below, after every call of step
+                        h = ref(  # noqa: F821
+                            position_ids=pos[:, ctx : ctx + 1 + b],
+                            noise_embedding=noise,
+                            target_hidden=hidden[:, ctx : ctx + 1],  # noqa: F821
+                            past_key_values=cache,
+                            use_cache=True,
+                        )[:, 1:]
+                        _crop_to(cache, ctx)
+                        torch.argmax(ref.compute_logits(h, head), dim=-1).tolist()  # noqa: F821
+
+                    rec["forward_ms"] = cell_times(step, lambda: None, cfg.reps, cfg.warmup, device)
+                log.info(
+                    "reference ctx %d %s: %s ms", ctx, backend, fmt(rec["forward_ms"]["median"])
+                )
+            except Exception as exc:  # noqa: BLE001 - recorded, the run goes on
+                rec["error"] = f"{type(exc).__name__}: {exc}"
+            out.append(rec)
+        del hidden
+    del ref
+    return out
