@@ -252,7 +252,7 @@ def test_bad_env_value_fails_construction_naming_the_variable(
 CTOR_CASES: list[tuple[str, type[BaseException], str, dict[str, Any]]] = [
     ("max_seq_len zero", ValueError, "max_seq_len", {"max_seq_len": 0}),
     ("max_batch zero", ValueError, "max_batch", {"max_batch": 0}),
-    ("kv_block_size zero", ValueError, "kv_block_size", {"kv_block_size": 0}),
+    ("page_size zero", ValueError, "page_size", {"page_size": 0}),
     ("num_blocks zero", ValueError, "num_blocks", {"num_blocks": 0}),
     ("memory fraction zero", ValueError, "pool_memory_fraction", {"num_blocks": None, "pool_memory_fraction": 0.0}),
     ("memory fraction NaN", ValueError, "pool_memory_fraction", {"num_blocks": None, "pool_memory_fraction": float("nan")}),
@@ -281,7 +281,7 @@ def test_mismatched_pairs(target: Any) -> None:
 
 @pytest.fixture(scope="module")
 def engine(drafter: Any, target: Any) -> SpeculativeEngine:
-    return SpeculativeEngine(target, drafter, max_seq_len=32, num_blocks=32, max_batch=2, kv_block_size=4)
+    return SpeculativeEngine(target, drafter, max_seq_len=32, num_blocks=32, max_batch=2, page_size=4)
 
 
 GEN_CASES: list[tuple[str, type[BaseException], str, list[Any], dict[str, Any]]] = [
@@ -440,8 +440,8 @@ def test_cli_bad_inputs(capsys: pytest.CaptureFixture[str], tmp_path: Path, good
     empty = tmp_path / "empty"
     empty.mkdir()
     expect_cli_error(capsys, ["generate", "x", "--target", str(empty), "--drafter", str(good_ckpt)], "--target", "config.json")
-    expect_cli_error(capsys, ["demo", "--num-blocks", "0"], "num_blocks")
-    expect_cli_error(capsys, ["demo", "--gamma", "0"], "gamma")
+    expect_cli_error(capsys, ["demo", "--num-blocks", "0"], "--num-blocks")
+    expect_cli_error(capsys, ["demo", "--block-size", "0"], "--block-size")
     monkeypatch.setenv("BLOCKDRAFT_DFLASH_CTX_CAP", "huge")
     expect_cli_error(capsys, ["demo"], "BLOCKDRAFT_DFLASH_CTX_CAP")
     monkeypatch.delenv("BLOCKDRAFT_DFLASH_CTX_CAP")

@@ -1,16 +1,29 @@
-"""`blockdraft generate`: the demo pair, a real checkpoint pair, and one-line errors."""
+"""The ``blockdraft`` command line: the demo pair, a real checkpoint pair, ``--debug`` on every
+subcommand, and one-line errors (exit code 2) that name the flag, checked before models load."""
 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 from safetensors.torch import save_file
 from tinypair import HIDDEN, drafter_config, drafter_config_dict, tiny_drafter, tiny_target
 
-from blockdraft.cli import build_demo_pair, main
+from blockdraft.cli import main
+from blockdraft.cli.app import build_parser
+from blockdraft.cli.common import CliError, check_lengths
+from blockdraft.cli.demo import OPTIONS as DEMO_OPTIONS
+from blockdraft.cli.generate import DEMO_MAX_POSITIONS, build_demo_pair
+from blockdraft.training.evaluate import EvalReport
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY_MAX_POSITIONS = 512  # tiny_target's max_position_embeddings
 
 
 def _save_pair(root: Path, drafter_hidden: int = HIDDEN) -> tuple[Path, Path]:
@@ -29,6 +42,34 @@ def _save_pair(root: Path, drafter_hidden: int = HIDDEN) -> tuple[Path, Path]:
     (ddir / "config.json").write_text(json.dumps(cfg))
     save_file({k: v.contiguous() for k, v in drafter.state_dict().items()}, str(ddir / "model.safetensors"))
     return tdir, ddir
+
+
+@pytest.fixture
+def model_loads(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Records every attempt to load weights (none is made: each attempt fails)."""
+    calls: list[str] = []
+
+    def refuse(what: str) -> Any:
+        def load(*args: Any, **kwargs: Any) -> Any:
+            calls.append(what)
+            raise RuntimeError(f"{what} should not load")
+
+        return load
+
+    monkeypatch.setattr("transformers.AutoModelForCausalLM.from_pretrained", refuse("target"))
+    monkeypatch.setattr("blockdraft.checkpoint.load_drafter", refuse("drafter"))
+    monkeypatch.setattr("blockdraft.pretrained.builtin_pair", refuse("built-in pair"))
+    monkeypatch.setattr("blockdraft.cli.generate.build_demo_pair", refuse("demo pair"))
+    return calls
+
+
+def _one_line_error(capsys: pytest.CaptureFixture[str], argv: list[str]) -> str:
+    """Run ``argv``; assert exit code 2 and one ``blockdraft: error:`` line; return it."""
+    rc = main(argv)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2, (argv, err)
+    assert len(err) == 1 and err[0].startswith("blockdraft: error: "), err
+    return err[0]
 
 
 def test_demo_pair_runs_and_says_random(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
@@ -66,6 +107,7 @@ def test_real_pair_from_directories(tmp_path: Path, capsys: pytest.CaptureFixtur
         (["--device", "tpu:7"], "device"),
         (["--device", "cuda:0"], "cuda"),
         (["--max-new-tokens", "0"], "max-new-tokens"),
+        (["--temperature", "-1"], "--temperature"),
     ],
 )
 def test_one_line_errors_exit_2(args: list[str], words: str, capsys: pytest.CaptureFixture[str]) -> None:
@@ -87,8 +129,9 @@ def test_mismatched_pair_is_one_line_and_debug_shows_traceback(
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and "hidden size" in err
-    with pytest.raises(Exception, match="hidden size"):
-        main([*argv, "--debug"])
+    assert main([*argv, "--debug"]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" in err and "hidden size" in err.strip().splitlines()[-1]
 
 
 def test_demo_subcommand_still_works(capsys: pytest.CaptureFixture[str]) -> None:
@@ -96,3 +139,243 @@ def test_demo_subcommand_still_works(capsys: pytest.CaptureFixture[str]) -> None
     assert "freed twice" in capsys.readouterr().out
 
 
+# ---------------------------------------------------------------- --debug on every subcommand
+
+REQUIRED = {
+    "demo": [],
+    "generate": [],
+    "bench": [],
+    "train-drafter": ["--target", "t", "--corpus", "c", "--out", "o"],
+    "eval-drafter": [],
+}
+
+
+def test_every_subcommand_is_covered() -> None:
+    sub = next(a for a in build_parser()._actions if a.dest == "command")
+    assert set(sub.choices or ()) == set(REQUIRED)
+
+
+@pytest.mark.parametrize("command", sorted(REQUIRED))
+def test_debug_before_or_after_the_subcommand(command: str) -> None:
+    parser = build_parser()
+    rest = REQUIRED[command]
+    assert parser.parse_args([command, *rest]).debug is False
+    assert parser.parse_args(["--debug", command, *rest]).debug is True
+    assert parser.parse_args([command, *rest, "--debug"]).debug is True
+
+
+@pytest.mark.parametrize("where", ["before", "after"])
+def test_debug_shows_the_traceback_and_still_exits_2(where: str, capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["demo", "--sequences", "-1"]
+    argv = ["--debug", *argv] if where == "before" else [*argv, "--debug"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[0].startswith("Traceback") and "CliError" in err[-2]
+    assert err[-1] == "blockdraft: error: --sequences must be >= 1, not -1"
+
+
+# ---------------------------------------------------------------- generate: checks before loading
+
+
+def test_non_utf8_prompt_is_named_before_loading(
+    capsys: pytest.CaptureFixture[str], model_loads: list[str]
+) -> None:
+    # What Python makes of the argv bytes b"abc\xff" (surrogateescape).
+    line = _one_line_error(capsys, ["generate", b"abc\xff".decode("utf-8", "surrogateescape")])
+    assert line == "blockdraft: error: the prompt is not valid UTF-8 (byte 0xff at character 3)"
+    line = _one_line_error(capsys, ["generate", "ok \ud800"])
+    assert "U+D800" in line
+    assert model_loads == []
+
+
+def test_swapped_target_and_drafter_are_named_from_config_json(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], model_loads: list[str]
+) -> None:
+    tdir, ddir = _save_pair(tmp_path)
+    capsys.readouterr()
+    line = _one_line_error(capsys, ["generate", "w1", "--target", str(ddir), "--drafter", str(tdir)])
+    assert "--target and --drafter are swapped" in line and "DFlashDraftModel" in line
+    line = _one_line_error(capsys, ["generate", "w1", "--target", str(ddir), "--drafter", str(ddir)])
+    assert f"--target {ddir} is a DFlash drafter" in line
+    line = _one_line_error(capsys, ["generate", "w1", "--target", str(tdir), "--drafter", str(tdir)])
+    assert f"--drafter {tdir} is not a DFlash drafter" in line and "Qwen3ForCausalLM" in line
+    # A drafter is also recognised by its dflash_config alone.
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "config.json").write_text(json.dumps({"architectures": ["Custom"], "dflash_config": {}}))
+    line = _one_line_error(capsys, ["generate", "w1", "--target", str(other), "--drafter", str(ddir)])
+    assert "--target" in line and "dflash_config" in line
+    assert model_loads == []
+
+
+def test_swapped_target_is_named_by_train_and_eval(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], model_loads: list[str]
+) -> None:
+    tdir, ddir = _save_pair(tmp_path)
+    capsys.readouterr()
+    line = _one_line_error(capsys, ["train-drafter", "--target", str(ddir), "--corpus", "c", "--out",
+                                    str(tmp_path / "o")])
+    assert f"--target {ddir} is a DFlash drafter" in line
+    line = _one_line_error(capsys, ["eval-drafter", "--target", str(ddir), "--drafter", str(tdir)])
+    assert "swapped" in line
+    assert model_loads == []
+
+
+def test_max_new_tokens_must_fit_the_target(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, model_loads: list[str]
+) -> None:
+    tdir, ddir = _save_pair(tmp_path)
+    capsys.readouterr()
+    pair = ["--target", str(tdir), "--drafter", str(ddir)]
+    line = _one_line_error(capsys, ["generate", "w1 w2 w3", *pair, "--max-new-tokens", str(10**12)])
+    assert line == (f"blockdraft: error: --max-new-tokens {10**12} does not fit: the target's "
+                    f"max_position_embeddings is {TINY_MAX_POSITIONS} and the prompt takes 3 tokens "
+                    f"(at most {TINY_MAX_POSITIONS - 3})")
+    line = _one_line_error(capsys, ["generate", "w1 w2 w3", *pair, "--max-new-tokens",
+                                    str(TINY_MAX_POSITIONS - 2)])
+    assert "--max-new-tokens" in line and f"at most {TINY_MAX_POSITIONS - 3}" in line
+    monkeypatch.setattr("blockdraft.pretrained.available", lambda block_size=8: False)
+    line = _one_line_error(capsys, ["generate", "hello", "--max-new-tokens", str(10**12)])
+    assert f"max_position_embeddings is {DEMO_MAX_POSITIONS}" in line and "takes 5 tokens" in line
+    assert model_loads == []
+
+
+def test_length_check_boundaries() -> None:
+    check_lengths(5, DEMO_MAX_POSITIONS - 5, DEMO_MAX_POSITIONS)  # exactly full
+    check_lengths(10**6, 10**9, None)  # no known limit
+    with pytest.raises(CliError, match="at most 4091"):
+        check_lengths(5, DEMO_MAX_POSITIONS - 4, DEMO_MAX_POSITIONS)
+    with pytest.raises(CliError, match="is 4096 tokens"):
+        check_lengths(DEMO_MAX_POSITIONS, 1, DEMO_MAX_POSITIONS)
+
+
+def test_prompt_longer_than_the_target_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, model_loads: list[str]
+) -> None:
+    tdir, ddir = _save_pair(tmp_path)
+    capsys.readouterr()
+    words = " ".join(f"w{i % 60}" for i in range(600))
+    line = _one_line_error(capsys, ["generate", words, "--target", str(tdir), "--drafter", str(ddir)])
+    assert line == ("blockdraft: error: the prompt is 600 tokens; the target's max_position_embeddings "
+                    f"is {TINY_MAX_POSITIONS}, which must hold the prompt and at least one new token")
+    monkeypatch.setattr("blockdraft.pretrained.available", lambda block_size=8: False)
+    line = _one_line_error(capsys, ["generate", "x" * 5000])
+    assert "5000 tokens" in line and str(DEMO_MAX_POSITIONS) in line
+    assert model_loads == []
+
+
+# ---------------------------------------------------------------- demo options
+
+
+@pytest.mark.parametrize("flag", [flag for flag, _, _ in DEMO_OPTIONS])
+@pytest.mark.parametrize("value", ["0", "-1"])
+def test_demo_refuses_counts_below_one(flag: str, value: str, capsys: pytest.CaptureFixture[str]) -> None:
+    line = _one_line_error(capsys, ["demo", flag, value])
+    assert line == f"blockdraft: error: {flag} must be >= 1, not {value}"
+
+
+def test_demo_page_size_and_block_size(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["demo", "--page-size", "4", "--block-size", "3", "--budget", "10", "--steps", "2",
+                 "--prefill", "5"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    # window = budget + B + 1 rows (no cap reached); 5 prefill rows take 2 pages of 4.
+    assert out[0].startswith("pool: 64 blocks x 4 tokens;") and out[0].endswith("B=3: 14 rows")
+    assert out[1] == "step 0 seq 0: +5 rows -> ctx_len 5, positions 0..4, 2 blocks; pool 2/64 used"
+    with pytest.raises(SystemExit):
+        main(["demo", "--gamma", "8"])
+    capsys.readouterr()
+
+
+# ---------------------------------------------------------------- train-drafter corpus lines
+
+BAD_LINES = [
+    (b'{"text": "a"}\n{"text": "b",\n', 2, "not valid JSON"),
+    (b'{"text": "a"}\n\n[1, 2]\n', 3, "found an array"),
+    (b'{"txt": "a"}\n', 1, "no 'text' field (keys: 'txt')"),
+    (b'{"text": "a"}\n{"text": 5}\n', 2, "'text' must be a string, found a number"),
+    (b'{"text": "a\xff"}\n', 1, "not UTF-8 (byte 0xff at column 12)"),
+]
+
+
+@pytest.mark.parametrize(("data", "lineno", "words"), BAD_LINES, ids=[w for _, _, w in BAD_LINES])
+def test_bad_corpus_line_names_path_and_line(
+    data: bytes, lineno: int, words: str, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+    model_loads: list[str],
+) -> None:
+    tdir, _ = _save_pair(tmp_path)
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_bytes(data)
+    capsys.readouterr()
+    line = _one_line_error(capsys, ["train-drafter", "--target", str(tdir), "--corpus", str(corpus),
+                                    "--out", str(tmp_path / "run"), "--device", "cpu"])
+    assert f"--corpus: {corpus}:{lineno}: " in line and words in line
+    assert model_loads == [] and not (tmp_path / "run").exists()
+
+
+# ---------------------------------------------------------------- eval-drafter: each rate once
+
+
+def test_eval_report_prints_each_rate_once_and_says_what_it_times() -> None:
+    rep = EvalReport(2, 16, "cpu", "torch.float32", tau={"greedy": 3.0, "T=1": 2.5},
+                     tokens_per_s={"greedy": 110.0, "T=1": 222.0}, target_tokens_per_s=55.0,
+                     speedup=2.0, greedy_tokens_per_s_runs=[100.0, 110.0, 120.0],
+                     target_tokens_per_s_runs=[50.0, 55.0, 60.0], identical=2)
+    rates = [line for line in rep.lines() if "tok/s" in line]
+    assert rates == [
+        "   greedy: tau 3.00  engine 110.0 tok/s (median of 3 timed rounds)",
+        "      T=1: tau 2.50  engine 222.0 tok/s (one pass over the prompts)",
+        "  target only (greedy, KV cache): 55.0 tok/s (median of 3 timed rounds)",
+    ]
+    text = "\n".join(rep.lines())
+    assert "speed-up (greedy engine / target only, median of the per-round ratios): 2.00x" in text
+    assert "identical output on 2/2 prompts" in text and "speed-up per repeat (median above): 2.00, 2.00, 2.00" in text
+    no_compare = EvalReport(1, 8, "cpu", "torch.float32", tau={"greedy": 2.0}, tokens_per_s={"greedy": 9.0})
+    assert no_compare.lines()[1:] == ["   greedy: tau 2.00  engine 9.0 tok/s (one pass over the prompts)"]
+
+
+def test_eval_drafter_prints_each_rate_once(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture
+) -> None:
+    tdir, ddir = _save_pair(tmp_path)
+    texts = tmp_path / "heldout.jsonl"
+    texts.write_text(json.dumps({"text": " ".join(f"w{i}" for i in range(1, 13))}) + "\n")
+    capsys.readouterr()
+    caplog.set_level("INFO")
+    rc = main(["eval-drafter", "--target", str(tdir), "--drafter", str(ddir), "--texts", str(texts),
+               "--num-prompts", "1", "--prompt-tokens", "4", "--max-new-tokens", "4", "--device", "cpu",
+               "--repeats", "2"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    rates = [line for line in out.splitlines() if "tok/s" in line]
+    assert len(rates) == 3, out
+    assert "greedy: tau" in rates[0] and "median of 2 timed rounds" in rates[0]
+    assert "T=1: tau" in rates[1] and "one pass" in rates[1]
+    assert rates[2].startswith("  target only (greedy, KV cache): ")
+    # No other rate reaches the user through the log (INFO is the CLI's level).
+    assert not [r for r in caplog.records if r.levelno >= 20 and "tok/s" in r.getMessage()]
+
+
+# ---------------------------------------------------------------- the package and its entry points
+
+
+def _python(code_or_args: list[str]) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "python"), os.environ.get("PYTHONPATH", "")])}
+    return subprocess.run([sys.executable, *code_or_args], capture_output=True, text=True, env=env,
+                          cwd=ROOT, timeout=300)
+
+
+def test_training_cli_imports_first_then_the_parser() -> None:
+    """blockdraft.training.cli uses blockdraft.cli.common; importing it first must not need
+    the parser (the parser imports blockdraft.training.cli)."""
+    code = ("import blockdraft.training.cli\n"
+            "from blockdraft.cli import main\n"
+            "raise SystemExit(main(['demo', '--steps', '1']))\n")
+    res = _python(["-c", code])
+    assert res.returncode == 0, res.stderr
+    assert "freed twice" in res.stdout
+
+
+def test_python_dash_m_runs_the_cli() -> None:
+    res = _python(["-m", "blockdraft.cli", "demo", "--sequences", "0"])
+    assert res.returncode == 2
+    assert res.stderr.strip() == "blockdraft: error: --sequences must be >= 1, not 0"

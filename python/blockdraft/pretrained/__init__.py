@@ -17,9 +17,12 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from blockdraft.models import DFlashDrafter
 
 log = logging.getLogger(__name__)
 
@@ -46,22 +49,49 @@ def heldout_prompts() -> list[list[int]]:
     return [list(map(int, p["ids"])) for p in data["prompts"]]
 
 
+def load_tokenizer() -> Any:
+    """The shipped target's byte-level BPE tokenizer (``transformers.PreTrainedTokenizerFast``).
+
+    Raises:
+        FileNotFoundError: the pair is not installed.
+    """
+    from transformers import AutoTokenizer
+
+    if not (TARGET_DIR / "tokenizer.json").is_file():
+        raise FileNotFoundError(f"the built-in pair's tokenizer is not installed under {TARGET_DIR}")
+    return AutoTokenizer.from_pretrained(str(TARGET_DIR))
+
+
 def builtin_pair(
     *,
     device: torch.device | str | None = None,
     dtype: torch.dtype | None = None,
     block_size: int = DEFAULT_BLOCK_SIZE,
-) -> tuple[Any, Any, Any]:
-    """Load ``(target, drafter, tokenizer)`` of the shipped pair.
+) -> tuple[Any, DFlashDrafter, Any]:
+    """Load the shipped pair: a small Qwen3 Python-code target, a DFlash drafter, the tokenizer.
+
+    Called without arguments it works on any machine, a CPU-only one included (about 21 MB
+    of weights)::
+
+        target, drafter, tokenizer = builtin_pair()
+        prompt = tokenizer.encode("def fibonacci(n):")
+        result = blockdraft.generate(target, drafter, [prompt], max_new_tokens=32)
 
     Args:
-        device: default CUDA when present, else CPU.
-        dtype: default bf16 on CUDA, fp32 elsewhere (the files are bf16; CPUs compute fp32).
-        block_size: 8 or 16.
+        device: where both models go; default CUDA when present, else CPU.
+        dtype: default bf16 on CUDA, fp32 elsewhere (the files are bf16; CPUs compute in fp32).
+        block_size: the drafter's block size B: 8 (default, the better tau per step) or 16.
+
+    Returns:
+        ``(target, drafter, tokenizer)``: the target, a ``transformers`` ``Qwen3ForCausalLM``
+        in eval mode; the drafter, a :class:`blockdraft.DFlashDrafter` in eval mode without
+        gradients; and the target's tokenizer (:func:`load_tokenizer`: ``encode`` a prompt to
+        token ids, ``decode`` ids to text; its ``eos_token_id`` ends a generation).
+
     Raises:
-        FileNotFoundError: the pair (or that drafter) is not installed.
+        FileNotFoundError: the pair (or the drafter with ``block_size``) is not installed.
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     from blockdraft.checkpoint import load_drafter
 
@@ -69,7 +99,7 @@ def builtin_pair(
         raise FileNotFoundError(f"the built-in pair with a B={block_size} drafter is not installed under {ROOT}")
     dev = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
     dt = dtype or (torch.bfloat16 if dev.type == "cuda" else torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(str(TARGET_DIR))
+    tokenizer = load_tokenizer()
     model: Any = AutoModelForCausalLM.from_pretrained(str(TARGET_DIR), dtype=dt)
     target = model.to(dev).eval()
     drafter = load_drafter(drafter_dir(block_size), device=dev, dtype=dt)

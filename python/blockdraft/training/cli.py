@@ -7,32 +7,54 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from blockdraft.cli.common import (
+    CliError,
+    check_lengths,
+    check_pair_dirs,
+    check_target_dir,
+    error_line,
+    load_drafter_dir,
+    load_target_model,
+    load_tokenizer,
+    max_positions,
+    model_dtype,
+    pick_device,
+    quiet_transformers,
+    read_model_config,
+    require_min,
+    require_temperature,
+)
+
 log = logging.getLogger("blockdraft.cli")
 
 
 def _ids(text: str | None) -> list[int]:
-    return [int(x) for x in text.split(",") if x.strip()] if text else []
+    try:
+        return [int(x) for x in text.split(",") if x.strip()] if text else []
+    except ValueError:
+        raise CliError(f"--target-layer-ids {text!r}: expected comma-separated integers") from None
 
 
-def _device(name: str | None) -> Any:
-    from blockdraft.cli import _pick_device
+def _temperatures(text: str) -> list[float]:
+    try:
+        temps = [float(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise CliError(f"--temperatures {text!r}: expected comma-separated numbers") from None
+    if not temps:
+        raise CliError(f"--temperatures {text!r}: no temperature given")
+    for t in temps:
+        require_temperature("--temperatures", t)
+    return temps
 
-    return _pick_device(name)
 
+def _texts(flag: str, path: str) -> list[str]:
+    """:func:`load_texts` with its errors naming ``flag`` (a bad JSONL line: ``path:line``)."""
+    from blockdraft.training.data import load_texts
 
-def _load_target(path: str, device: Any, dtype: Any) -> tuple[Any, Any]:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    from transformers.utils import logging as hf_logging
-
-    from blockdraft.cli import CliError
-
-    hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]
-    root = Path(path)
-    if not (root / "config.json").is_file():
-        raise CliError(f"--target {path}: no config.json (expected a Hugging Face model directory)")
-    tokenizer = AutoTokenizer.from_pretrained(str(root))
-    target = AutoModelForCausalLM.from_pretrained(str(root), dtype=dtype).to(device).eval()
-    return target, tokenizer
+    try:
+        return load_texts(path)
+    except (OSError, ValueError) as exc:
+        raise CliError(f"{flag}: {error_line(exc)}") from exc
 
 
 def resolve_mask_token(target: Any, tokenizer: Any, requested: int | None, out: Path) -> tuple[int, Path | None]:
@@ -61,24 +83,25 @@ def resolve_mask_token(target: Any, tokenizer: Any, requested: int | None, out: 
 
 
 def _train(args: argparse.Namespace) -> int:
-    import torch
-
-    from blockdraft.training.data import encode_stream, load_texts
+    from blockdraft.training.data import encode_stream
     from blockdraft.training.recipe import DrafterTrainConfig, train_drafter
 
-    device = _device(args.device)
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    target, tokenizer = _load_target(args.target, device, dtype)
+    layer_ids = _ids(args.target_layer_ids)
+    device = pick_device(args.device)
+    check_target_dir(args.target)
+    # The corpus is checked before the target loads: a bad line fails in a second.
+    texts = _texts("--corpus", args.corpus)
+    tokenizer = load_tokenizer("--target", args.target)
+    target = load_target_model("--target", args.target, device, model_dtype(device))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     mask, grown = resolve_mask_token(target, tokenizer, args.mask_token_id, out)
-    texts = load_texts(args.corpus)
     eos = getattr(tokenizer, "eos_token_id", None)
     stream = encode_stream(texts, tokenizer, eos if isinstance(eos, int) else None)
     print(f"corpus: {len(texts)} documents, {stream.numel()} tokens")
     cfg = DrafterTrainConfig(
         num_layers=args.layers, block_size=args.block_size, mask_token_id=mask,
-        target_layer_ids=_ids(args.target_layer_ids), intermediate_size=args.intermediate_size,
+        target_layer_ids=layer_ids, intermediate_size=args.intermediate_size,
         seq_len=args.seq_len, num_seqs=args.num_seqs, num_anchors=args.num_anchors, steps=args.steps,
         time_budget_s=args.time_budget, lr=args.lr, warmup_steps=args.warmup, label_mode=args.labels,
         gamma=args.gamma, seed=args.seed, save_every=args.save_every, save_dtype=args.save_dtype,
@@ -93,34 +116,45 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _eval(args: argparse.Namespace) -> int:
-    import torch
-
-    from blockdraft.checkpoint import load_drafter
-    from blockdraft.cli import CliError
-    from blockdraft.training.data import load_texts
+    from blockdraft import pretrained
     from blockdraft.training.evaluate import evaluate_drafter, heldout_prompts
 
-    if args.repeats < 1:
-        raise CliError(f"--repeats must be >= 1, not {args.repeats}")
-    device = _device(args.device)
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    for flag, value in (("--repeats", args.repeats), ("--num-prompts", args.num_prompts),
+                        ("--prompt-tokens", args.prompt_tokens), ("--max-new-tokens", args.max_new_tokens)):
+        require_min(flag, value)
+    temps = _temperatures(args.temperatures)
+    device = pick_device(args.device)
+    dtype = model_dtype(device)
     if (args.target is None) != (args.drafter is None):
         raise CliError("give both --target DIR and --drafter DIR (or neither for the built-in pair)")
+    prompts: list[list[int]] | None = None
     if args.target is None:
-        from blockdraft import pretrained
-
-        target, drafter, tokenizer = pretrained.builtin_pair(device=device, dtype=dtype, block_size=args.block_size)
-        prompts = pretrained.heldout_prompts()[: args.num_prompts] if args.texts is None else None
+        if not pretrained.available(args.block_size):
+            raise CliError(f"the built-in pair has no B={args.block_size} drafter installed "
+                           "(--block-size 8 or 16; or pass --target/--drafter)")
+        limit = max_positions(read_model_config("the built-in target", pretrained.TARGET_DIR))
+        tokenizer = pretrained.load_tokenizer()
+        if args.texts is None:
+            prompts = pretrained.heldout_prompts()[: args.num_prompts]
     else:
-        target, tokenizer = _load_target(args.target, device, dtype)
-        drafter = load_drafter(args.drafter, device=device, dtype=dtype)
-        prompts = None
-    if prompts is None:
+        limit = max_positions(check_pair_dirs(args.target, args.drafter))
         if args.texts is None:
             raise CliError("--texts PATH (held-out texts: a directory or JSONL) is needed with --target")
-        prompts = heldout_prompts(load_texts(args.texts), tokenizer, args.num_prompts, args.prompt_tokens)
+        tokenizer = load_tokenizer("--target", args.target)
+    if prompts is None:
+        try:
+            prompts = heldout_prompts(_texts("--texts", args.texts), tokenizer, args.num_prompts,
+                                      args.prompt_tokens)
+        except ValueError as exc:
+            raise CliError(f"--texts {args.texts}: {error_line(exc)}") from exc
+    check_lengths(max(len(p) for p in prompts), args.max_new_tokens, limit, what="the longest prompt")
+    if args.target is None:
+        quiet_transformers()
+        target, drafter, _ = pretrained.builtin_pair(device=device, dtype=dtype, block_size=args.block_size)
+    else:
+        target = load_target_model("--target", args.target, device, dtype)
+        drafter = load_drafter_dir(args.drafter, device, dtype)
     eos = getattr(tokenizer, "eos_token_id", None)
-    temps = [float(t) for t in args.temperatures.split(",") if t.strip()]
     report = evaluate_drafter(
         target, drafter, prompts, max_new_tokens=args.max_new_tokens, temperatures=temps,
         compare_target=not args.no_compare, stop_token_ids=[eos] if isinstance(eos, int) else [],

@@ -49,7 +49,8 @@ def load_texts(path: str | Path, *, suffixes: Sequence[str] = TEXT_SUFFIXES) -> 
 
     Raises:
         FileNotFoundError: ``path`` does not exist.
-        ValueError: a JSONL line without a string ``text``, or no documents at all.
+        ValueError: a JSONL line that is not UTF-8, not JSON, or not an object with a string
+            ``text`` (the message starts with ``path:line:``), or no documents at all.
     """
     root = Path(path)
     if not root.exists():
@@ -62,19 +63,45 @@ def load_texts(path: str | Path, *, suffixes: Sequence[str] = TEXT_SUFFIXES) -> 
             except (UnicodeDecodeError, OSError) as exc:
                 log.debug("skipping %s: %s", file, exc)
     else:
-        with root.open(encoding="utf-8") as fh:
-            for lineno, line in enumerate(fh, 1):
-                if not line.strip():
-                    continue
-                obj = json.loads(line)
-                text = obj.get("text") if isinstance(obj, dict) else None
-                if not isinstance(text, str):
-                    raise ValueError(f"{root}:{lineno}: expected an object with a string 'text' field")
-                texts.append(text)
+        texts = _jsonl_texts(root)
     texts = [t for t in texts if t.strip()]
     if not texts:
         raise ValueError(f"corpus {root} holds no non-empty documents")
     return texts
+
+
+def _jsonl_texts(path: Path) -> list[str]:
+    texts: list[str] = []
+    with path.open("rb") as fh:
+        for lineno, raw in enumerate(fh, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise ValueError(f"{path}:{lineno}: not UTF-8 (byte 0x{raw[exc.start]:02x} at "
+                                 f"column {exc.start + 1})") from None
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{path}:{lineno}: not valid JSON ({exc.msg} at column {exc.colno})") from None
+            if not isinstance(obj, dict):
+                raise ValueError(f"{path}:{lineno}: expected an object with a string 'text' field, "
+                                 f"found {_json_kind(obj)}")
+            if "text" not in obj:
+                raise ValueError(f"{path}:{lineno}: the object has no 'text' field "
+                                 f"(keys: {', '.join(map(repr, list(obj)[:5])) or 'none'})")
+            text = obj["text"]
+            if not isinstance(text, str):
+                raise ValueError(f"{path}:{lineno}: 'text' must be a string, found {_json_kind(text)}")
+            texts.append(text)
+    return texts
+
+
+def _json_kind(value: Any) -> str:
+    names = {dict: "an object", list: "an array", str: "a string", bool: "a boolean",
+             int: "a number", float: "a number", type(None): "null"}
+    return names.get(type(value), type(value).__name__)
 
 
 def python_source_roots() -> list[Path]:

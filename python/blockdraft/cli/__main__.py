@@ -1,0 +1,7 @@
+"""``python -m blockdraft.cli ARGS``."""
+
+import sys
+
+from blockdraft.cli.app import main
+
+sys.exit(main())

@@ -1,0 +1,240 @@
+"""``blockdraft generate``: one prompt, decoded speculatively, optionally against the target alone.
+
+Without ``--target/--drafter`` it runs the built-in trained pair, or a small random pair
+(:func:`build_demo_pair`) when that is not installed.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from blockdraft.cli.common import (
+    CliError,
+    check_lengths,
+    check_pair_dirs,
+    check_text,
+    load_drafter_dir,
+    load_target_model,
+    load_tokenizer,
+    max_positions,
+    model_dtype,
+    pick_device,
+    quiet_transformers,
+    read_model_config,
+    require_min,
+    require_temperature,
+)
+
+DEFAULT_PROMPT = "def fibonacci(n):"
+DEMO_VOCAB = 320
+DEMO_MASK = 256
+DEMO_MAX_POSITIONS = 4096
+
+
+class ByteTokenizer:
+    """The demo pair's tokenizer: UTF-8 bytes are ids 0..255."""
+
+    eos_token_id: int | None = None
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8")) or [32]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
+
+
+def build_demo_pair(*, device: Any = "cpu", dtype: Any = None, seed: int = 0) -> tuple[Any, Any]:
+    """A small random Qwen3 target (byte vocabulary) and a matching 1-layer DFlash drafter.
+
+    Deterministic: the same seed gives the same weights on every machine (drawn on the CPU).
+    """
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from blockdraft.config import DrafterConfig
+    from blockdraft.models import DFlashDrafter
+
+    dtype = dtype or torch.float32
+    torch.manual_seed(seed)
+    target = Qwen3ForCausalLM(  # type: ignore[no-untyped-call]
+        Qwen3Config(
+            hidden_size=128,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=32,
+            intermediate_size=256,
+            vocab_size=DEMO_VOCAB,
+            max_position_embeddings=DEMO_MAX_POSITIONS,
+            tie_word_embeddings=False,
+        )
+    )
+    cfg = DrafterConfig.from_dict(
+        {
+            "architectures": ["DFlashDraftModel"],
+            "hidden_size": 128,
+            "num_hidden_layers": 1,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "head_dim": 32,
+            "intermediate_size": 256,
+            "vocab_size": DEMO_VOCAB,
+            "max_position_embeddings": DEMO_MAX_POSITIONS,
+            "num_target_layers": 4,
+            "block_size": 8,
+            "dflash_config": {"target_layer_ids": [1, 2], "mask_token_id": DEMO_MASK},
+        }
+    )
+    drafter = DFlashDrafter(cfg, device="cpu", dtype=torch.float32)
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, param in drafter.named_parameters():
+            if param.dim() == 1 and "norm" in name:
+                param.fill_(1.0)
+            else:
+                param.copy_(torch.randn(param.shape, generator=gen) * 0.05)
+    drafter.requires_grad_(False)
+    moved: Any = target
+    target = moved.to(device=device, dtype=dtype).eval()
+    drafter = drafter.to(device=device, dtype=dtype).eval()
+    return target, drafter
+
+
+@dataclass(frozen=True)
+class PairSource:
+    """A pair that is checked and tokenizes prompts before its weights load."""
+
+    description: str
+    max_positions: int | None
+    tokenizer: Callable[[], Any]
+    models: Callable[[Any, Any], tuple[Any, Any]]  # (device, dtype) -> (target, drafter)
+
+
+def pair_source(target: str | None, drafter: str | None) -> PairSource:
+    """The pair ``--target/--drafter`` name, else the built-in pair, else the demo pair."""
+    if target is None and drafter is None:
+        from blockdraft import pretrained
+
+        if pretrained.available():
+            def builtin(device: Any, dtype: Any) -> tuple[Any, Any]:
+                quiet_transformers()
+                t, d, _ = pretrained.builtin_pair(device=device, dtype=dtype)
+                return t, d
+
+            return PairSource(
+                "built-in trained pair (Python code model + B=8 DFlash drafter)",
+                max_positions(read_model_config("the built-in target", pretrained.TARGET_DIR)),
+                pretrained.load_tokenizer,
+                builtin,
+            )
+        return PairSource(
+            "built-in trained pair not installed; using the demo pair with RANDOM weights "
+            "(output is noise; pass --target/--drafter for a real pair)",
+            DEMO_MAX_POSITIONS,
+            ByteTokenizer,
+            lambda device, dtype: build_demo_pair(device=device, dtype=dtype),
+        )
+    if target is None or drafter is None:
+        raise CliError("give both --target DIR and --drafter DIR (or neither for the built-in pair)")
+    target_dir, drafter_dir = target, drafter
+    raw = check_pair_dirs(target_dir, drafter_dir)
+
+    def from_dirs(device: Any, dtype: Any) -> tuple[Any, Any]:
+        return (load_target_model("--target", target_dir, device, dtype),
+                load_drafter_dir(drafter_dir, device, dtype))
+
+    return PairSource(f"target {target_dir}, drafter {drafter_dir}", max_positions(raw),
+                      lambda: load_tokenizer("--target", target_dir), from_dirs)
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    """Decode one prompt speculatively; optionally compare with target-only decoding."""
+    import time
+
+    import torch
+    from tqdm import tqdm  # type: ignore[import-untyped]
+
+    from blockdraft.engine import SpeculativeEngine
+
+    require_min("--max-new-tokens", args.max_new_tokens)
+    require_temperature("--temperature", args.temperature)
+    prompt = args.prompt if args.prompt is not None else DEFAULT_PROMPT
+    check_text("the prompt", prompt)
+    device = pick_device(args.device)
+    source = pair_source(args.target, args.drafter)
+    tokenizer = source.tokenizer()
+    ids = list(tokenizer.encode(prompt))
+    if not ids:
+        raise CliError("the prompt encodes to no tokens")
+    check_lengths(len(ids), args.max_new_tokens, source.max_positions)
+    target, drafter = source.models(device, model_dtype(device))
+    stop = getattr(tokenizer, "eos_token_id", None)
+    stops = [stop] if isinstance(stop, int) else None
+    max_seq_len = len(ids) + args.max_new_tokens
+    engine = SpeculativeEngine(
+        target,
+        drafter,
+        max_seq_len=max_seq_len,
+        max_batch=1,
+        num_blocks=-(-(max_seq_len + int(drafter.config.block_size) + 1) // 16),
+        page_size=16,
+    )
+    print(f"blockdraft generate: {source.description}; device {device}")
+    bar = tqdm(
+        total=args.max_new_tokens,
+        unit="tok",
+        disable=args.max_new_tokens < 64 or args.no_progress,
+        leave=False,
+    )
+    with bar:
+        result = engine.generate(
+            [ids],
+            max_new_tokens=args.max_new_tokens,
+            temperature=args.temperature,
+            stop_token_ids=stops,
+            progress=bar.update,
+        )
+    out = result.tokens[0]
+    stats = result.stats
+    print(prompt + tokenizer.decode(out))
+    print(
+        f"tokens {stats.num_new_tokens}  tau {stats.mean_tau:.2f}  "
+        f"{stats.tokens_per_s:.1f} tok/s  ttft {stats.ttft_s[0] * 1000:.1f} ms"
+    )
+    if args.compare:
+        inp = torch.tensor([ids], dtype=torch.long, device=device)
+        start = time.perf_counter()
+        with torch.inference_mode():
+            ref = target.generate(
+                inp,
+                max_new_tokens=args.max_new_tokens,
+                do_sample=False,
+                eos_token_id=stops,
+                pad_token_id=stops[0] if stops else 0,
+            )
+        elapsed = time.perf_counter() - start
+        ref_out = ref[0, len(ids) :].tolist()
+        ref_tps = len(ref_out) / elapsed if elapsed > 0 else 0.0
+        same = "identical" if ref_out == out else "DIFFERENT"
+        speedup = stats.tokens_per_s / ref_tps if ref_tps > 0 else float("nan")
+        print(
+            f"target only: {len(ref_out)} tokens  {ref_tps:.1f} tok/s  "
+            f"speed-up {speedup:.2f}x  output {same}"
+        )
+    return 0
+
+
+def add_generate_command(sub: Any) -> None:
+    gen = sub.add_parser("generate", help="speculative generation with a DFlash drafter")
+    gen.add_argument("prompt", nargs="?", default=None, help=f"text to continue (default {DEFAULT_PROMPT!r})")
+    gen.add_argument("--target", default=None, help="target model directory (HF format)")
+    gen.add_argument("--drafter", default=None, help="DFlash drafter directory")
+    gen.add_argument("--compare", action="store_true", help="also decode with the target alone")
+    gen.add_argument("--max-new-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    gen.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: auto)")
+    gen.add_argument("--no-progress", action="store_true", help="no progress bar")
+    gen.set_defaults(func=run_generate)
