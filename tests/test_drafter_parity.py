@@ -201,7 +201,7 @@ def test_dflash2_short_block_convolution(tmp_path: Path, seed: int) -> None:
     """Blocks shorter than the conv kernel (end of generation): taps past the start are zero."""
     _, mine = make_reference(tmp_path, dflash2=True, block_size=4)
     c = mine.config
-    conv = mine._layer(0).attention_conv
+    conv = mine.layer(0).attention_conv
     assert conv is not None and conv.kernel_size == 3
     x = torch.randn(1, 2, c.hidden_size)
     with torch.no_grad():

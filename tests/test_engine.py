@@ -14,8 +14,11 @@ from tinypair import drafter_config, tiny_drafter, tiny_target
 from torch.nn.attention import SDPBackend
 
 import blockdraft
-import blockdraft.engine as eng
-from blockdraft.engine import DEFAULT_SDPA_BACKENDS, SpeculativeEngine, generate, target_probs
+from blockdraft.engine import DEFAULT_SDPA_BACKENDS, Request, SpeculativeEngine, generate
+from blockdraft.engine.accept import accept_blocks, first_tokens
+from blockdraft.engine.targets import HFTarget
+from blockdraft.sampling import SamplingParams
+from blockdraft.sampling import target_probs
 from blockdraft.proposer import DFlashProposer, DFlashState
 
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9], [10, 11, 12, 13, 14, 15, 16, 17, 18], [30]]
@@ -23,8 +26,11 @@ PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9], [10, 11, 12, 13, 14, 15, 16, 17, 18], [30
 
 def reference(target: Any, prompt: list[int], n: int, stops: list[int] | None = None) -> list[int]:
     """The target's own greedy continuation, cut after the first stop token."""
+    ids = torch.tensor([prompt])
+    # the mask is given: generate would otherwise mask every prompt token equal to the pad id
     out = target.generate(
-        torch.tensor([prompt]), max_new_tokens=n, do_sample=False, pad_token_id=0, eos_token_id=None
+        ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
+        pad_token_id=0, eos_token_id=None,
     )[0, len(prompt) :].tolist()
     if stops:
         for i, t in enumerate(out):
@@ -144,26 +150,30 @@ def test_grammar_bitmask_fn(target: Any, drafter: Any) -> None:
     assert set(seen) == {0, 1}
 
 
-def test_every_state_freed_after_failure(target: Any, drafter: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    engine = SpeculativeEngine(target, drafter, max_seq_len=64, num_blocks=64, max_batch=4)
+@pytest.mark.parametrize("runtime", ["blockdraft", "hf"])
+def test_every_state_freed_after_failure(target: Any, drafter: Any, runtime: str,
+                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    engine = SpeculativeEngine(target, drafter, runtime=runtime, max_seq_len=64, num_blocks=64,
+                               max_batch=4)
     pool = engine.proposer.pool
-    real = engine._target_forward
+    real = engine.target.verify
     calls = {"n": 0}
 
     for exc in (RuntimeError("simulated target failure"), KeyboardInterrupt()):
         calls["n"] = 0
 
-        def flaky(ids: list[int], cache: Any, exc: BaseException = exc, **kw: Any) -> Any:
+        def flaky(seqs: Any, blocks: Any, exc: BaseException = exc) -> Any:
             calls["n"] += 1
-            if calls["n"] == 9:
+            if calls["n"] == 3:
                 raise exc
-            return real(ids, cache, **kw)
+            return real(seqs, blocks)
 
-        monkeypatch.setattr(engine, "_target_forward", flaky)
+        monkeypatch.setattr(engine.target, "verify", flaky)
         with pytest.raises(type(exc)):
             engine.generate(PROMPTS, max_new_tokens=10)
         assert pool.num_used == 0 and pool.num_free == pool.num_blocks
         pool.check_invariants()
+        assert engine.pages_used() == {"target": 0, "drafter": 0}
     monkeypatch.undo()
     # The engine is still usable afterwards.
     assert engine.generate(PROMPTS[:1], max_new_tokens=3).tokens[0] == reference(target, PROMPTS[0], 3)
@@ -184,16 +194,18 @@ def _chi2_sf(stat: float, dof: int) -> float:
                                          torch.tensor(stat / 2.0, dtype=torch.float64)))
 
 
-def test_sampling_matches_target_distribution() -> None:
+@pytest.mark.parametrize("sampled_drafts", [False, True])
+def test_sampling_matches_target_distribution(sampled_drafts: bool) -> None:
     """Chi-square goodness of fit of the 2nd and 3rd generated tokens (the first speculative
     ones) against the target's exact marginals, computed by enumeration on an 8-token
-    vocabulary. With a correct sampler the test fails with probability 1e-3 per statistic
+    vocabulary, with greedy drafts and with drafts sampled from the drafter. With a correct sampler the test fails with probability 1e-3 per statistic
     (2e-3 in all); the seeds are fixed, so a pass is reproducible."""
     vocab, n = 8, 480
     target = tiny_target(vocab=vocab, seed=5)
     drafter = tiny_drafter(drafter_config(vocab=vocab, block=4), seed=6)
     prompt = [1, 2, 3]
-    engine = SpeculativeEngine(target, drafter, max_seq_len=16, num_blocks=512, max_batch=16)
+    engine = SpeculativeEngine(target, drafter, max_seq_len=16, num_blocks=512, max_batch=16,
+                               sampled_drafts=sampled_drafts)
     gen = torch.Generator().manual_seed(1234)
     res = engine.generate([prompt] * n, max_new_tokens=3, temperature=1.3, top_k=6, generator=gen)
     assert sum(res.stats.acceptance_lengths[0]) >= 1
@@ -224,9 +236,9 @@ def test_sampling_detects_a_biased_sampler(monkeypatch: pytest.MonkeyPatch) -> N
     drafter = tiny_drafter(drafter_config(vocab=vocab, block=4), seed=6)
     prompt = [1, 2, 3]
     engine = SpeculativeEngine(target, drafter, max_seq_len=16, num_blocks=256, max_batch=16)
-    import blockdraft.engine as eng
+    import blockdraft.engine.accept as accept_mod
 
-    monkeypatch.setattr(eng._Run, "_uniform", lambda self, device: 0.0)  # always accept
+    monkeypatch.setattr(accept_mod, "accept_draft", lambda p, d, q, g: (True, d))  # always accept
     res = engine.generate([prompt] * n, max_new_tokens=3, temperature=1.3, top_k=6,
                           generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
@@ -284,7 +296,7 @@ LONG_PROMPTS = [[30], [5, 9], [(7 * i + 3) % 60 for i in range(17)], [(11 * i + 
 
 def _engine_for(wrapper: Any, target: Any, drafter: Any) -> SpeculativeEngine:
     prop = DFlashProposer(drafter, target, max_seq_len=64, num_blocks=96, max_batch=4)
-    return SpeculativeEngine(wrapper, drafter, proposer=prop, max_seq_len=64)
+    return SpeculativeEngine(wrapper, drafter, proposer=prop, max_seq_len=64, runtime="hf")
 
 
 def test_prefill_asks_for_the_last_row_only(target: Any, drafter: Any) -> None:
@@ -292,7 +304,7 @@ def test_prefill_asks_for_the_last_row_only(target: Any, drafter: Any) -> None:
     engine = _engine_for(wrapper, target, drafter)
     res = engine.generate(LONG_PROMPTS, max_new_tokens=9)
     assert res.tokens == [reference(target, p, 9) for p in LONG_PROMPTS]
-    # Two waves (max_batch 4): each starts with its prefills, then the verifies.
+    # The prefills come first, then the verifies.
     prefills = [c for c in wrapper.calls if c[1] != 0]
     assert prefills == [(len(p), 1, 1) for p in LONG_PROMPTS]
     assert wrapper.calls[:4] == prefills[:4]
@@ -300,9 +312,11 @@ def test_prefill_asks_for_the_last_row_only(target: Any, drafter: Any) -> None:
     assert verifies and all(rows == n for n, _, rows in verifies)
     assert len(wrapper.calls) == len(prefills) + len(verifies)
     # Straight from the HF target as well: one row, in the target's dtype.
-    logits, rows = engine._target_forward(LONG_PROMPTS[3], engine._new_cache(), last_only=True)
+    hf = engine.target
+    assert isinstance(hf, HFTarget)
+    logits, rows = hf.forward(LONG_PROMPTS[3], hf.new(64).cache, last_only=True)
     assert logits.shape == (1, 64) and logits.dtype == target.dtype
-    assert rows.shape == (40, len(engine.layer_ids) * target.config.hidden_size)
+    assert rows.shape == (40, len(engine.proposer.target_layer_ids) * target.config.hidden_size)
     with torch.no_grad():
         full = target(torch.tensor([LONG_PROMPTS[3]])).logits[0, -1:]
     torch.testing.assert_close(logits, full)
@@ -311,13 +325,15 @@ def test_prefill_asks_for_the_last_row_only(target: Any, drafter: Any) -> None:
 def test_target_without_logits_to_keep(target: Any, drafter: Any) -> None:
     wrapper = NoKeep(target)
     engine = _engine_for(wrapper, target, drafter)
-    assert not engine._keep_last_logits
+    hf = engine.target
+    assert isinstance(hf, HFTarget)
+    assert not hf.adapter.takes_logits_to_keep
     res = engine.generate(LONG_PROMPTS, max_new_tokens=8)
     assert res.tokens == [reference(target, p, 8) for p in LONG_PROMPTS]
-    # The first wave's prefills come first (max_batch 4).
-    assert wrapper.calls[:4] == [(len(p), len(p)) for p in LONG_PROMPTS[:4]]
+    # The prefills come first.
+    assert wrapper.calls[:5] == [(len(p), len(p)) for p in LONG_PROMPTS]
     assert all(rows == n for n, rows in wrapper.calls)  # every row computed, nothing kept
-    logits, _ = engine._target_forward(LONG_PROMPTS[2], engine._new_cache(), last_only=True)
+    logits, _ = hf.forward(LONG_PROMPTS[2], hf.new(64).cache, last_only=True)
     assert logits.shape == (1, 64) and logits._base is None  # a copy, not a view of all rows
     # Sampling goes through the same prefill.
     out = engine.generate(LONG_PROMPTS[:2], max_new_tokens=4, temperature=0.8,
@@ -336,15 +352,17 @@ def test_greedy_device_path_matches_target_on_long_prompts(target: Any, drafter:
 
 
 def test_device_greedy_accept_equals_the_fp32_host_rule() -> None:
-    """The device argmax over (bf16) logits picks what the old rule (fp32 on the host, masked
-    path) picks, ties to the lowest id included."""
+    """The device argmax over (bf16) logits picks what the fp32 host rule (the masked path)
+    picks, ties to the lowest id included."""
     gen = torch.Generator().manual_seed(3)
     vocab = 40
     all_allowed = torch.full((2,), -1, dtype=torch.int32)
-    plain = eng._Run(None, 0.0, 1.0, 0, frozenset(), None, None)  # type: ignore[arg-type]
-    masked = eng._Run(None, 0.0, 1.0, 0, frozenset(), lambda i, toks: all_allowed, None)  # type: ignore[arg-type]
-    seq = eng._Seq(0, 1, None, None)  # type: ignore[arg-type]
-    assert plain.device_greedy and not masked.device_greedy
+
+    def request(mask: Any) -> Request:
+        return Request(id=1, prompt=[1], max_new_tokens=8, params=SamplingParams(), stops=frozenset(),
+                       mask_fn=mask, generator=None, submitted_at=0.0)
+
+    plain, masked = request(None), request(lambda toks: all_allowed)
     for dtype in (torch.bfloat16, torch.float32):
         for trial in range(200):
             # Few distinct values: many ties.
@@ -353,10 +371,10 @@ def test_device_greedy_accept_equals_the_fp32_host_rule() -> None:
             assert best == [int(torch.nonzero(r == r.max())[0]) for r in logits]  # lowest id
             k = trial % 6
             drafts = best[:k] + [(best[k] + 1) % vocab] * (5 - k) if k < 5 else best[:5]
-            got = plain.accept(seq, logits, drafts)
-            assert got == masked.accept(seq, logits, drafts)
-            assert got == ((k, best[k]) if k < 5 else (5, best[5]))
-            assert plain.choose(seq, logits[2:3], []) == masked.choose(seq, logits[2:3], []) == [best[2]]
+            got = accept_blocks([plain], [drafts], logits)
+            assert got == accept_blocks([masked], [drafts], logits)
+            assert got == [(k, best[k]) if k < 5 else (5, best[5])]
+            assert first_tokens([plain], logits[2:3]) == first_tokens([masked], logits[2:3]) == [best[2]]
 
 
 @contextlib.contextmanager
@@ -380,24 +398,25 @@ def test_sdpa_backends_default_and_none(target: Any, drafter: Any, monkeypatch: 
     assert DEFAULT_SDPA_BACKENDS == (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH)
     want = [reference(target, p, 6) for p in PROMPTS]
     with _recording_sdpa_kernel(monkeypatch) as seen:
-        engine = SpeculativeEngine(target, drafter, max_seq_len=64, num_blocks=64, max_batch=4)
-        assert engine.sdpa_backends == DEFAULT_SDPA_BACKENDS
+        engine = SpeculativeEngine(target, drafter, max_seq_len=64, num_blocks=64, max_batch=4,
+                                   runtime="hf")
+        assert engine.target.sdpa_backends == DEFAULT_SDPA_BACKENDS
         assert engine.generate(PROMPTS, max_new_tokens=6).tokens == want
         # Every target call (4 prefills + the verifies) ran inside the selection.
         assert len(seen) >= len(PROMPTS) + 1
         assert all(c == (list(DEFAULT_SDPA_BACKENDS), True) for c in seen)
         seen.clear()
         custom = SpeculativeEngine(target, drafter, max_seq_len=64, num_blocks=64, max_batch=4,
-                                   sdpa_backends=[SDPBackend.MATH])
+                                   sdpa_backends=[SDPBackend.MATH], runtime="hf")
         assert custom.generate(PROMPTS, max_new_tokens=6).tokens == want
         assert seen and all(c == ([SDPBackend.MATH], True) for c in seen)
         seen.clear()
         single = SpeculativeEngine(target, drafter, max_seq_len=64, num_blocks=64, max_batch=4,
-                                   sdpa_backends=SDPBackend.MATH)
-        assert single.sdpa_backends == (SDPBackend.MATH,)
+                                   sdpa_backends=SDPBackend.MATH, runtime="hf")
+        assert single.target.sdpa_backends == (SDPBackend.MATH,)
         seen.clear()
         untouched = SpeculativeEngine(target, drafter, max_seq_len=64, num_blocks=64, max_batch=4,
-                                      sdpa_backends=None)
+                                      sdpa_backends=None, runtime="hf")
         assert untouched.generate(PROMPTS, max_new_tokens=6).tokens == want
         assert seen == []
 
@@ -414,7 +433,8 @@ def test_sdpa_backends_without_set_priority(target: Any, drafter: Any, monkeypat
             yield x
 
     monkeypatch.setattr(torch.nn.attention, "sdpa_kernel", old)
-    engine = SpeculativeEngine(target, drafter, max_seq_len=64, num_blocks=64, max_batch=4)
+    engine = SpeculativeEngine(target, drafter, max_seq_len=64, num_blocks=64, max_batch=4,
+                               runtime="hf")
     assert engine.generate(PROMPTS[:2], max_new_tokens=4).tokens == [reference(target, p, 4) for p in PROMPTS[:2]]
     assert seen and all(b == list(DEFAULT_SDPA_BACKENDS) for b in seen)
 

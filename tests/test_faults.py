@@ -110,7 +110,7 @@ def make_world(drafter: Any, target: Any, n: int, **kw: Any) -> World:
     kw.setdefault("max_seq_len", 64)
     kw.setdefault("num_blocks", 8 * 12)
     prop = DFlashProposer(
-        drafter, target, kv_block_size=BLOCK, max_batch=8, backend="torch", **kw
+        drafter, target, page_size=BLOCK, max_batch=8, backend="torch", **kw
     )
     states, anchors, positions = [], [], []
     for i in range(n):
@@ -338,7 +338,7 @@ def test_generate_every_site_every_position(drafter: Any, target: Any) -> None:
     """Faults anywhere inside a multi-prompt generate: it either raises the injected error with
     every state freed, or (a batched proposal declined) finishes with the exact tokens."""
     engine = SpeculativeEngine(
-        target, drafter, max_seq_len=64, num_blocks=4 * 8, max_batch=4, kv_block_size=BLOCK
+        target, drafter, max_seq_len=64, num_blocks=4 * 8, max_batch=4, page_size=BLOCK
     )
     pool = engine.proposer.pool
 
@@ -348,7 +348,9 @@ def test_generate_every_site_every_position(drafter: Any, target: Any) -> None:
     with faults.record() as rec:
         reference = run()
     points = [(site, k) for site in faults.SITES for k in range(1, rec.hits[site] + 1)]
-    assert {"target_forward", "pool_blocks", "attention", "accumulator"} <= set(rec.hits)
+    assert {"target_forward", "target_pages", "workspace", "pool_blocks", "attention",
+            "accumulator"} <= set(rec.hits)
+    assert engine.target_runtime == "blockdraft"
     absorbed = 0
     for site, k in points:
         with faults.inject(site, k) as plan:
@@ -361,9 +363,9 @@ def test_generate_every_site_every_position(drafter: Any, target: Any) -> None:
                 absorbed += 1
         assert plan.fired
         pool.check_invariants()
-        leaked = pool.num_used
+        leaked = pool.num_used + engine.pages_used()["target"]
         score.leaked_blocks += leaked
-        assert leaked == 0, f"{site} #{k}: {leaked} blocks leaked"
+        assert leaked == 0, f"{site} #{k}: {leaked} blocks / target pages leaked"
         score.fault_points += 1
         score.invariant_checks += 2
     # The batched path declined (and the per-sequence path recovered) at least once.

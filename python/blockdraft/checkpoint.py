@@ -1,4 +1,4 @@
-"""Loading drafter checkpoints in the z-lab format (DESIGN §1).
+"""Loading drafter checkpoints in the z-lab format (docs/design/dflash.md, "Checkpoints").
 
 A checkpoint is a directory with ``config.json`` and either ``model.safetensors`` or sharded
 ``model-XXXXX-of-YYYYY.safetensors`` files listed by ``model.safetensors.index.json``. Tensor

@@ -10,6 +10,7 @@ norm (the public reference reads ``hidden_states`` and so sees it that way).
 
 from __future__ import annotations
 
+import inspect
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -42,6 +43,9 @@ class TargetOutput:
 
 
 def _decoder(model: nn.Module) -> nn.Module:
+    """The decoder (the module with the ``layers`` list and the final ``norm``) of a causal LM:
+    ``model.model``, ``model.get_decoder()``, or, for a module wrapping one, the first
+    submodule that has both."""
     inner = getattr(model, "model", None)
     if isinstance(inner, nn.Module) and hasattr(inner, "layers"):
         return inner
@@ -50,7 +54,36 @@ def _decoder(model: nn.Module) -> nn.Module:
         decoder = get_decoder()
         if isinstance(decoder, nn.Module) and hasattr(decoder, "layers"):
             return decoder
+    for module in model.modules():
+        if isinstance(getattr(module, "layers", None), nn.ModuleList) and hasattr(module, "norm"):
+            return module
     raise ConfigError(f"target {type(model).__name__} has no decoder with a 'layers' list (model.model.layers)")
+
+
+def _output_head(model: nn.Module) -> object:
+    """``model.lm_head``, ``model.get_output_embeddings()``, or the ``lm_head`` of a wrapped
+    model."""
+    head = getattr(model, "lm_head", None)
+    if head is None:
+        get_out = getattr(model, "get_output_embeddings", None)
+        head = get_out() if callable(get_out) else None
+    if head is None:
+        head = next((m for name, m in model.named_modules() if name.endswith("lm_head")), None)
+    return head
+
+
+def _names_logits_to_keep(model: nn.Module) -> bool:
+    """Whether the model's forward names a ``logits_to_keep`` parameter (Hugging Face causal
+    LMs do): then a forward can ask for the last rows' logits only."""
+    try:
+        params = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return False
+    p = params.get("logits_to_keep")
+    return p is not None and p.kind in (
+        inspect.Parameter.POSITIONAL_OR_KEYWORD,
+        inspect.Parameter.KEYWORD_ONLY,
+    )
 
 
 class TargetAdapter:
@@ -72,19 +105,21 @@ class TargetAdapter:
         self.num_layers = len(layers)
         target_config = getattr(model, "config", None)
         hidden = getattr(target_config, "hidden_size", None)
-        embed = model.get_input_embeddings()  # type: ignore[operator]
+        get_in = getattr(model, "get_input_embeddings", None)
+        embed = get_in() if callable(get_in) else getattr(self.decoder, "embed_tokens", None)
         if not isinstance(embed, nn.Module) or not isinstance(getattr(embed, "weight", None), Tensor):
             raise ConfigError(f"target {type(model).__name__} has no input embedding table")
         embedding_weight = embed.weight
         assert isinstance(embedding_weight, Tensor)
         self.embedding_weight: Tensor = embedding_weight
-        head = getattr(model, "lm_head", None)
-        if head is None:
-            head = model.get_output_embeddings()  # type: ignore[operator]
+        head = _output_head(model)
         if not isinstance(head, nn.Module) or not isinstance(getattr(head, "weight", None), Tensor):
             raise ConfigError(f"target {type(model).__name__} has no output head (lm_head)")
         self.head: nn.Module = head
         self.hidden_size = int(hidden) if hidden is not None else int(self.embedding_weight.shape[1])
+        self.takes_logits_to_keep = _names_logits_to_keep(model)
+        """Whether the model's forward takes ``logits_to_keep`` (else every row's logits are
+        computed and the last ones copied out)."""
         self.vocab_size = int(self.lm_head.shape[0])
 
         if isinstance(config, DrafterConfig):
@@ -184,11 +219,6 @@ class TargetAdapter:
         """Raw embedding rows: [...] int64 -> [..., H] (no model-specific scaling)."""
         return F.embedding(tokens.to(self.device), self.embedding_weight)
 
-    def head_logits(self, hidden: Tensor) -> Tensor:
-        """[..., H] -> [..., V] through the target head."""
-        out: Tensor = self.head(hidden)
-        return out
-
     # ---- forward ---------------------------------------------------------------------------
 
     def new_cache(self) -> Any:
@@ -235,22 +265,31 @@ class TargetAdapter:
             raise ValueError(
                 f"out must be a contiguous [{rows}, {self.ctx_row_size}] tensor, got {list(out.shape)}"
             )
+        kwargs: dict[str, Any] = {}
+        if positions is not None:
+            kwargs["position_ids"] = positions.to(self.device)
+        if logits_to_keep and self.takes_logits_to_keep:
+            kwargs["logits_to_keep"] = logits_to_keep
         self._sink = out
         self._seen = [False] * len(self.layer_ids)
         try:
             result = self.model(
                 input_ids=input_ids.to(self.device),
-                position_ids=None if positions is None else positions.to(self.device),
                 past_key_values=past_key_values,
                 use_cache=past_key_values is not None,
-                logits_to_keep=logits_to_keep,
+                **kwargs,
             )
         finally:
             self._sink = None
         if not all(self._seen):
             missing = [i for i, seen in zip(self.layer_ids, self._seen) if not seen]
             raise RuntimeError(f"target layers {missing} did not run; cannot capture their hidden states")
-        return TargetOutput(logits=result.logits, ctx_rows=out, past_key_values=past_key_values)
+        logits = result.logits
+        if logits_to_keep and "logits_to_keep" not in kwargs:
+            # Every row was computed: copy the kept ones out so the rest can be freed (a slice
+            # would keep the whole [n, T, V] storage alive).
+            logits = logits[:, -logits_to_keep:].clone()
+        return TargetOutput(logits=logits, ctx_rows=out, past_key_values=past_key_values)
 
     def close(self) -> None:
         """Remove the hooks (the adapter cannot capture afterwards)."""

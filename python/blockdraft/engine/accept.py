@@ -1,0 +1,106 @@
+"""The target's choices for a step: the first token after a prompt, and how much of each
+drafted block is accepted (greedy, masked or sampled; see :mod:`blockdraft.sampling`)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from blockdraft.engine.request import Request
+from blockdraft.sampling import accept_draft, allowed_ids, draw, target_probs
+
+
+def _device_greedy(r: Request) -> bool:
+    """Greedy without a grammar mask: the choice is a plain argmax, taken on the device."""
+    return r.params.greedy and r.mask_fn is None
+
+
+def _allowed(r: Request, extra: Sequence[int], vocab: int) -> Tensor | None:
+    mask = r.bitmask(extra)
+    return None if mask is None else allowed_ids(mask.to(torch.int32).cpu(), vocab)
+
+
+def _host_choice(r: Request, row: Tensor, extra: Sequence[int]) -> tuple[Tensor | None, int]:
+    """``(target distribution or None when greedy, the greedy choice or -1)`` for one fp32
+    row after the generated tokens and ``extra``."""
+    allowed = _allowed(r, extra, row.shape[-1])
+    if r.params.greedy:
+        if allowed is not None:
+            row = row.masked_fill(~allowed, float("-inf"))
+        return None, int(torch.argmax(row))
+    p = r.params
+    probs = target_probs(row[None], p.temperature, p.top_p, p.top_k,
+                         None if allowed is None else allowed[None])[0]
+    return probs, -1
+
+
+def first_tokens(requests: Sequence[Request], logits: Tensor) -> list[int]:
+    """Each request's token after its prompt from its last prompt row ``logits[i]`` ``[n, V]``."""
+    if all(_device_greedy(r) for r in requests):
+        picked: list[int] = torch.argmax(logits, dim=-1).tolist()
+        return picked
+    rows = logits.cpu()  # the target's dtype; rows become fp32 only when looked at
+    out = []
+    for r, row in zip(requests, rows):
+        probs, choice = _host_choice(r, row.float(), [])
+        out.append(choice if probs is None else draw(probs, r.generator))
+    return out
+
+
+def accept_blocks(
+    requests: Sequence[Request],
+    drafts: Sequence[list[int]],
+    logits: Tensor,
+    draft_q: Sequence[Tensor | None] | None = None,
+) -> list[tuple[int, int]]:
+    """Per request ``(accepted drafts, next token)`` from the verify logits ``[R, V]``
+    (request ``i``'s ``1 + len(drafts[i])`` rows back to back). ``draft_q[i]`` ``[len, V]``:
+    the distribution request ``i``'s drafts were sampled from (``None``: greedy drafts)."""
+    greedy_rows: list[int] | None = None
+    if any(_device_greedy(r) for r in requests):
+        # One argmax on the device and one small transfer for every greedy request.
+        greedy_rows = torch.argmax(logits, dim=-1).tolist()
+    host: Tensor | None = None
+    out: list[tuple[int, int]] = []
+    offset = 0
+    for i, (r, d) in enumerate(zip(requests, drafts)):
+        rows = len(d) + 1
+        if _device_greedy(r):
+            assert greedy_rows is not None
+            choices = greedy_rows[offset : offset + rows]
+            out.append(_greedy_accept(d, choices))
+        else:
+            if host is None:
+                host = logits.cpu()
+            q = draft_q[i] if draft_q is not None else None
+            out.append(_host_accept(r, d, host[offset : offset + rows], q))
+        offset += rows
+    return out
+
+
+def _greedy_accept(drafts: Sequence[int], choices: Sequence[int]) -> tuple[int, int]:
+    for j, d in enumerate(drafts):
+        if d != choices[j]:
+            return j, choices[j]
+    return len(drafts), choices[len(drafts)]
+
+
+def _host_accept(r: Request, drafts: Sequence[int], rows: Tensor, q: Tensor | None) -> tuple[int, int]:
+    for j in range(len(drafts) + 1):
+        probs, choice = _host_choice(r, rows[j].float(), drafts[:j])
+        if probs is None:
+            if j < len(drafts) and drafts[j] == choice:
+                continue
+            return j, choice
+        if j == len(drafts):
+            return j, draw(probs, r.generator)
+        ok, token = accept_draft(probs, drafts[j], None if q is None else q[j], r.generator)
+        if ok:
+            continue
+        return j, token
+    raise AssertionError("unreachable")
+
+
+__all__ = ["accept_blocks", "first_tokens"]

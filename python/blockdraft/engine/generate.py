@@ -1,0 +1,65 @@
+"""``blockdraft.generate``: speculative generation in one call."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from blockdraft.engine.engine import SpeculativeEngine
+from blockdraft.results import GenerationResult
+
+
+def generate(
+    target: Any,
+    drafter: Any,
+    prompts: Sequence[Sequence[int]],
+    *,
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    stop_token_ids: Sequence[int] | None = None,
+    grammar_bitmask_fn: Callable[[int, Sequence[int]], Tensor | None] | None = None,
+    generator: torch.Generator | None = None,
+    runtime: str = "auto",
+    sampled_drafts: bool = False,
+) -> GenerationResult:
+    """Speculative generation for one or many prompts (a one-off :class:`SpeculativeEngine`
+    whose pools hold exactly these prompts; build an engine yourself to reuse it).
+
+    Args:
+        runtime: what runs the target: ``"auto"`` (blockdraft's runtime when it supports
+            the model), ``"blockdraft"`` or ``"hf"``.
+        sampled_drafts: at ``temperature > 0``, sample the drafts from the drafter's
+            distribution (see :class:`SpeculativeEngine`).
+        (the rest as :meth:`SpeculativeEngine.generate`)
+
+    Raises:
+        ConfigError: ``runtime="blockdraft"`` on an unsupported model (named).
+        TypeError / ValueError: bad arguments.
+    """
+    if isinstance(prompts, (str, bytes)) or not prompts:
+        raise ValueError("no prompts given")
+    block = int(drafter.config.block_size)
+    lengths = [len(p) for p in prompts]
+    longest = max(lengths) + max_new_tokens
+    page = 16
+    # Pools that hold every prompt at its longest, and no more.
+    target_pages = sum(-(-(n + max_new_tokens + block) // page) for n in lengths)
+    drafter_blocks = sum(-(-(n + max_new_tokens + block + 1) // page) for n in lengths)
+    with SpeculativeEngine(
+        target, drafter, runtime=runtime, max_seq_len=longest, max_active=len(prompts),
+        target_pages=target_pages, page_size=page, num_blocks=drafter_blocks,
+        max_batch=min(len(prompts), 16), sampled_drafts=sampled_drafts,
+    ) as engine:
+        return engine.generate(
+            prompts, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
+            top_k=top_k, stop_token_ids=stop_token_ids, grammar_bitmask_fn=grammar_bitmask_fn,
+            generator=generator,
+        )
+
+
+__all__ = ["generate"]

@@ -1,0 +1,21 @@
+"""blockdraft's own runtime for Hugging Face decoder-only targets (Llama, Mistral, Qwen2, Qwen3).
+
+| module | concept |
+| --- | --- |
+| ``spec`` | which architectures run, and what is read from a loaded model |
+| ``weights`` | fused q/k/v and gate/up weights that are the model's own storage |
+| ``cache`` | the paged target K/V |
+| ``forward`` | one forward over the new rows of many sequences |
+| ``runtime`` | :class:`TargetRuntime`: sequences, forwards, accept, free |
+| ``decode`` | :func:`decode`: target-only decoding on the runtime |
+
+Design and memory: ``docs/runtime.md``.
+"""
+
+from __future__ import annotations
+
+from blockdraft.runtime.decode import decode
+from blockdraft.runtime.runtime import ForwardOutput, TargetRuntime
+from blockdraft.runtime.spec import FAMILIES, TargetSpec
+
+__all__ = ["FAMILIES", "ForwardOutput", "TargetRuntime", "TargetSpec", "decode"]

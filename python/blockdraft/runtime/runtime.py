@@ -1,0 +1,345 @@
+"""The target runtime: a loaded Hugging Face target run by blockdraft's own forward.
+
+:class:`TargetRuntime` owns the pieces: the checked :class:`TargetSpec`, the paged K/V in pages
+of its own :class:`~blockdraft.BlockPool` (page tables kept by the Rust core's
+:class:`~blockdraft.core.SeqPages`), and the :class:`TargetForward`. A sequence's life:
+
+* :meth:`TargetRuntime.new_sequence` takes all the pages the sequence may need (its capacity:
+  prompt + new tokens + look-ahead) at once, so a running sequence never waits for memory;
+* :meth:`TargetRuntime.forward` runs new rows of many sequences in one forward (a prefill
+  chunk, a verify block or a decode row each); their K/V are written, pending;
+* :meth:`TargetRuntime.accept` commits the first ``k`` of each sequence's pending rows: a
+  rejected draft's K/V is simply overwritten by the next forward, no copy;
+* :meth:`TargetRuntime.free` gives every page back.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from blockdraft import _core, faults, kernels
+from blockdraft._core import BlockPool, ConfigError, ForwardPlan, SeqPages
+from blockdraft.runtime.cache import TargetKVCache
+from blockdraft.runtime.forward import ForwardBatch, TargetForward
+from blockdraft.cuda_graphs import GraphMode, resolve_mode
+from blockdraft.runtime.graphs import RuntimeGraphs
+from blockdraft.runtime.spec import TargetSpec
+
+log = logging.getLogger(__name__)
+
+_owner_ids = iter(range(1 << 40, 1 << 62))  # apart from the proposers' owner tags
+
+
+@dataclass
+class ForwardOutput:
+    """One forward's results.
+
+    Attributes:
+        logits: ``[m, V]`` in the target's dtype, for the rows asked for (see
+            :meth:`TargetRuntime.forward`), sequence by sequence.
+        ctx_rows: ``[R, k*H]`` the captured layers' rows of every new row (``None`` when the
+            runtime captures no layer).
+        rows: new rows per sequence.
+    """
+
+    logits: Tensor
+    ctx_rows: Tensor | None
+    rows: list[int]
+
+
+class TargetRuntime:
+    """A Hugging Face causal LM run on blockdraft's forward (Llama, Mistral, Qwen2, Qwen3).
+
+    Attaching fuses each layer's q/k/v and gate/up weights into one tensor per layer that
+    becomes the model's own storage (the modules' weights are views of it, so the model's own
+    forward still works and nothing is held twice). The runtime's memory is its K/V pages and
+    per-forward workspaces; ``docs/runtime.md`` gives the figures.
+
+    Args:
+        model: the target, in eval mode, already on its device and in its dtype.
+        max_seq_len: the longest sequence (prompt + generation + look-ahead) served; default
+            and upper bound: the config's ``max_position_embeddings``.
+        num_pages: K/V pages in the pool; ``None`` sizes it to ``max_batch`` sequences of
+            ``max_seq_len`` tokens, at most ``memory_fraction`` of free memory.
+        page_size: tokens per page.
+        max_batch: sequences a default-sized pool holds at their longest.
+        memory_fraction: the most of the device's free memory a default-sized pool takes.
+        backend: ``"auto"`` (Triton on CUDA, the torch references elsewhere), ``"triton"`` or
+            ``"torch"``.
+        capture_layers: target layer ids whose rows :meth:`forward` returns as ctx rows (a
+            drafter's ``target_layer_ids``).
+        prefill_chunk: the most prompt rows one prefill forward takes, so a long prompt needs
+            neither ``[T, V]`` logits nor a ``T x T`` score matrix.
+        graphs: forwards of the same number of rows for every sequence (``graph_rows``)
+            through CUDA graphs per batch-size bucket (:mod:`blockdraft.runtime.graphs`):
+            ``"auto"`` captures on CUDA, ``"capture"`` forces it, ``"static"`` runs the same
+            fixed-shape buffers eagerly (any device), ``"off"`` disables them.
+        graph_rows: rows per sequence with graphs of their own (1: decode; a drafter's B:
+            verify).
+
+    Raises:
+        ConfigError: an unsupported architecture or feature (named), a bad backend, sizes the
+            model cannot take.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        *,
+        max_seq_len: int | None = None,
+        num_pages: int | None = None,
+        page_size: int = 16,
+        max_batch: int = 16,
+        memory_fraction: float = 0.5,
+        backend: str = "auto",
+        capture_layers: Sequence[int] = (),
+        prefill_chunk: int = 512,
+        graphs: GraphMode = "auto",
+        graph_rows: Sequence[int] = (1,),
+    ) -> None:
+        self.spec = spec = TargetSpec.from_model(model)
+        if max_seq_len is None:
+            max_seq_len = spec.max_positions
+        for name, value in (("max_seq_len", max_seq_len), ("page_size", page_size),
+                            ("max_batch", max_batch), ("prefill_chunk", prefill_chunk)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, not {value!r}")
+        if max_seq_len > spec.max_positions:
+            raise ConfigError(
+                f"max_seq_len {max_seq_len} exceeds the model's max_position_embeddings "
+                f"{spec.max_positions}"
+            )
+        if not 0.0 < memory_fraction <= 1.0:
+            raise ValueError(f"memory_fraction must be in (0, 1], not {memory_fraction}")
+        self.model = model
+        self.max_seq_len = max_seq_len
+        self.prefill_chunk = prefill_chunk
+        self.backend = kernels.resolve_backend(backend, spec.device)
+        if num_pages is None:
+            num_pages = TargetKVCache.default_num_pages(
+                spec, page_size, tokens=max_batch * max_seq_len, fraction=memory_fraction
+            )
+        self.pool = BlockPool(num_pages, page_size)
+        self.cache = TargetKVCache(self.pool, spec)
+        self.forward_pass = TargetForward(spec, self.cache, kernels.ops(self.backend), capture_layers)
+        self._owner = next(_owner_ids)
+        mode = resolve_mode(graphs, spec.device)
+        self.graphs: RuntimeGraphs | None = None
+        if mode is not None:
+            self.graphs = RuntimeGraphs(
+                self.forward_pass, mode, width=self.pages_for(max_seq_len), max_batch=max_batch,
+                rows=tuple(int(r) for r in graph_rows),
+            )
+        log.debug(
+            "target runtime: %s on %s (%s), %d pages x %d tokens, %.1f MB of K/V",
+            spec.architecture, spec.device, self.backend, num_pages, page_size,
+            self.cache.nbytes / 2**20,
+        )
+
+    # ------------------------------------------------------------------ properties
+
+    @property
+    def device(self) -> torch.device:
+        return self.spec.device
+
+    @property
+    def vocab_size(self) -> int:
+        return self.spec.vocab_size
+
+    @property
+    def owner_id(self) -> int:
+        """Tag of every sequence this runtime makes."""
+        return self._owner
+
+    @property
+    def page_size(self) -> int:
+        return self.pool.page_size
+
+    def pages_for(self, capacity: int) -> int:
+        """Pages a sequence of ``capacity`` tokens takes."""
+        return -(-capacity // self.pool.page_size)
+
+    # ------------------------------------------------------------------ sequences
+
+    def new_sequence(self, capacity: int) -> SeqPages:
+        """A sequence that may hold up to ``capacity`` tokens (all its pages taken now).
+
+        Raises:
+            ValueError: ``capacity`` below 1 or past ``max_seq_len``.
+            PoolExhaustedError: not enough free pages (nothing taken).
+        """
+        if isinstance(capacity, bool) or not isinstance(capacity, int):
+            raise TypeError(f"capacity must be an int, not {type(capacity).__name__}")
+        if not 1 <= capacity <= self.max_seq_len:
+            raise ValueError(f"capacity must be in 1..{self.max_seq_len} (max_seq_len), not {capacity}")
+        if faults._ACTIVE is not None:
+            faults.hit("target_pages")
+        return SeqPages(self.pool, capacity, self._owner)
+
+    def free(self, seqs: Sequence[SeqPages]) -> None:
+        """Give back every page of ``seqs`` (idempotent).
+
+        Raises:
+            InvalidStateError: a sequence of another runtime (nothing freed).
+        """
+        _core.free_all("free", list(seqs), self._owner)
+
+    def accept(self, seqs: Sequence[SeqPages], counts: Sequence[int]) -> None:
+        """Commit the first ``counts[i]`` pending rows of each sequence (the rest of the last
+        forward's rows are dropped, to be overwritten).
+
+        Raises:
+            InvalidStateError / ValueError: a foreign or freed sequence, a count past its
+                pending rows (nothing changed).
+        """
+        _core.accept_rows("accept", list(seqs), counts, self._owner)
+
+    # ------------------------------------------------------------------ forwards
+
+    def forward(
+        self,
+        seqs: Sequence[SeqPages],
+        tokens: Sequence[Sequence[int]],
+        *,
+        logits: str = "all",
+        capture: bool = True,
+    ) -> ForwardOutput:
+        """One forward over ``tokens[i]`` appended to each sequence (its rows stay pending
+        until :meth:`accept`).
+
+        Args:
+            seqs: distinct live sequences of this runtime.
+            tokens: per sequence its new token ids (at least one).
+            logits: ``"all"`` (every new row, as a verify needs) or ``"last"`` (each
+                sequence's last row, as a prefill or decode needs).
+
+        Returns:
+            the logits and captured rows; on the graph path they are views of the graph's
+            buffers, valid until the next forward of the same shape.
+            capture: return the captured layers' rows (when the runtime has capture layers).
+
+        Raises:
+            InvalidStateError: a foreign or freed sequence.
+            TypeError / ValueError: bad tokens, or rows past a sequence's capacity (nothing
+                changed).
+        """
+        if logits not in ("all", "last"):
+            raise ValueError(f"logits must be 'all' or 'last', not {logits!r}")
+        if len(tokens) != len(seqs):
+            raise ValueError(f"{len(seqs)} sequences but {len(tokens)} token lists")
+        flat = self._tokens(tokens)
+        counts = [len(t) for t in tokens]
+        plan = _core.plan_forward("forward", list(seqs), counts, self._owner)
+        rows_each = counts[0] if counts else 0
+        graphs = self.graphs
+        if (graphs is not None and all(c == rows_each for c in counts)
+                and (logits == "all" or rows_each == 1) and graphs.accepts(len(counts), rows_each)):
+            if faults._ACTIVE is not None:
+                faults.hit("target_forward")
+            got = graphs.run(plan, flat, len(counts), rows_each)
+            if got is not None:
+                return ForwardOutput(got[0], got[1] if capture else None, counts)
+        batch = self._batch(plan, flat, logits)
+        width = self.forward_pass.ctx_row_width
+        rows = None
+        if capture and width:
+            if faults._ACTIVE is not None:
+                faults.hit("workspace")
+            rows = torch.empty((plan.n_rows, width), dtype=self.spec.dtype, device=self.device)
+        if faults._ACTIVE is not None:
+            faults.hit("target_forward")
+        out = self.forward_pass.run(batch, rows)
+        return ForwardOutput(out, rows, counts)
+
+    def prefill(
+        self,
+        seqs: Sequence[SeqPages],
+        prompts: Sequence[Sequence[int]],
+        *,
+        on_chunk: Callable[[list[int], list[range], Tensor], None] | None = None,
+    ) -> Tensor:
+        """Run each prompt through its (empty) sequence in chunks of at most
+        ``prefill_chunk`` rows in all, accepting them; returns each prompt's last-row logits
+        ``[n, V]``.
+
+        Args:
+            on_chunk: called after each chunk with the indices (into ``seqs``) of the
+                sequences it held, their positions, and the chunk's ctx rows ``[rows, k*H]``
+                (the drafter's context commit).
+        """
+        if len(prompts) != len(seqs):
+            raise ValueError(f"{len(seqs)} sequences but {len(prompts)} prompts")
+        done = [0] * len(prompts)
+        last: list[Tensor | None] = [None] * len(prompts)
+        while True:
+            idx: list[int] = []
+            parts: list[list[int]] = []
+            budget = self.prefill_chunk
+            for i, p in enumerate(prompts):
+                left = len(p) - done[i]
+                if left > 0 and budget > 0:
+                    take = min(left, budget)
+                    idx.append(i)
+                    parts.append(list(p[done[i] : done[i] + take]))
+                    budget -= take
+            if not idx:
+                break
+            out = self.forward([seqs[i] for i in idx], parts, logits="last",
+                               capture=on_chunk is not None)
+            self.accept([seqs[i] for i in idx], [len(t) for t in parts])
+            spans = [range(done[i], done[i] + len(t)) for i, t in zip(idx, parts)]
+            for k, (i, t) in enumerate(zip(idx, parts)):
+                done[i] += len(t)
+                if done[i] == len(prompts[i]):
+                    last[i] = out.logits[k]
+            if on_chunk is not None and out.ctx_rows is not None:
+                on_chunk(idx, spans, out.ctx_rows)
+        if any(t is None for t in last):
+            raise ValueError("every prompt must hold at least one token")
+        return torch.stack([t for t in last if t is not None])
+
+    # ------------------------------------------------------------------ internals
+
+    def _tokens(self, tokens: Sequence[Sequence[int]]) -> list[int]:
+        vocab = int(self.spec.embed.weight.shape[0])
+        flat: list[int] = []
+        for i, toks in enumerate(tokens):
+            for t in toks:
+                if isinstance(t, bool) or not isinstance(t, int):
+                    try:
+                        t = t.__index__()
+                    except (AttributeError, TypeError):
+                        raise TypeError(f"sequence {i}: token ids must be ints, not {type(t).__name__}") from None
+                if not 0 <= t < vocab:
+                    raise ValueError(f"sequence {i}: token id {t} is outside the vocabulary [0, {vocab})")
+                flat.append(t)
+        return flat
+
+    def _batch(self, plan: ForwardPlan, flat: list[int], logits: str) -> ForwardBatch:
+        dev = self.device
+        n = len(plan.kv_lens)
+        width = max(1, plan.max_pages)
+        table = torch.empty((n, width), dtype=torch.int32)
+        plan.fill(table, width)
+        q_starts = plan.q_starts
+        logit_rows = None
+        if logits == "last":
+            logit_rows = torch.tensor([q - 1 for q in q_starts[1:]], dtype=torch.int64, device=dev)
+        return ForwardBatch(
+            input_ids=torch.tensor(flat, dtype=torch.int64, device=dev),
+            positions=torch.tensor(plan.positions, dtype=torch.int64, device=dev),
+            slots=torch.tensor(plan.slots, dtype=torch.int64, device=dev),
+            page_tables=table.to(dev),
+            q_starts=torch.tensor(q_starts, dtype=torch.int32, device=dev),
+            kv_lens=torch.tensor(plan.kv_lens, dtype=torch.int32, device=dev),
+            max_rows=plan.max_rows,
+            logit_rows=logit_rows,
+        )
+
+
+__all__ = ["ForwardOutput", "TargetRuntime"]
