@@ -90,6 +90,9 @@ def bench_spec(
             sync(device)
             rec["host_us"] = summarize(host)
             engine.close()
+            del engine, seqs
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
             log.info(
                 "spec step at %d x %d: %s ms (tau %s), target-only decode %s ms, host %s us",
                 ctx, n, fmt(rec["step_ms"]["median"]), fmt(rec["tau"], 2),

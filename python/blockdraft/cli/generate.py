@@ -7,6 +7,7 @@ Without ``--target/--drafter`` it runs the built-in trained pair, or a small ran
 from __future__ import annotations
 
 import argparse
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -111,6 +112,7 @@ class PairSource:
     max_positions: int | None
     tokenizer: Callable[[], Any]
     models: Callable[[Any, Any], tuple[Any, Any]]  # (device, dtype) -> (target, drafter)
+    dtype: Any = None  # the pair's own dtype, else the device's (model_dtype)
 
 
 def pair_source(target: str | None, drafter: str | None) -> PairSource:
@@ -124,11 +126,16 @@ def pair_source(target: str | None, drafter: str | None) -> PairSource:
                 t, d, _ = pretrained.builtin_pair(device=device, dtype=dtype)
                 return t, d
 
+            import torch
+
+            # fp32 on every device: the pair is small, and fp32 makes the speculative output
+            # exactly the target's own greedy output
             return PairSource(
-                "built-in trained pair (Python code model + B=8 DFlash drafter)",
+                "built-in trained pair (Python code model + B=8 DFlash drafter, fp32)",
                 max_positions(read_model_config("the built-in target", pretrained.TARGET_DIR)),
                 pretrained.load_tokenizer,
                 builtin,
+                torch.float32,
             )
         return PairSource(
             "built-in trained pair not installed; using the demo pair with RANDOM weights "
@@ -151,12 +158,13 @@ def pair_source(target: str | None, drafter: str | None) -> PairSource:
 
 
 def run_generate(args: argparse.Namespace) -> int:
-    """Decode one prompt speculatively; optionally compare with target-only decoding."""
-    import time
-
+    """Decode one prompt speculatively; with ``--compare`` also target-only on the same runtime
+    and with Hugging Face ``generate``. Every path runs once untimed first (compiles, graph
+    captures, caches), so the timed runs are warm."""
     import torch
     from tqdm import tqdm  # type: ignore[import-untyped]
 
+    import blockdraft
     from blockdraft.engine import SpeculativeEngine
 
     require_min("--max-new-tokens", args.max_new_tokens)
@@ -170,60 +178,59 @@ def run_generate(args: argparse.Namespace) -> int:
     if not ids:
         raise CliError("the prompt encodes to no tokens")
     check_lengths(len(ids), args.max_new_tokens, source.max_positions)
-    target, drafter = source.models(device, model_dtype(device))
+    target, drafter = source.models(device, source.dtype or model_dtype(device))
     stop = getattr(tokenizer, "eos_token_id", None)
     stops = [stop] if isinstance(stop, int) else None
-    max_seq_len = len(ids) + args.max_new_tokens
-    engine = SpeculativeEngine(
-        target,
-        drafter,
-        max_seq_len=max_seq_len,
-        max_batch=1,
-        num_blocks=-(-(max_seq_len + int(drafter.config.block_size) + 1) // 16),
-        page_size=16,
-    )
-    print(f"blockdraft generate: {source.description}; device {device}")
-    bar = tqdm(
-        total=args.max_new_tokens,
-        unit="tok",
-        disable=args.max_new_tokens < 64 or args.no_progress,
-        leave=False,
-    )
+    n = args.max_new_tokens
+    engine = SpeculativeEngine(target, drafter, max_seq_len=len(ids) + n, max_active=1,
+                               max_batch=1, page_size=16,
+                               num_blocks=-(-(len(ids) + n + int(drafter.config.block_size) + 1) // 16))
+    print(f"blockdraft generate: {source.description}; device {device}; "
+          f"target on {'blockdraft runtime' if engine.runtime is not None else 'Hugging Face'}")
+    warm = min(n, 16)
+    engine.generate([ids], max_new_tokens=warm, stop_token_ids=stops)
+    bar = tqdm(total=n, unit="tok", disable=n < 64 or args.no_progress, leave=False)
     with bar:
-        result = engine.generate(
-            [ids],
-            max_new_tokens=args.max_new_tokens,
-            temperature=args.temperature,
-            stop_token_ids=stops,
-            progress=bar.update,
-        )
+        result = engine.generate([ids], max_new_tokens=n, temperature=args.temperature,
+                                 stop_token_ids=stops, progress=bar.update)
     out = result.tokens[0]
     stats = result.stats
     print(prompt + tokenizer.decode(out))
-    print(
-        f"tokens {stats.num_new_tokens}  tau {stats.mean_tau:.2f}  "
-        f"{stats.tokens_per_s:.1f} tok/s  ttft {stats.ttft_s[0] * 1000:.1f} ms"
-    )
-    if args.compare:
-        inp = torch.tensor([ids], dtype=torch.long, device=device)
+    spec_tps = stats.tokens_per_s
+    print(f"speculative: {stats.num_new_tokens} tokens, tau {stats.mean_tau:.2f}, "
+          f"{spec_tps:.1f} tok/s, first token {stats.ttft_s[0] * 1000:.1f} ms")
+    if not args.compare:
+        return 0
+    greedy = args.temperature <= 0
+    speedups = []
+    if engine.runtime is not None:
+        blockdraft.decode(engine.runtime, [ids], max_new_tokens=warm, stop_token_ids=stops)
+        alone = blockdraft.decode(engine.runtime, [ids], max_new_tokens=n, temperature=args.temperature,
+                                  stop_token_ids=stops)
+        tps = alone.stats.tokens_per_s
+        print(f"target only, blockdraft runtime: {alone.stats.num_new_tokens} tokens, {tps:.1f} tok/s"
+              + (f", output {'identical' if alone.tokens[0] == out else 'DIFFERENT'}" if greedy else ""))
+        speedups.append(("target-only decoding on the same runtime", spec_tps / tps if tps else float("nan")))
+    inp = torch.tensor([ids], dtype=torch.long, device=device)
+
+    def hf(count: int) -> tuple[list[int], float]:
         start = time.perf_counter()
         with torch.inference_mode():
-            ref = target.generate(
-                inp,
-                max_new_tokens=args.max_new_tokens,
-                do_sample=False,
-                eos_token_id=stops,
-                pad_token_id=stops[0] if stops else 0,
-            )
-        elapsed = time.perf_counter() - start
-        ref_out = ref[0, len(ids) :].tolist()
-        ref_tps = len(ref_out) / elapsed if elapsed > 0 else 0.0
-        same = "identical" if ref_out == out else "DIFFERENT"
-        speedup = stats.tokens_per_s / ref_tps if ref_tps > 0 else float("nan")
-        print(
-            f"target only: {len(ref_out)} tokens  {ref_tps:.1f} tok/s  "
-            f"speed-up {speedup:.2f}x  output {same}"
-        )
+            ref = target.generate(inp, attention_mask=torch.ones_like(inp), max_new_tokens=count,
+                                  do_sample=not greedy, temperature=args.temperature if not greedy else None,
+                                  eos_token_id=stops, pad_token_id=stops[0] if stops else 0)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return ref[0, len(ids):].tolist(), time.perf_counter() - start
+
+    hf(warm)
+    ref_out, elapsed = hf(n)
+    hf_tps = len(ref_out) / elapsed if elapsed > 0 else 0.0
+    print(f"target only, Hugging Face generate: {len(ref_out)} tokens, {hf_tps:.1f} tok/s"
+          + (f", output {'identical' if ref_out == out else 'DIFFERENT'}" if greedy else ""))
+    speedups.append(("Hugging Face generate", spec_tps / hf_tps if hf_tps else float("nan")))
+    for what, x in speedups:
+        print(f"speed-up over {what}: {x:.2f}x")
     return 0
 
 

@@ -168,6 +168,12 @@ class SpeculativeEngine:
         """``"blockdraft"`` or ``"hf"``: what runs the target."""
         return self.target.name
 
+    @property
+    def runtime(self) -> TargetRuntime | None:
+        """The target's :class:`~blockdraft.TargetRuntime` (``None`` on the Hugging Face
+        forward): target-only decoding on it (:func:`blockdraft.decode`) is the fair baseline."""
+        return self.target.runtime if isinstance(self.target, RuntimeTarget) else None
+
     def close(self) -> None:
         """Cancel everything and detach from the target (the engine is unusable afterwards)."""
         for r in list(self._requests.values()):

@@ -79,7 +79,8 @@ def builtin_pair(
 
     Args:
         device: where both models go; default CUDA when present, else CPU.
-        dtype: default bf16 on CUDA, fp32 elsewhere (the files are bf16; CPUs compute in fp32).
+        dtype: default fp32 on every device: the pair is small, and in fp32 speculative output
+            equals the target's own greedy output exactly (the files are bf16).
         block_size: the drafter's block size B: 8 (default, the better tau per step) or 16.
 
     Returns:
@@ -98,7 +99,7 @@ def builtin_pair(
     if not available(block_size):
         raise FileNotFoundError(f"the built-in pair with a B={block_size} drafter is not installed under {ROOT}")
     dev = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
-    dt = dtype or (torch.bfloat16 if dev.type == "cuda" else torch.float32)
+    dt = dtype or torch.float32
     tokenizer = load_tokenizer()
     model: Any = AutoModelForCausalLM.from_pretrained(str(TARGET_DIR), dtype=dt)
     target = model.to(dev).eval()
