@@ -65,7 +65,8 @@ def main() -> None:
     engine = blockdraft.SpeculativeEngine(target, drafter, runtime="blockdraft",
                                           max_seq_len=longest, max_active=len(prompts),
                                           max_batch=len(prompts))
-    runtime = engine.target.runtime  # type: ignore[attr-defined]
+    runtime = engine.runtime
+    assert runtime is not None
     rec: dict[str, Any] = {"device": str(dev), "prompts": len(prompts), "new_tokens": n,
                            "host": platform.processor() or platform.machine(),
                            "cpus": os.cpu_count(), "torch": torch.__version__}

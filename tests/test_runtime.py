@@ -226,7 +226,8 @@ def test_fixed_shape_graph_buffers_give_the_eager_output() -> None:
         engine = blockdraft.SpeculativeEngine(target, drafter, graphs=graphs, max_seq_len=64,  # type: ignore[arg-type]
                                               num_blocks=64, max_batch=4)
         assert engine.generate(prompts, max_new_tokens=9).tokens == want
-        rt = engine.target.runtime  # type: ignore[attr-defined]
+        rt = engine.runtime
+        assert rt is not None
         assert (rt.graphs is not None) == (graphs == "static")
         if rt.graphs is not None:
             assert rt.graphs.calls > 0

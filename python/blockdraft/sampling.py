@@ -52,10 +52,10 @@ def validate_sampling(temperature: float, top_p: float, top_k: int) -> None:
 
 
 def allowed_ids(bitmask: Tensor, vocab: int) -> Tensor:
-    """Packed int32 ``[ceil(V/32)]`` -> ``[V]`` bool (bit ``j`` of word ``w`` allows id
-    ``32 * w + j``)."""
+    """Packed int32 ``[..., ceil(V/32)]`` -> ``[..., V]`` bool (bit ``j`` of word ``w``
+    allows id ``32 * w + j``)."""
     ids = torch.arange(vocab, device=bitmask.device)
-    return ((bitmask.to(torch.int64)[ids // 32] >> (ids % 32)) & 1).to(torch.bool)
+    return ((bitmask.to(torch.int64)[..., ids // 32] >> (ids % 32)) & 1).to(torch.bool)
 
 
 def target_probs(

@@ -84,7 +84,8 @@ def test_captured_graphs_equal_the_eager_runtime() -> None:
                                               max_active=8, max_batch=8)
         out[("spec", mode)] = engine.generate(prompts, max_new_tokens=21).tokens
         out[("spec1", mode)] = engine.generate(prompts[:1], max_new_tokens=21).tokens
-        graphs = engine.target.runtime.graphs  # type: ignore[attr-defined]
+        assert engine.runtime is not None
+        graphs = engine.runtime.graphs
         if mode == "capture":
             assert graphs is not None and graphs.disabled is None and graphs.replays > 10
         assert engine.pages_used() == {"target": 0, "drafter": 0}

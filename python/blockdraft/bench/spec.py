@@ -34,7 +34,7 @@ def _no_replays() -> Iterator[None]:
     """Inside the block a CUDA graph's replay does nothing: both graph paths then queue no
     device work beyond their small copies, and a step's time is its host work."""
     real = torch.cuda.CUDAGraph.replay
-    torch.cuda.CUDAGraph.replay = lambda self: None  # type: ignore[method-assign,assignment]
+    torch.cuda.CUDAGraph.replay = lambda self: None  # type: ignore[method-assign]
     try:
         yield
     finally:
@@ -79,7 +79,7 @@ def bench_spec(
                 "step_ms": summarize(times), "tau": produced / (cfg.reps * n),
             }
             seqs = [engine.request(rid).target_seq for rid in rids]
-            rec["decode_ms"] = _decode_step(engine.target.runtime, seqs, cfg, device)
+            rec["decode_ms"] = _decode_step(engine.runtime, seqs, cfg, device)
             host = []
             with _no_replays() if device.type == "cuda" else contextlib.nullcontext():
                 for _ in range(cfg.reps):

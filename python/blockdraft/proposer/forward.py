@@ -26,13 +26,12 @@ from torch.nn import functional as F
 from blockdraft import faults
 from blockdraft._core import PrecomputePlan
 from blockdraft.kernels import KernelOps
-from blockdraft.kernels.reference import embed_blocks, unpack_bitmask
 from blockdraft.models.drafter import AttendFn, DFlashDrafter
 from blockdraft.models.fast import FastDrafter
 from blockdraft.proposer.cache import DrafterCache
 from blockdraft.proposer.spec import DraftSpec, TargetHead
 from blockdraft.proposer.state import DFlashState, Proposal
-from blockdraft.sampling import SamplingParams, target_probs
+from blockdraft.sampling import SamplingParams, allowed_ids, target_probs
 
 
 class DraftForward:
@@ -125,9 +124,11 @@ class DraftForward:
         embedded with the target's table ``[n, B, H]`` and their positions ``[n, B]``. Raw
         target embeddings: the drafter applies ``input_embedding_scale`` itself."""
         spec = self.spec
-        return embed_blocks(
-            anchors, starts, self.head.embed, spec.mask_token_id, spec.block_size, self.dtype
-        )
+        n, b = anchors.shape[0], spec.block_size
+        ids = torch.full((n, b), spec.mask_token_id, dtype=torch.int64, device=anchors.device)
+        ids[:, 0] = anchors
+        offsets = torch.arange(b, dtype=torch.int64, device=anchors.device)
+        return F.embedding(ids, self.head.embed).to(self.dtype), starts[:, None] + offsets[None, :]
 
     def block_inputs(
         self, meta: Tensor, table_col: int, width: int
@@ -198,7 +199,7 @@ class DraftForward:
             draft = self.drafter.draft(hidden[:, 1:], anchors, self.head.lm_head)
             picked: Tensor = draft.tokens[:, :take]
             if mask is not None:
-                allowed = unpack_bitmask(mask, self.head.vocab_size)
+                allowed = allowed_ids(mask, self.head.vocab_size)
                 ok = allowed.gather(1, picked[0][:, None])[:, 0]
                 # A disallowed draft ends the band: later drafts would condition on it.
                 picked = torch.where(ok.to(torch.int64).cumprod(0).bool()[None], picked, -1)

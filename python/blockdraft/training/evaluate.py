@@ -165,10 +165,10 @@ def evaluate_drafter(
         raise ValueError("no prompts given")
     device = next(target.parameters()).device
     longest = max(len(p) for p in prompts) + max_new_tokens
-    gamma = int(drafter.config.block_size)
+    block = int(drafter.config.block_size)
     engine = SpeculativeEngine(
         target, drafter, max_seq_len=longest, max_batch=1,
-        num_blocks=-(-(longest + gamma + 1) // 16) + 1, page_size=16, backend=backend,
+        num_blocks=-(-(longest + block + 1) // 16) + 1, page_size=16, backend=backend,
         sdpa_backends=None,
     )
     report = EvalReport(len(prompts), max_new_tokens, str(device), str(next(target.parameters()).dtype))
