@@ -2,8 +2,9 @@
 
 tau is the mean number of tokens one speculative step produces (accepted drafts + the bonus
 token), over every step of every prompt. Greedy tau also comes with a check that the output is
-the target's own greedy output, and (optionally) a timed comparison against a plain target-only
-greedy loop with a KV cache, the baseline a speed-up is measured against.
+the target's own greedy output, and (optionally) timed comparisons against the two target-only
+baselines: greedy decoding on the same runtime (:func:`blockdraft.decode`, when the engine runs
+the target on blockdraft's runtime) and Hugging Face ``generate``.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import Any
 import torch
 
 from blockdraft.engine import SpeculativeEngine
+from blockdraft.runtime import decode
 
 log = logging.getLogger(__name__)
 
@@ -31,10 +33,14 @@ class EvalReport:
         tokens_per_s: per temperature, generated tokens per second of the engine over one pass
             of every prompt; with a target-only comparison the ``"greedy"`` rate is instead the
             median of the timed rounds.
-        target_tokens_per_s: the target-only greedy loop (``None`` when not compared).
-        speedup: greedy engine tokens/s over target-only tokens/s: with ``repeats`` > 1 the
-            median of the per-repeat ratios (each repeat times the engine and then the target
-            alone on every prompt, so drift of the machine hits both sides of a ratio).
+        target_tokens_per_s: Hugging Face ``generate``, target only, greedy (``None`` when not
+            compared).
+        speedup: greedy engine tokens/s over Hugging Face target-only tokens/s: with
+            ``repeats`` > 1 the median of the per-repeat ratios (each repeat times the engine and
+            then the target alone on every prompt, so drift of the machine hits both sides).
+        runtime_tokens_per_s / runtime_speedup: the same for target-only decoding on the
+            engine's runtime (``None`` on the Hugging Face target); ``runtime_tokens_per_s_runs``
+            the per-repeat rates.
         speedup_runs: the per-repeat ratios (a property of the two per-repeat rate lists).
         greedy_tokens_per_s_runs / target_tokens_per_s_runs: the per-repeat rates; the
             ``tokens_per_s["greedy"]`` and ``target_tokens_per_s`` figures are their medians.
@@ -54,6 +60,9 @@ class EvalReport:
     target_tokens_per_s_runs: list[float] = field(default_factory=list)
     identical: int | None = None
     first_divergence: list[int] = field(default_factory=list)
+    runtime_tokens_per_s: float | None = None
+    runtime_speedup: float | None = None
+    runtime_tokens_per_s_runs: list[float] = field(default_factory=list)
 
     @property
     def speedup_runs(self) -> list[float]:
@@ -77,11 +86,17 @@ class EvalReport:
             rate = self.tokens_per_s.get(key, 0.0)
             timed = _median_of(rounds) if key == "greedy" and rounds else "one pass over the prompts"
             out.append(f"  {key:>7}: tau {tau:.2f}  engine {rate:.1f} tok/s ({timed})")
+        if self.runtime_tokens_per_s is not None:
+            out.append(f"  target only, blockdraft runtime (greedy): {self.runtime_tokens_per_s:.1f} "
+                       f"tok/s ({_median_of(len(self.runtime_tokens_per_s_runs))})")
         if self.target_tokens_per_s is not None:
-            out.append(f"  target only (greedy, KV cache): {self.target_tokens_per_s:.1f} tok/s "
-                       f"({_median_of(len(self.target_tokens_per_s_runs))})")
+            out.append(f"  target only, Hugging Face generate (greedy): {self.target_tokens_per_s:.1f} "
+                       f"tok/s ({_median_of(len(self.target_tokens_per_s_runs))})")
+            if self.runtime_speedup is not None:
+                out.append(f"  speed-up over target-only decoding on the same runtime (median of the "
+                           f"per-round ratios): {self.runtime_speedup:.2f}x")
             if self.speedup is not None:
-                out.append(f"  speed-up (greedy engine / target only, median of the per-round ratios): "
+                out.append(f"  speed-up over Hugging Face generate (median of the per-round ratios): "
                            f"{self.speedup:.2f}x")
             out.append(f"  identical output on {self.identical}/{self.num_prompts} prompts")
             if len(self.speedup_runs) > 1:
@@ -116,21 +131,17 @@ def _sync(device: torch.device) -> None:
 @torch.inference_mode()
 def target_only_greedy(target: Any, prompt: Sequence[int], max_new_tokens: int,
                        stop_token_ids: Sequence[int] = ()) -> list[int]:
-    """Plain greedy decoding with a ``DynamicCache``: one target forward per token."""
-    from transformers import DynamicCache
-
+    """Hugging Face ``generate``, greedy, target only (cut after the first stop token)."""
     device = next(target.parameters()).device
-    cache = DynamicCache(config=target.config)
     ids = torch.tensor([list(prompt)], dtype=torch.long, device=device)
-    out: list[int] = []
-    stops = set(stop_token_ids)
-    while len(out) < max_new_tokens:
-        logits = target(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits
-        nxt = int(logits[0, -1].argmax())
-        out.append(nxt)
-        if nxt in stops:
-            break
-        ids = torch.tensor([[nxt]], dtype=torch.long, device=device)
+    stops = list(stop_token_ids)
+    got = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                          do_sample=False, eos_token_id=stops or None,
+                          pad_token_id=stops[0] if stops else 0)
+    out: list[int] = got[0, ids.shape[1]:].tolist()
+    for i, t in enumerate(out):
+        if t in stops:
+            return out[: i + 1]
     return out
 
 
@@ -211,7 +222,12 @@ def evaluate_drafter(
         log.debug("%s pass: tau %.2f, %.1f tok/s", key, report.tau[key], report.tokens_per_s[key])
     if compare_target:
         target_only_greedy(target, prompts[0], min(16, max_new_tokens), stops)
+        runtime = engine.runtime
+        if runtime is not None:
+            decode(runtime, [list(prompts[0])], max_new_tokens=min(16, max_new_tokens),
+                   stop_token_ids=stops)
         ref: list[list[int]] = []
+        runtime_ratios: list[float] = []
         for r in range(repeats):
             # A fresh engine run each round (the first greedy pass above also paid first-use
             # costs: graph captures, kernel compiles for new shapes).
@@ -221,9 +237,24 @@ def evaluate_drafter(
             target_rate = sum(len(x) for x in ref) / elapsed if elapsed > 0 else 0.0
             report.greedy_tokens_per_s_runs.append(engine_rate)
             report.target_tokens_per_s_runs.append(target_rate)
+            if runtime is not None:
+                _sync(device)
+                t0 = time.perf_counter()
+                done = 0
+                for p in prompts:
+                    done += decode(runtime, [list(p)], max_new_tokens=max_new_tokens,
+                                   stop_token_ids=stops).stats.num_new_tokens
+                _sync(device)
+                rate = done / (time.perf_counter() - t0)
+                report.runtime_tokens_per_s_runs.append(rate)
+                if rate > 0:
+                    runtime_ratios.append(engine_rate / rate)
             log.debug("round %d: engine %.1f tok/s, target only %.1f tok/s", r + 1, engine_rate,
                       target_rate)
         report.target_tokens_per_s = statistics.median(report.target_tokens_per_s_runs)
+        if report.runtime_tokens_per_s_runs:
+            report.runtime_tokens_per_s = statistics.median(report.runtime_tokens_per_s_runs)
+            report.runtime_speedup = statistics.median(runtime_ratios) if runtime_ratios else None
         if "greedy" in report.tokens_per_s:
             report.tokens_per_s["greedy"] = statistics.median(report.greedy_tokens_per_s_runs)
         if report.speedup_runs and "greedy" in report.tokens_per_s:
