@@ -143,13 +143,12 @@ def block_attention(
         values = torch.cat([v_ctx, v_blk[s]], dim=0).to(torch.float32)
         k_pos = torch.cat([slot_pos[slots].to(torch.int64), q_pos[s].to(torch.int64)])
         visible = _visible(q_pos[s].to(torch.int64), k_pos, sliding_window, causal_block)
-        for h in range(num_heads):
-            qh = q[s, :, h].to(torch.float32)  # [B, D]
-            kh = keys[:, h // group]  # [ctx + B, D]
-            vh = values[:, h // group]
-            scores = (qh @ kh.T) * scale
-            scores = scores.masked_fill(~visible, float("-inf"))
-            out[s, :, h] = (torch.softmax(scores, dim=-1) @ vh).to(q.dtype)
+        # query head h reads K/V head h // group
+        keys = keys.repeat_interleave(group, dim=1)  # [ctx + B, Hq, D]
+        values = values.repeat_interleave(group, dim=1)
+        scores = torch.einsum("bhd,thd->hbt", q[s].to(torch.float32), keys) * scale
+        scores = scores.masked_fill(~visible[None], float("-inf"))
+        out[s] = torch.einsum("hbt,thd->bhd", torch.softmax(scores, dim=-1), values).to(q.dtype)
     return out
 
 
@@ -317,8 +316,9 @@ def unpack_bitmask(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
 def masked_argmax(logits: torch.Tensor, bitmask: torch.Tensor | None) -> torch.Tensor:
     """logits [R, V], bitmask [R, ceil(V/32)] int32 or None -> [R] int64.
 
-    The allowed id with the largest logit; ties go to the lowest id (like ``torch.argmax``).
-    A row with no allowed id gives -1. NaN logits are not supported.
+    The allowed id with the largest logit; ties go to the lowest id (like ``torch.argmax``,
+    which returns the first of equal maxima). A row with no allowed id gives -1. NaN logits
+    are not supported.
     """
     num_rows, vocab = logits.shape
     allowed = (
@@ -326,16 +326,13 @@ def masked_argmax(logits: torch.Tensor, bitmask: torch.Tensor | None) -> torch.T
         if bitmask is None
         else unpack_bitmask(bitmask, vocab)
     )
-    out = torch.empty(num_rows, dtype=torch.int64, device=logits.device)
-    for r in range(num_rows):
-        ids = allowed[r].nonzero()[:, 0]
-        if ids.numel() == 0:
-            out[r] = -1
-            continue
-        values = logits[r, ids].to(torch.float32)
-        best = values.max()
-        out[r] = ids[(values == best).nonzero()[0, 0]]
-    return out
+    scores = logits.to(torch.float32).masked_fill(~allowed, float("-inf"))
+    best = torch.argmax(scores, dim=1)
+    # A row whose allowed logits are all -inf ties at -inf: its lowest allowed id wins (the
+    # argmax above may have landed on a disallowed id, also -inf after the mask).
+    all_minus_inf = scores.max(dim=1).values == float("-inf")
+    best = torch.where(all_minus_inf, torch.argmax(allowed.to(torch.int8), dim=1), best)
+    return torch.where(allowed.any(dim=1), best, torch.full_like(best, -1))
 
 
 def block_inputs(
