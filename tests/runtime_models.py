@@ -34,6 +34,9 @@ def _base(**kw: Any) -> dict[str, Any]:
 # name -> (model class, config class, config fields)
 CASES: dict[str, tuple[Any, Any, dict[str, Any]]] = {
     "qwen3": (Qwen3ForCausalLM, Qwen3Config, _base(head_dim=12)),
+    "qwen3-odd": (Qwen3ForCausalLM, Qwen3Config, _base(hidden_size=37, num_attention_heads=3,
+                                                       num_key_value_heads=1, head_dim=10,
+                                                       intermediate_size=71)),
     "qwen3-mha-tied": (Qwen3ForCausalLM, Qwen3Config, _base(num_key_value_heads=4, head_dim=10,
                                                            tie_word_embeddings=True)),
     "qwen3-sliding": (Qwen3ForCausalLM, Qwen3Config, _base(
