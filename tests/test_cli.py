@@ -147,6 +147,7 @@ REQUIRED = {
     "bench": [],
     "train-drafter": ["--target", "t", "--corpus", "c", "--out", "o"],
     "eval-drafter": [],
+    "serve": [],
 }
 
 
@@ -319,15 +320,21 @@ def test_eval_report_prints_each_rate_once_and_says_what_it_times() -> None:
     rep = EvalReport(2, 16, "cpu", "torch.float32", tau={"greedy": 3.0, "T=1": 2.5},
                      tokens_per_s={"greedy": 110.0, "T=1": 222.0}, target_tokens_per_s=55.0,
                      speedup=2.0, greedy_tokens_per_s_runs=[100.0, 110.0, 120.0],
-                     target_tokens_per_s_runs=[50.0, 55.0, 60.0], identical=2)
+                     target_tokens_per_s_runs=[50.0, 55.0, 60.0], identical=2,
+                     runtime_tokens_per_s=44.0, runtime_speedup=2.5,
+                     runtime_tokens_per_s_runs=[40.0, 44.0, 48.0])
     rates = [line for line in rep.lines() if "tok/s" in line]
     assert rates == [
         "   greedy: tau 3.00  engine 110.0 tok/s (median of 3 timed rounds)",
         "      T=1: tau 2.50  engine 222.0 tok/s (one pass over the prompts)",
-        "  target only (greedy, KV cache): 55.0 tok/s (median of 3 timed rounds)",
+        "  target only, blockdraft runtime (greedy): 44.0 tok/s (median of 3 timed rounds)",
+        "  target only, Hugging Face generate (greedy): 55.0 tok/s (median of 3 timed rounds)",
     ]
     text = "\n".join(rep.lines())
-    assert "speed-up (greedy engine / target only, median of the per-round ratios): 2.00x" in text
+    assert ("speed-up over target-only decoding on the same runtime (median of the per-round "
+            "ratios): 2.50x") in text
+    assert "speed-up over Hugging Face generate (median of the per-round ratios): 2.00x" in text
+    assert text.count("speed-up over") == 2
     assert "identical output on 2/2 prompts" in text and "speed-up per repeat (median above): 2.00, 2.00, 2.00" in text
     no_compare = EvalReport(1, 8, "cpu", "torch.float32", tau={"greedy": 2.0}, tokens_per_s={"greedy": 9.0})
     assert no_compare.lines()[1:] == ["   greedy: tau 2.00  engine 9.0 tok/s (one pass over the prompts)"]
@@ -347,10 +354,12 @@ def test_eval_drafter_prints_each_rate_once(
     out = capsys.readouterr().out
     assert rc == 0, out
     rates = [line for line in out.splitlines() if "tok/s" in line]
-    assert len(rates) == 3, out
+    assert len(rates) == 4, out
     assert "greedy: tau" in rates[0] and "median of 2 timed rounds" in rates[0]
     assert "T=1: tau" in rates[1] and "one pass" in rates[1]
-    assert rates[2].startswith("  target only (greedy, KV cache): ")
+    assert rates[2].startswith("  target only, blockdraft runtime (greedy): ")
+    assert rates[3].startswith("  target only, Hugging Face generate (greedy): ")
+    assert out.count("speed-up over") == 2
     # No other rate reaches the user through the log (INFO is the CLI's level).
     assert not [r for r in caplog.records if r.levelno >= 20 and "tok/s" in r.getMessage()]
 

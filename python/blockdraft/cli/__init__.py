@@ -1,5 +1,5 @@
-"""The ``blockdraft`` command line (``generate``, ``train-drafter``, ``eval-drafter``, ``demo``,
-``bench``).
+"""The ``blockdraft`` command line (``generate``, ``serve``, ``train-drafter``, ``eval-drafter``,
+``demo``, ``bench``).
 
 :mod:`blockdraft.cli.common` holds what the subcommands share; :mod:`blockdraft.cli.app` builds
 the parser. This package module stays free of imports so that subcommand modules elsewhere

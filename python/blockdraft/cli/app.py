@@ -12,6 +12,7 @@ from blockdraft.bench import add_arguments, main_from_args
 from blockdraft.cli.common import report_failure
 from blockdraft.cli.demo import add_demo_command
 from blockdraft.cli.generate import add_generate_command
+from blockdraft.cli.serve import add_serve_command
 from blockdraft.training.cli import add_training_commands
 
 DESCRIPTION = "DFlash speculative decoding: generate, train and evaluate drafters, benchmark the proposer."
@@ -29,6 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_arguments(bench)
     bench.set_defaults(func=main_from_args)
     add_training_commands(sub)
+    add_serve_command(sub)
     # `--debug` also after the subcommand; SUPPRESS keeps a `--debug` given before it.
     for command in sub.choices.values():
         command.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=DEBUG_HELP)

@@ -1,0 +1,29 @@
+"""``blockdraft serve``: an OpenAI-compatible HTTP server on the continuous-batching engine.
+
+Needs the ``serve`` extra (``pip install blockdraft[serve]``: fastapi, uvicorn,
+prometheus-client). User guide: ``docs/serve.md``.
+
+| module | concept |
+| --- | --- |
+| ``app`` | :func:`create_app`: the routes, the lifespan that owns the engine loop |
+| ``generation`` | one request from its body to a JSON answer or a stream |
+| ``protocol`` | request bodies: fields, types, ranges |
+| ``chat`` | chat messages to prompt tokens (templates) |
+| ``text`` | tokens to text, released piece by piece, stop strings |
+| ``loop`` | the engine thread and the queues that cross to asyncio |
+| ``responses`` / ``sse`` | OpenAI's JSON shapes; server-sent events |
+| ``metrics`` | the Prometheus metrics |
+| ``errors`` | OpenAI-style errors |
+| ``server`` | building the engine; uvicorn and graceful shutdown |
+"""
+
+from __future__ import annotations
+
+from blockdraft.serve.app import ServeConfig, create_app
+from blockdraft.serve.errors import APIError
+from blockdraft.serve.loop import EngineLoop, FinalState
+from blockdraft.serve.metrics import ServeMetrics
+from blockdraft.serve.server import build_engine, serve
+
+__all__ = ["APIError", "EngineLoop", "FinalState", "ServeConfig", "ServeMetrics", "build_engine",
+           "create_app", "serve"]

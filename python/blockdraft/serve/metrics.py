@@ -1,0 +1,75 @@
+"""The server's Prometheus metrics, in a registry of their own (one per app, so several servers
+can live in one process, as tests start them).
+
+| metric | kind | meaning |
+| --- | --- | --- |
+| ``blockdraft_requests_total{status}`` | counter | answered requests by outcome (see :data:`STATUSES`) |
+| ``blockdraft_requests_running`` / ``_waiting`` | gauge | requests in the batch / queued for pages |
+| ``blockdraft_pool_pages_used{pool}`` / ``_total{pool}`` | gauge | pages of the ``target`` and ``drafter`` pools |
+| ``blockdraft_generated_tokens_total`` | counter | tokens the engine generated |
+| ``blockdraft_spec_steps_total`` | counter | speculative steps, summed over requests |
+| ``blockdraft_spec_accepted_tokens_total`` | counter | accepted drafts (each step's tokens minus its bonus token) |
+| ``blockdraft_time_to_first_token_seconds`` | histogram | arrival of a request to its first token |
+| ``blockdraft_time_per_output_token_seconds`` | histogram | per request: (end - first token) / (tokens - 1) |
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+STATUSES = ("stop", "length", "cancelled", "error", "invalid", "rejected", "unavailable")
+"""``stop``/``length``: finished as OpenAI reports it; ``cancelled``: the client went away or
+the server shut down first; ``error``: generation failed (500); ``invalid``: refused input
+(400/404); ``rejected``: the queue was full (429); ``unavailable``: shutting down (503)."""
+
+POOLS = ("target", "drafter")
+
+_TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+_TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+
+class ServeMetrics:
+    """Every metric of one server (thread-safe: the engine loop and the handlers update them)."""
+
+    content_type = CONTENT_TYPE_LATEST
+
+    def __init__(self) -> None:
+        self.registry = reg = CollectorRegistry()
+        self.requests = Counter("blockdraft_requests", "Answered requests by outcome.",
+                                ["status"], registry=reg)
+        for status in STATUSES:
+            self.requests.labels(status)
+        self.running = Gauge("blockdraft_requests_running", "Requests in the running batch.",
+                             registry=reg)
+        self.waiting = Gauge("blockdraft_requests_waiting", "Requests waiting for pages or a slot.",
+                             registry=reg)
+        self.pages_used = Gauge("blockdraft_pool_pages_used", "Pages in use, per pool.", ["pool"],
+                                registry=reg)
+        self.pages_total = Gauge("blockdraft_pool_pages_total", "Pages of each pool.", ["pool"],
+                                 registry=reg)
+        self.generated = Counter("blockdraft_generated_tokens", "Tokens generated.", registry=reg)
+        self.spec_steps = Counter("blockdraft_spec_steps", "Speculative steps, over all requests.",
+                                  registry=reg)
+        self.accepted = Counter("blockdraft_spec_accepted_tokens",
+                                "Accepted draft tokens (bonus tokens excluded).", registry=reg)
+        self.ttft = Histogram("blockdraft_time_to_first_token_seconds",
+                              "Time from a request's arrival to its first token.",
+                              buckets=_TTFT_BUCKETS, registry=reg)
+        self.tpot = Histogram("blockdraft_time_per_output_token_seconds",
+                              "Per request, time per output token after the first.",
+                              buckets=_TPOT_BUCKETS, registry=reg)
+
+    def count(self, status: str) -> None:
+        self.requests.labels(status).inc()
+
+    def set_pools(self, used: dict[str, int], total: dict[str, int]) -> None:
+        for pool in POOLS:
+            self.pages_used.labels(pool).set(used.get(pool, 0))
+            self.pages_total.labels(pool).set(total.get(pool, 0))
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition of every metric."""
+        return generate_latest(self.registry)
+
+
+__all__ = ["POOLS", "STATUSES", "ServeMetrics"]

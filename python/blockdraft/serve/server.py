@@ -1,0 +1,104 @@
+"""Building the serving engine and running the app under uvicorn until a signal stops it.
+
+Shutdown on SIGINT or SIGTERM: uvicorn stops listening, the engine loop takes no new request
+and lets the running and waiting ones go on for ``shutdown_timeout_s``, then cancels those
+left (their streams end with an error event and ``[DONE]``; every page comes back). Once the
+answers are out, the app's lifespan closes the engine and logs the pools. uvicorn's own
+cancellation of hanging tasks stays as a backstop a few seconds later. uvicorn re-raises the
+signal once it has shut down, so that a default handler would kill the process after all;
+the handlers installed here take that second delivery, and the process exits normally.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import signal
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from types import FrameType
+from typing import Any
+
+import uvicorn
+
+from blockdraft.engine import SpeculativeEngine
+
+log = logging.getLogger(__name__)
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+BACKSTOP_S = 5  # after the drain's own deadline, uvicorn cancels what still hangs
+
+
+def build_engine(
+    target: Any,
+    drafter: Any,
+    *,
+    max_seq_len: int,
+    max_active: int,
+    target_pages: int | None = None,
+    drafter_blocks: int | None = None,
+) -> SpeculativeEngine:
+    """The engine a server steps: ``max_active`` requests at once, proposals batched up to
+    16 wide, pools sized by the engine's defaults unless given.
+
+    Raises:
+        ConfigError / TypeError / ValueError: bad settings.
+    """
+    kwargs: dict[str, Any] = {}
+    if drafter_blocks is not None:
+        kwargs["num_blocks"] = drafter_blocks
+    return SpeculativeEngine(target, drafter, max_seq_len=max_seq_len, max_active=max_active,
+                             target_pages=target_pages, max_batch=min(max_active, 16), **kwargs)
+
+
+@contextmanager
+def _signals_after_shutdown() -> Iterator[list[int]]:
+    """Handlers for uvicorn to restore and re-deliver its stop signal to: they record it."""
+    seen: list[int] = []
+
+    def note(sig: int, frame: FrameType | None) -> None:
+        seen.append(sig)
+
+    previous = {sig: signal.signal(sig, note) for sig in STOP_SIGNALS}
+    try:
+        yield seen
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, telling the engine loop to drain the moment a stop signal arrives."""
+
+    def __init__(self, config: uvicorn.Config, on_exit: Callable[[], None]) -> None:
+        super().__init__(config)
+        self._on_exit = on_exit
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        super().handle_exit(sig, frame)
+        self._on_exit()
+
+
+def serve(app: Any, *, host: str, port: int, shutdown_timeout_s: float = 30.0,
+          log_level: str = "info") -> bool:
+    """Serve ``app`` (from :func:`~blockdraft.serve.create_app`) on ``host:port`` until
+    SIGINT/SIGTERM (call from the main thread).
+
+    Returns:
+        whether the server started (``False``: it could not listen; uvicorn logged why).
+    """
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on",
+                            timeout_graceful_shutdown=math.ceil(shutdown_timeout_s) + BACKSTOP_S)
+    loop = app.state.loop
+    server = _Server(config, lambda: loop.drain(shutdown_timeout_s))
+    with _signals_after_shutdown() as seen:
+        try:
+            server.run()
+        except SystemExit:  # uvicorn's way of saying start-up failed
+            return False
+    if seen:
+        log.info("blockdraft serve: stopped by %s", signal.Signals(seen[0]).name)
+    return bool(server.started)
+
+
+__all__ = ["STOP_SIGNALS", "build_engine", "serve"]

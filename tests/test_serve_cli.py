@@ -1,0 +1,170 @@
+"""``blockdraft serve`` as a real process on loopback: graceful shutdown on SIGTERM (the running
+request finishes) and on SIGINT past the shutdown timeout (it is cancelled), both exiting 0
+with every page back; and the command's one-line errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from serve_support import HOST, MODEL, wait_until
+
+from blockdraft.cli import main
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind((HOST, 0))
+        return int(s.getsockname()[1])
+
+
+class ServeProcess:
+    def __init__(self, tmp_path: Path, *flags: str) -> None:
+        self.port = _free_port()
+        self.url = f"http://{HOST}:{self.port}"
+        self.log_path = tmp_path / "serve.log"
+        self.log = self.log_path.open("w")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "blockdraft.cli", "serve", "--host", HOST, "--port", str(self.port),
+             "--device", "cpu", "--max-seq-len", "1024", "--max-active", "4", *flags],
+            stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+        wait_until(self._healthy, "the server's /health", deadline_s=120)
+
+    def _healthy(self) -> bool:
+        if self.proc.poll() is not None:
+            raise AssertionError(f"blockdraft serve exited with {self.proc.returncode}:\n{self.output()}")
+        try:
+            return httpx.get(f"{self.url}/health", timeout=5).status_code == 200
+        except httpx.TransportError:
+            return False
+
+    def output(self) -> str:
+        if not self.log.closed:
+            self.log.flush()
+        return self.log_path.read_text()
+
+    def wait(self) -> int:
+        try:
+            return self.proc.wait(timeout=120)
+        finally:
+            self.log.close()
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self.log.close()
+
+
+@pytest.fixture
+def launch(tmp_path: Path) -> Iterator[Any]:
+    started: list[ServeProcess] = []
+
+    def start(*flags: str) -> ServeProcess:
+        started.append(ServeProcess(tmp_path, *flags))
+        return started[-1]
+
+    yield start
+    for p in started:
+        p.kill()
+
+
+def _events(r: httpx.Response) -> Iterator[dict[str, Any] | str]:
+    for line in r.iter_lines():
+        if line == "data: [DONE]":
+            yield "[DONE]"
+        elif line.startswith("data: "):
+            yield json.loads(line[len("data: "):])
+
+
+def _body(max_tokens: int) -> dict[str, Any]:
+    return {"model": MODEL, "prompt": "def fibonacci(n):", "max_tokens": max_tokens, "temperature": 0,
+            "stream": True, "stream_options": {"include_usage": True}}
+
+
+def test_sigterm_lets_the_running_request_finish(launch: Any) -> None:
+    srv = launch()
+    with httpx.Client(timeout=120) as client:
+        with client.stream("POST", f"{srv.url}/v1/completions", json=_body(200)) as r:
+            assert r.status_code == 200
+            events = _events(r)
+            first = next(events)
+            assert isinstance(first, dict) and first["choices"][0]["finish_reason"] is None
+            srv.proc.send_signal(signal.SIGTERM)
+            rest = list(events)
+    assert rest[-1] == "[DONE]"
+    assert rest[-2]["usage"]["completion_tokens"] == 200  # type: ignore[index]
+    assert [e["choices"][0]["finish_reason"] for e in rest if isinstance(e, dict) and e["choices"]][-1] == "length"
+    assert srv.wait() == 0
+    out = srv.output()
+    assert "pools at exit: target 0/" in out and "drafter 0/" in out and "every page back" in out, out
+    with pytest.raises(httpx.TransportError):
+        httpx.get(f"{srv.url}/health", timeout=5)
+
+
+def test_sigint_past_the_timeout_cancels_and_exits_0(launch: Any) -> None:
+    srv = launch("--shutdown-timeout", "1")
+    got: list[dict[str, Any] | str] = []
+    with httpx.Client(timeout=120) as client:
+        with client.stream("POST", f"{srv.url}/v1/completions", json=_body(1000)) as r:
+            assert r.status_code == 200
+            events = _events(r)
+            got.append(next(events))
+            srv.proc.send_signal(signal.SIGINT)
+            got.extend(events)
+    # Cancelled after the timeout: an error event and [DONE], not a finish.
+    assert got[-1] == "[DONE]"
+    err = got[-2]["error"]  # type: ignore[index]
+    assert err["code"] == "cancelled" and "shut down" in err["message"]
+    finished = [e for e in got if isinstance(e, dict) and e.get("choices") and e["choices"][0]["finish_reason"]]
+    assert finished == []
+    assert srv.wait() == 0
+    out = srv.output()
+    assert "every page back" in out and "stopped by SIGINT" in out, out
+    assert "Exception in ASGI application" not in out and "Traceback" not in out, out
+
+
+def test_missing_serve_extra_is_one_line(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "uvicorn" else real(name, *a))
+    assert main(["serve"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "pip install blockdraft[serve]" in err[0] and "uvicorn" in err[0]
+
+
+@pytest.mark.parametrize("flags, words", [
+    (["--max-active", "0"], "--max-active must be >= 1"),
+    (["--max-queue", "-1"], "--max-queue must be >= 0"),
+    (["--port", "70000"], "--port must be <= 65535"),
+    (["--max-seq-len", "1"], "--max-seq-len must be >= 2"),
+    (["--shutdown-timeout", "-2"], "--shutdown-timeout"),
+    (["--target", "/nonexistent"], "give both --target DIR and --drafter DIR"),
+    (["--max-seq-len", "999999"], "past the target's max_position_embeddings"),
+])
+def test_bad_flags_are_one_line(flags: list[str], words: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["serve", "--device", "cpu", *flags]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("blockdraft: error: ") and words in err[0], err
+
+
+def test_serve_takes_debug_before_or_after() -> None:
+    from blockdraft.cli.app import build_parser
+
+    parser = build_parser()
+    assert parser.parse_args(["serve"]).debug is False
+    assert parser.parse_args(["--debug", "serve"]).debug is True
+    assert parser.parse_args(["serve", "--port", "9000", "--debug"]).debug is True
