@@ -2,11 +2,17 @@
 
 Without ``--target/--drafter`` it runs the built-in trained pair, or a small random pair
 (:func:`build_demo_pair`) when that is not installed.
+
+``--tp N`` splits the target over N ranks: the command starts N processes itself
+(:func:`blockdraft.parallel.launch`, which stops them all and reports the rank when one
+fails), or, run under ``torchrun --nproc-per-node N``, each process is one rank. Rank 0
+prints.
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -113,6 +119,12 @@ class PairSource:
     tokenizer: Callable[[], Any]
     models: Callable[[Any, Any], tuple[Any, Any]]  # (device, dtype) -> (target, drafter)
     dtype: Any = None  # the pair's own dtype, else the device's (model_dtype)
+    config: dict[str, Any] | None = None  # the target's config.json, for checks before loading
+
+
+DEMO_CONFIG: dict[str, Any] = {"architectures": ["Qwen3ForCausalLM"], "num_attention_heads": 4,
+                               "num_key_value_heads": 2, "intermediate_size": 256}
+"""What the checks before loading read of the demo target's config."""
 
 
 def pair_source(target: str | None, drafter: str | None) -> PairSource:
@@ -130,12 +142,14 @@ def pair_source(target: str | None, drafter: str | None) -> PairSource:
 
             # fp32 on every device: the pair is small, and fp32 makes the speculative output
             # exactly the target's own greedy output
+            raw = read_model_config("the built-in target", pretrained.TARGET_DIR)
             return PairSource(
                 "built-in trained pair (Python code model + B=8 DFlash drafter, fp32)",
-                max_positions(read_model_config("the built-in target", pretrained.TARGET_DIR)),
+                max_positions(raw),
                 pretrained.load_tokenizer,
                 builtin,
                 torch.float32,
+                raw,
             )
         return PairSource(
             "built-in trained pair not installed; using the demo pair with RANDOM weights "
@@ -143,6 +157,7 @@ def pair_source(target: str | None, drafter: str | None) -> PairSource:
             DEMO_MAX_POSITIONS,
             ByteTokenizer,
             lambda device, dtype: build_demo_pair(device=device, dtype=dtype),
+            config=DEMO_CONFIG,
         )
     if target is None or drafter is None:
         raise CliError("give both --target DIR and --drafter DIR (or neither for the built-in pair)")
@@ -154,51 +169,140 @@ def pair_source(target: str | None, drafter: str | None) -> PairSource:
                 load_drafter_dir(drafter_dir, device, dtype))
 
     return PairSource(f"target {target_dir}, drafter {drafter_dir}", max_positions(raw),
-                      lambda: load_tokenizer("--target", target_dir), from_dirs)
+                      lambda: load_tokenizer("--target", target_dir), from_dirs, config=raw)
+
+
+def _tp_sizes(raw: dict[str, Any]) -> tuple[str, dict[str, int]]:
+    """The target's architecture and the counts ``--tp`` must divide, from its config."""
+    text = raw.get("text_config")
+    cfg: dict[str, Any] = text if isinstance(text, dict) else raw
+    archs = raw.get("architectures") or ["the target"]
+    heads = cfg.get("num_attention_heads")
+    sizes = {"num_attention_heads": heads,
+             "num_key_value_heads": cfg.get("num_key_value_heads") or heads,
+             "intermediate_size": cfg.get("intermediate_size")}
+    return str(archs[0]), {k: v for k, v in sizes.items() if isinstance(v, int) and not isinstance(v, bool)}
+
+
+def _tp_device(name: str | None) -> str:
+    """``cpu`` or ``cuda`` for the ranks (each rank of a CUDA group takes its own GPU)."""
+    import torch
+
+    if name is None or name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if name not in ("cpu", "cuda"):
+        raise CliError(f"--device {name} with --tp: give cpu or cuda (rank r runs on cuda:r)")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise CliError("device 'cuda' requested but CUDA is not available")
+    return name
 
 
 def run_generate(args: argparse.Namespace) -> int:
     """Decode one prompt speculatively; with ``--compare`` also target-only on the same runtime
     and with Hugging Face ``generate``. Every path runs once untimed first (compiles, graph
-    captures, caches), so the timed runs are warm."""
+    captures, caches), so the timed runs are warm. With ``--tp N`` (or under ``torchrun``) the
+    target is split over N ranks."""
+    from blockdraft.parallel import RankFailedError, init_tp, launch, launched_by_torchrun
+
+    tp = args.tp
+    if tp is not None:
+        require_min("--tp", tp)
+    if launched_by_torchrun():
+        import os
+
+        world = int(os.environ["WORLD_SIZE"])
+        if tp is not None and tp != world:
+            raise CliError(f"--tp {tp} but torchrun started {world} ranks (WORLD_SIZE)")
+        group = init_tp(device=_tp_device(args.device))
+        rc = _generate(args, group)
+        group.close()
+        return rc
+    if tp is None or tp == 1:
+        return _generate(args, None)
+    _check_inputs(args, tp)  # one line before any rank starts
+    try:
+        rcs = launch(_generate_on_rank, tp, (args,), device=_tp_device(args.device))
+    except RankFailedError as exc:
+        if getattr(args, "debug", False) and exc.remote_traceback:
+            print(exc.remote_traceback, file=sys.stderr, end="")
+        raise
+    return int(rcs[0])
+
+
+def _generate_on_rank(group: Any, args: argparse.Namespace) -> int:
+    """One rank of ``generate --tp N`` (module level: each rank imports it). Its logging is
+    set up as ``main`` sets it up for one process; the other ranks log warnings only."""
+    import logging
+
+    debug = bool(getattr(args, "debug", False))
+    logging.basicConfig(level=logging.DEBUG if debug else logging.INFO, format="%(message)s")
+    if not group.is_first:
+        logging.getLogger().setLevel(logging.WARNING)
+    return _generate(args, group)
+
+
+def _check_inputs(args: argparse.Namespace, tp: int) -> tuple[PairSource, Any, str, list[int]]:
+    """Every check made before weights load: ``(source, tokenizer, prompt, prompt ids)``."""
+    from blockdraft.parallel import check_split
+
+    require_min("--max-new-tokens", args.max_new_tokens)
+    require_temperature("--temperature", args.temperature)
+    prompt = args.prompt if args.prompt is not None else DEFAULT_PROMPT
+    check_text("the prompt", prompt)
+    source = pair_source(args.target, args.drafter)
+    if tp > 1 and source.config is not None:
+        arch, sizes = _tp_sizes(source.config)
+        check_split(arch, sizes, tp)
+    tokenizer = source.tokenizer()
+    ids = list(tokenizer.encode(prompt))
+    if not ids:
+        raise CliError("the prompt encodes to no tokens")
+    check_lengths(len(ids), args.max_new_tokens, source.max_positions)
+    return source, tokenizer, prompt, ids
+
+
+def _silent(*args: Any, **kwargs: Any) -> None:
+    """``print`` on the ranks after rank 0."""
+
+
+def _generate(args: argparse.Namespace, group: Any) -> int:
     import torch
     from tqdm import tqdm  # type: ignore[import-untyped]
 
     import blockdraft
     from blockdraft.engine import SpeculativeEngine
 
-    require_min("--max-new-tokens", args.max_new_tokens)
-    require_temperature("--temperature", args.temperature)
-    prompt = args.prompt if args.prompt is not None else DEFAULT_PROMPT
-    check_text("the prompt", prompt)
-    device = pick_device(args.device)
-    source = pair_source(args.target, args.drafter)
-    tokenizer = source.tokenizer()
-    ids = list(tokenizer.encode(prompt))
-    if not ids:
-        raise CliError("the prompt encodes to no tokens")
-    check_lengths(len(ids), args.max_new_tokens, source.max_positions)
+    ranks = 1 if group is None else int(group.size)
+    say = print if group is None or group.is_first else _silent
+    if ranks == 1:
+        device = pick_device(args.device)
+    else:
+        _tp_device(args.device)
+        device = group.device
+    source, tokenizer, prompt, ids = _check_inputs(args, ranks)
     target, drafter = source.models(device, source.dtype or model_dtype(device))
     stop = getattr(tokenizer, "eos_token_id", None)
     stops = [stop] if isinstance(stop, int) else None
     n = args.max_new_tokens
     engine = SpeculativeEngine(target, drafter, max_seq_len=len(ids) + n, max_active=1,
                                max_batch=1, page_size=16,
-                               num_blocks=-(-(len(ids) + n + int(drafter.config.block_size) + 1) // 16))
-    print(f"blockdraft generate: {source.description}; device {device}; "
-          f"target on {'blockdraft runtime' if engine.runtime is not None else 'Hugging Face'}")
+                               num_blocks=-(-(len(ids) + n + int(drafter.config.block_size) + 1) // 16),
+                               tp=group)
+    where = f"; tensor parallel over {ranks} ranks ({group.backend})" if ranks > 1 else ""
+    say(f"blockdraft generate: {source.description}; device {device}{where}; "
+        f"target on {'blockdraft runtime' if engine.runtime is not None else 'Hugging Face'}")
     warm = min(n, 16)
     engine.generate([ids], max_new_tokens=warm, stop_token_ids=stops)
-    bar = tqdm(total=n, unit="tok", disable=n < 64 or args.no_progress, leave=False)
+    bar = tqdm(total=n, unit="tok", disable=n < 64 or args.no_progress or say is _silent, leave=False)
     with bar:
         result = engine.generate([ids], max_new_tokens=n, temperature=args.temperature,
                                  stop_token_ids=stops, progress=bar.update)
     out = result.tokens[0]
     stats = result.stats
-    print(prompt + tokenizer.decode(out))
+    say(prompt + tokenizer.decode(out))
     spec_tps = stats.tokens_per_s
-    print(f"speculative: {stats.num_new_tokens} tokens, tau {stats.mean_tau:.2f}, "
-          f"{spec_tps:.1f} tok/s, first token {stats.ttft_s[0] * 1000:.1f} ms")
+    say(f"speculative: {stats.num_new_tokens} tokens, tau {stats.mean_tau:.2f}, "
+        f"{spec_tps:.1f} tok/s, first token {stats.ttft_s[0] * 1000:.1f} ms")
     if not args.compare:
         return 0
     greedy = args.temperature <= 0
@@ -208,9 +312,15 @@ def run_generate(args: argparse.Namespace) -> int:
         alone = blockdraft.decode(engine.runtime, [ids], max_new_tokens=n, temperature=args.temperature,
                                   stop_token_ids=stops)
         tps = alone.stats.tokens_per_s
-        print(f"target only, blockdraft runtime: {alone.stats.num_new_tokens} tokens, {tps:.1f} tok/s"
-              + (f", output {'identical' if alone.tokens[0] == out else 'DIFFERENT'}" if greedy else ""))
+        say(f"target only, blockdraft runtime: {alone.stats.num_new_tokens} tokens, {tps:.1f} tok/s"
+            + (f", output {'identical' if alone.tokens[0] == out else 'DIFFERENT'}" if greedy else ""))
         speedups.append(("target-only decoding on the same runtime", spec_tps / tps if tps else float("nan")))
+    if ranks > 1:
+        say("target only, Hugging Face generate: not run with --tp (each rank holds a shard of "
+            "the target)")
+        for what, x in speedups:
+            say(f"speed-up over {what}: {x:.2f}x")
+        return 0
     inp = torch.tensor([ids], dtype=torch.long, device=device)
 
     def hf(count: int) -> tuple[list[int], float]:
@@ -244,4 +354,7 @@ def add_generate_command(sub: Any) -> None:
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     gen.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: auto)")
     gen.add_argument("--no-progress", action="store_true", help="no progress bar")
+    gen.add_argument("--tp", type=int, default=None, metavar="N",
+                     help="split the target over N ranks (tensor parallelism; starts N processes, "
+                          "or the ranks torchrun started)")
     gen.set_defaults(func=run_generate)

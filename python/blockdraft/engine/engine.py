@@ -18,12 +18,20 @@ go to the proposer chunk by chunk), then runs one speculative step for every run
 Greedy output equals the target's own greedy decoding, whatever else runs beside a request.
 The engine is not thread-safe: one thread steps it (a server queues submissions and
 cancellations for that thread).
+
+Tensor parallelism (``tp=``): every rank builds the same engine and makes the same calls in
+the same order. The target's forward is split over the ranks; everything else (the drafter,
+the proposer, admission, acceptance) runs replicated on whole rows that are the same bits on
+every rank, so every rank takes the same decisions without exchanging them. Sampled requests
+without a random source of their own draw from one seeded per request from a base that rank
+0 chooses, so every rank draws the same tokens.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import secrets
 import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -43,10 +51,12 @@ from blockdraft.engine.targets import (
     TargetBackend,
     validate_sdpa_backends,
 )
+from blockdraft.parallel.group import TPGroup
 from blockdraft.proposer import DFlashProposer
 from blockdraft.results import GenerationResult, GenerationStats
 from blockdraft.runtime import TargetRuntime
 from blockdraft.runtime.decode import check_prompts
+from blockdraft.runtime.shard import model_shard
 from blockdraft.runtime.spec import TargetSpec
 from blockdraft.sampling import SamplingParams
 from blockdraft.target import TargetAdapter
@@ -102,6 +112,10 @@ class SpeculativeEngine:
             distribution (with the request's temperature, top-k and top-p) and accept by
             rejection sampling against it, instead of greedy drafts (one-hot ``q``). Both are
             lossless; sampled drafts are accepted more often.
+        tp: the tensor-parallel group this process is a rank of (``None``: one rank). Every
+            rank builds the engine with the same arguments and then submits, steps and
+            cancels in the same order; the target runs on the runtime split over the ranks
+            (``runtime`` must not be ``"hf"``) and the drafter runs whole on every rank.
         proposer_kwargs: passed to :class:`~blockdraft.DFlashProposer` when one is built.
 
     Raises:
@@ -122,12 +136,23 @@ class SpeculativeEngine:
         sdpa_backends: Any = DEFAULT_SDPA_BACKENDS,
         graphs: GraphMode = "auto",
         sampled_drafts: bool = False,
+        tp: TPGroup | None = None,
         **proposer_kwargs: Any,
     ) -> None:
         if max_active < 1:
             raise ValueError(f"max_active must be >= 1, not {max_active}")
         sdpa_backends = validate_sdpa_backends(sdpa_backends)
+        self.tp = tp
+        parallel = tp is not None and tp.size > 1
+        if parallel and runtime == "hf":
+            raise ConfigError("tensor parallelism runs the target on the blockdraft runtime, not runtime='hf'")
         which = resolve_runtime(runtime, target)
+        if which == "hf" and parallel:
+            raise ConfigError("tensor parallelism needs the blockdraft runtime, which does not "
+                              f"support {type(target).__name__}")
+        if which == "hf" and model_shard(target) != (0, 1):
+            raise ConfigError("the target holds a tensor-parallel shard: its Hugging Face "
+                              "forward cannot run (use runtime='blockdraft' with its group)")
         cfg = getattr(target, "config", None)
         positions = int(getattr(cfg, "max_position_embeddings", 0) or 4096)
         if max_seq_len is None:
@@ -139,6 +164,9 @@ class SpeculativeEngine:
         self.proposer = proposer or DFlashProposer(
             drafter, target, max_seq_len=max_seq_len, graphs=graphs, **proposer_kwargs
         )
+        if tp is not None and tp.size > 1:
+            self._agree_drafter_pool(tp, drafter, target, max_seq_len, graphs, proposer is None,
+                                     proposer_kwargs)
         self.block_size = self.proposer.block_size
         self.target: TargetBackend
         if which == "blockdraft":
@@ -146,7 +174,7 @@ class SpeculativeEngine:
                 target, max_seq_len=min(positions, max_seq_len + self.block_size),
                 num_pages=target_pages, page_size=page_size, max_batch=max_active,
                 capture_layers=self.proposer.target_layer_ids, graphs=graphs,
-                graph_rows=(1, self.block_size),
+                graph_rows=(1, self.block_size), tp=tp,
             )
             self.target = RuntimeTarget(rt, self.block_size)
         else:
@@ -160,8 +188,24 @@ class SpeculativeEngine:
         self.batched_proposals = 0
         self.single_proposals = 0
         self.steps = 0
+        # Rank 0's choice: every rank seeds a sampled request's generator the same way.
+        self._seed_base: int | None = None
+        if tp is not None and tp.size > 1:
+            self._seed_base = int(tp.broadcast(secrets.randbits(62)))
 
     # ------------------------------------------------------------------ set-up
+
+    def _agree_drafter_pool(self, tp: TPGroup, drafter: Any, target: Any, max_seq_len: int,
+                            graphs: GraphMode, built: bool, kwargs: dict[str, Any]) -> None:
+        """One drafter pool size on every rank: admission reads it, so ranks that sized their
+        pools from their own free memory would admit different requests."""
+        sizes = [int(n) for n in tp.gather(self.proposer.pool.num_blocks)]
+        if len(set(sizes)) == 1:
+            return
+        if not built or kwargs.get("num_blocks") is not None:
+            raise ConfigError(f"tensor-parallel ranks have drafter pools of different sizes: {sizes}")
+        self.proposer = DFlashProposer(drafter, target, max_seq_len=max_seq_len, graphs=graphs,
+                                       **{**kwargs, "num_blocks": min(sizes)})
 
     @property
     def target_runtime(self) -> str:
@@ -231,9 +275,11 @@ class SpeculativeEngine:
                 f"the prompt ({len(ids)} tokens) + {max_new_tokens} new tokens exceed "
                 f"max_seq_len {self.max_seq_len}"
             )
+        rid = next(self._ids)
+        if seed is None and generator is None and self._seed_base is not None and not params.greedy:
+            seed = (self._seed_base + rid) % (1 << 63)
         if seed is not None and generator is None:
             generator = torch.Generator().manual_seed(int(seed))
-        rid = next(self._ids)
         req = Request(
             id=rid, prompt=ids, max_new_tokens=max_new_tokens, params=params,
             stops=frozenset(int(t) for t in (stop_token_ids or ())), mask_fn=grammar_bitmask_fn,

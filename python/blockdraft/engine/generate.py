@@ -9,6 +9,7 @@ import torch
 from torch import Tensor
 
 from blockdraft.engine.engine import SpeculativeEngine
+from blockdraft.parallel.group import TPGroup
 from blockdraft.results import GenerationResult
 
 
@@ -26,6 +27,7 @@ def generate(
     generator: torch.Generator | None = None,
     runtime: str = "auto",
     sampled_drafts: bool = False,
+    tp: TPGroup | None = None,
 ) -> GenerationResult:
     """Speculative generation for one or many prompts (a one-off :class:`SpeculativeEngine`
     whose pools hold exactly these prompts; build an engine yourself to reuse it).
@@ -35,6 +37,8 @@ def generate(
             the model), ``"blockdraft"`` or ``"hf"``.
         sampled_drafts: at ``temperature > 0``, sample the drafts from the drafter's
             distribution (see :class:`SpeculativeEngine`).
+        tp: the tensor-parallel group this process is a rank of (every rank calls
+            ``generate`` with the same arguments; see :class:`SpeculativeEngine`).
         (the rest as :meth:`SpeculativeEngine.generate`)
 
     Raises:
@@ -53,7 +57,7 @@ def generate(
     with SpeculativeEngine(
         target, drafter, runtime=runtime, max_seq_len=longest, max_active=len(prompts),
         target_pages=target_pages, page_size=page, num_blocks=drafter_blocks,
-        max_batch=min(len(prompts), 16), sampled_drafts=sampled_drafts,
+        max_batch=min(len(prompts), 16), sampled_drafts=sampled_drafts, tp=tp,
     ) as engine:
         return engine.generate(
             prompts, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,

@@ -4,12 +4,14 @@
 | --- | --- |
 | ``spec`` | which architectures run, and what is read from a loaded model |
 | ``weights`` | fused q/k/v and gate/up weights that are the model's own storage |
+| ``shard`` | a target split over tensor-parallel ranks: each rank's weights and shapes |
 | ``cache`` | the paged target K/V |
 | ``forward`` | one forward over the new rows of many sequences |
 | ``runtime`` | :class:`TargetRuntime`: sequences, forwards, accept, free |
 | ``decode`` | :func:`decode`: target-only decoding on the runtime |
 
-Design and memory: ``docs/runtime.md``.
+Design and memory: ``docs/runtime.md``; tensor parallelism: its last section and
+``docs/design/tensor-parallel.md``.
 """
 
 from __future__ import annotations

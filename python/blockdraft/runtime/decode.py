@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import operator
+import secrets
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -60,7 +61,9 @@ def decode(
         max_new_tokens: most tokens generated per prompt (>= 1).
         temperature / top_p / top_k: 0 = greedy, else sampling from the filtered softmax.
         stop_token_ids: a sequence ends after producing one of these (included).
-        generator: random source for sampling.
+        generator: random source for sampling. On a tensor-parallel runtime every rank calls
+            ``decode`` alike; without a generator, sampling draws from one seeded by rank 0
+            (every rank must pick the same tokens).
 
     Returns:
         the tokens per prompt (greedy fp32 output equals ``target.generate(do_sample=False)``)
@@ -96,6 +99,8 @@ def decode(
                 f"{runtime.max_seq_len}"
             )
     stops = frozenset(int(t) for t in (stop_token_ids or ()))
+    if generator is None and not params.greedy and runtime.tp.size > 1:
+        generator = torch.Generator().manual_seed(int(runtime.tp.broadcast(secrets.randbits(62))))
     start = time.perf_counter()
     seqs: list[SeqPages] = []
     try:

@@ -6,6 +6,12 @@ the new rows over their sequences' pages (one launch for every sequence) -> o pr
 residual add + RMSNorm -> one gate/up GEMM -> SwiGLU -> down projection. The rows of the layers
 the drafter reads are copied into its ``[rows, k*H]`` buffer as the forward passes them, and the
 head runs only on the rows whose logits are wanted.
+
+Under tensor parallelism each rank runs the same forward on its heads and its part of the
+MLP: q/k/v and gate/up are column-parallel (the rank's output rows), o and down row-parallel
+(the rank's input columns), each followed by one all-reduce of its partial sums, after which
+the hidden rows are whole (and the same bits) on every rank: the captured rows, the norms and
+the head need no further communication.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from torch import Tensor
 from torch.nn import functional as F
 
 from blockdraft.kernels import KernelOps
+from blockdraft.parallel.group import TPGroup
 from blockdraft.runtime.cache import TargetKVCache
 from blockdraft.runtime.spec import TargetSpec
 from blockdraft.runtime.weights import fuse_linears
@@ -80,15 +87,19 @@ class TargetForward:
         capture_layers: target layer ids whose outputs the drafter reads (output of layer
             ``i``, the last layer's after the final norm, as Hugging Face's
             ``hidden_states[i + 1]``), in the order of a ctx row.
+        tp: the tensor-parallel group ``spec`` is this rank's part of (default: one rank).
     """
 
     def __init__(
         self, spec: TargetSpec, cache: TargetKVCache, ops: KernelOps,
-        capture_layers: Sequence[int] = (),
+        capture_layers: Sequence[int] = (), tp: TPGroup | None = None,
     ) -> None:
         self.spec = spec
         self.cache = cache
         self.ops = ops
+        self.tp = tp if tp is not None else TPGroup.single(spec.device)
+        if self.tp.size != spec.tp_size:
+            raise ValueError(f"a spec of {spec.tp_size} ranks in a group of {self.tp.size}")
         for i in capture_layers:
             if not 0 <= i < spec.num_layers:
                 raise ValueError(f"capture layer {i} is outside the target's {spec.num_layers} layers")
@@ -138,10 +149,10 @@ class TargetForward:
                 batch.kv_lens, batch.positions, scale=spec.scale, sliding_window=layer.window,
                 max_rows=batch.max_rows,
             )
-            y = F.linear(o.view(rows, hq * d), layer.o, layer.o_bias)
+            y = self._row_parallel(o.view(rows, hq * d), layer.o, layer.o_bias)
             h, x = ops.add_rms_norm(h, y, layer.post_norm, spec.eps)
-            y = F.linear(ops.silu_mul(F.linear(x, layer.gate_up, layer.gate_up_bias)),
-                         layer.down, layer.down_bias)
+            y = self._row_parallel(ops.silu_mul(F.linear(x, layer.gate_up, layer.gate_up_bias)),
+                                   layer.down, layer.down_bias)
             nxt = self._layers[i + 1].input_norm if i < last else spec.final_norm
             h, x = ops.add_rms_norm(h, y, nxt, spec.eps)
             slot = self._capture_slot.get(i)
@@ -149,6 +160,14 @@ class TargetForward:
                 capture[:, slot * size : (slot + 1) * size] = x if i == last else h
         head_rows = x if batch.logit_rows is None else x.index_select(0, batch.logit_rows)
         return F.linear(head_rows, spec.lm_head.weight)
+
+    def _row_parallel(self, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+        """``x @ weight.T + bias`` for a row-parallel projection: each rank's product is a
+        partial sum over its input columns; the bias is added once, after the sum."""
+        if self.tp.size == 1:
+            return F.linear(x, weight, bias)
+        y = self.tp.all_reduce_(F.linear(x, weight))
+        return y if bias is None else y.add_(bias)
 
 
 __all__ = ["ForwardBatch", "TargetForward"]

@@ -11,6 +11,11 @@ of its own :class:`~blockdraft.BlockPool` (page tables kept by the Rust core's
 * :meth:`TargetRuntime.accept` commits the first ``k`` of each sequence's pending rows: a
   rejected draft's K/V is simply overwritten by the next forward, no copy;
 * :meth:`TargetRuntime.free` gives every page back.
+
+With a tensor-parallel group (``tp=``) every rank builds its own runtime over its shard of the
+model (:mod:`blockdraft.runtime.shard`) and every rank makes the same calls in the same order:
+the pool, the page tables and the forward plans are computed on every rank from the same
+inputs (the Rust core is deterministic), so they are the same without being sent anywhere.
 """
 
 from __future__ import annotations
@@ -27,7 +32,9 @@ from blockdraft._core import BlockPool, ConfigError, ForwardPlan, SeqPages
 from blockdraft.runtime.cache import TargetKVCache
 from blockdraft.runtime.forward import ForwardBatch, TargetForward
 from blockdraft.cuda_graphs import GraphMode, resolve_mode
+from blockdraft.parallel.group import TPGroup
 from blockdraft.runtime.graphs import RuntimeGraphs
+from blockdraft.runtime.shard import shard_target
 from blockdraft.runtime.spec import TargetSpec
 
 log = logging.getLogger(__name__)
@@ -81,10 +88,17 @@ class TargetRuntime:
             fixed-shape buffers eagerly (any device), ``"off"`` disables them.
         graph_rows: rows per sequence with graphs of their own (1: decode; a drafter's B:
             verify).
+        tp: the tensor-parallel group this process is a rank of (``None``: one rank). Every
+            rank passes the same settings; the model keeps only this rank's shard of its
+            projections from now on (its own forward no longer works), the pool holds this
+            rank's K/V heads, and a pool sized from free memory takes the smallest size any
+            rank can hold. ``graphs="auto"`` runs eagerly when the group has several ranks
+            (CUDA-graph capture of the all-reduces is not verified).
 
     Raises:
         ConfigError: an unsupported architecture or feature (named), a bad backend, sizes the
-            model cannot take.
+            model cannot take, head counts or an intermediate size the group does not divide
+            (named with their values), settings that differ between ranks.
     """
 
     def __init__(
@@ -101,8 +115,9 @@ class TargetRuntime:
         prefill_chunk: int = 512,
         graphs: GraphMode = "auto",
         graph_rows: Sequence[int] = (1,),
+        tp: TPGroup | None = None,
     ) -> None:
-        self.spec = spec = TargetSpec.from_model(model)
+        spec = TargetSpec.from_model(model)
         if max_seq_len is None:
             max_seq_len = spec.max_positions
         for name, value in (("max_seq_len", max_seq_len), ("page_size", page_size),
@@ -116,19 +131,31 @@ class TargetRuntime:
             )
         if not 0.0 < memory_fraction <= 1.0:
             raise ValueError(f"memory_fraction must be in (0, 1], not {memory_fraction}")
+        self.backend = kernels.resolve_backend(backend, spec.device)
+        mode = resolve_mode(graphs, spec.device)
+        # Every check that needs no weights is made before the model gives up its full ones.
+        self.tp = tp if tp is not None else TPGroup.single(spec.device)
+        self.spec = spec = shard_target(spec, self.tp)
         self.model = model
         self.max_seq_len = max_seq_len
         self.prefill_chunk = prefill_chunk
-        self.backend = kernels.resolve_backend(backend, spec.device)
+        sized = num_pages is None
         if num_pages is None:
             num_pages = TargetKVCache.default_num_pages(
                 spec, page_size, tokens=max_batch * max_seq_len, fraction=memory_fraction
             )
+        if self.tp.size > 1:
+            if graphs == "auto" and mode == "capture":
+                mode = None
+            num_pages = self._agree(num_pages, sized, (
+                max_seq_len, page_size, max_batch, prefill_chunk, tuple(capture_layers), mode,
+                tuple(graph_rows), self.backend,
+            ))
         self.pool = BlockPool(num_pages, page_size)
         self.cache = TargetKVCache(self.pool, spec)
-        self.forward_pass = TargetForward(spec, self.cache, kernels.ops(self.backend), capture_layers)
+        self.forward_pass = TargetForward(spec, self.cache, kernels.ops(self.backend), capture_layers,
+                                          tp=self.tp)
         self._owner = next(_owner_ids)
-        mode = resolve_mode(graphs, spec.device)
         self.graphs: RuntimeGraphs | None = None
         if mode is not None:
             self.graphs = RuntimeGraphs(
@@ -163,6 +190,38 @@ class TargetRuntime:
     def pages_for(self, capacity: int) -> int:
         """Pages a sequence of ``capacity`` tokens takes."""
         return -(-capacity // self.pool.page_size)
+
+    def _agree(self, num_pages: int, sized: bool, settings: tuple[object, ...]) -> int:
+        """The pool size every rank uses (a size from free memory: the smallest any rank
+        found; a given size: the same on every rank), after checking that every rank was
+        given the same settings."""
+        got = self.tp.gather((num_pages, sized, settings))
+        if any(g[1:] != got[0][1:] for g in got):
+            raise ConfigError(
+                "tensor-parallel ranks built runtimes with different settings: "
+                + "; ".join(f"rank {r}: {g[2]}" for r, g in enumerate(got))
+            )
+        sizes = [int(g[0]) for g in got]
+        if not sized and len(set(sizes)) > 1:
+            raise ConfigError(f"tensor-parallel ranks were given different num_pages: {sizes}")
+        return min(sizes)
+
+    def check_replicas(self, seqs: Sequence[SeqPages] = ()) -> None:
+        """Check that every rank holds the same bookkeeping: free pages, and the page table,
+        length and pending rows of each of ``seqs`` (a collective: every rank calls it with
+        its own copies of the same sequences). Nothing to compare on one rank.
+
+        Raises:
+            RuntimeError: naming the first rank that differs from rank 0 and what differs.
+        """
+        mine = (self.pool.num_free,
+                [(list(s.pages), s.length, s.pending, s.capacity) for s in seqs])
+        got = self.tp.gather(mine)
+        for r, other in enumerate(got[1:], start=1):
+            if other != got[0]:
+                raise RuntimeError(
+                    f"tensor-parallel rank {r}'s pages differ from rank 0's: {other} != {got[0]}"
+                )
 
     # ------------------------------------------------------------------ sequences
 

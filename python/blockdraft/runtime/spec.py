@@ -62,8 +62,11 @@ class TargetSpec:
 
     Attributes:
         family: ``"llama"``, ``"mistral"``, ``"qwen2"`` or ``"qwen3"``.
+        num_heads / num_kv_heads / intermediate_size: this rank's (the model's divided by
+            ``tp_size``; the whole model's without tensor parallelism).
         inv_freq: ``[D/2]`` fp32 rotary frequencies; ``rope_scale`` multiplies cos and sin.
         max_positions: the model's ``max_position_embeddings``.
+        tp_rank / tp_size: this rank's place in its tensor-parallel group (0 of 1 without).
     """
 
     model: nn.Module
@@ -85,6 +88,8 @@ class TargetSpec:
     final_norm: Tensor
     lm_head: nn.Linear
     layers: tuple[LayerSpec, ...]
+    tp_rank: int = 0
+    tp_size: int = 1
 
     @property
     def dtype(self) -> torch.dtype:
@@ -96,7 +101,7 @@ class TargetSpec:
 
     @property
     def kv_bytes_per_token(self) -> int:
-        """Bytes of K and V one token takes over every layer."""
+        """Bytes of K and V one token takes over every layer (on this rank)."""
         elem = torch.empty((), dtype=self.dtype).element_size()
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * elem
 

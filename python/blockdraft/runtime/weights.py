@@ -9,6 +9,10 @@ same numbers. Applying it again to modules already fused this way returns the sa
 The views tie the modules to the fused storage: moving or casting the model afterwards
 (``model.to(...)``) gives the modules new tensors and leaves the fused ones behind, so attach
 the runtime after the model is where it will run.
+
+Under tensor parallelism (:func:`shard_rows`, :func:`shard_cols`) a rank keeps only its part of
+each projection: its rows of q/k/v and gate/up, fused the same way, and its input columns of
+o and down; the full weights are released.
 """
 
 from __future__ import annotations
@@ -80,4 +84,46 @@ def fuse_linears(linears: Sequence[nn.Linear]) -> tuple[Tensor, Tensor | None]:
     return weight, bias
 
 
-__all__ = ["fuse_linears"]
+def shard_rows(linears: Sequence[nn.Linear], rank: int, size: int) -> None:
+    """Keep rank ``rank``'s ``1/size`` of each module's output rows (and bias), laid out as one
+    fused tensor that :func:`fuse_linears` then finds as it is: the modules' ``weight`` /
+    ``bias`` become views of it and ``out_features`` their shard's rows; the full weights are
+    released. ``size`` must divide every ``out_features``."""
+    with torch.no_grad():
+        parts = []
+        for m in linears:
+            if m.out_features % size:
+                raise ValueError(f"{size} ranks do not split {m.out_features} output rows")
+            each = m.out_features // size
+            parts.append(slice(rank * each, (rank + 1) * each))
+        weight = torch.cat([m.weight.detach()[s] for m, s in zip(linears, parts)], dim=0)
+        biases = [m.bias for m in linears]
+        if len({b is None for b in biases}) > 1:
+            raise ValueError("fused linear layers must all have a bias or none")
+        bias = None
+        if biases[0] is not None:
+            bias = torch.cat([b.detach()[s] for b, s in zip(biases, parts) if b is not None], dim=0)
+    row = 0
+    for m, s in zip(linears, parts):
+        rows = s.stop - s.start
+        m.weight = nn.Parameter(weight[row : row + rows], requires_grad=m.weight.requires_grad)
+        if bias is not None and m.bias is not None:
+            m.bias = nn.Parameter(bias[row : row + rows], requires_grad=m.bias.requires_grad)
+        m.out_features = rows
+        row += rows
+
+
+def shard_cols(linear: nn.Linear, rank: int, size: int) -> None:
+    """Keep rank ``rank``'s ``1/size`` of ``linear``'s input columns (a row-parallel
+    projection: each rank's product is a partial sum); the bias stays whole, added once after
+    the sum. The full weight is released."""
+    if linear.in_features % size:
+        raise ValueError(f"{size} ranks do not split {linear.in_features} input columns")
+    each = linear.in_features // size
+    with torch.no_grad():
+        shard = linear.weight.detach()[:, rank * each : (rank + 1) * each].contiguous()
+    linear.weight = nn.Parameter(shard, requires_grad=linear.weight.requires_grad)
+    linear.in_features = each
+
+
+__all__ = ["fuse_linears", "shard_cols", "shard_rows"]
