@@ -232,3 +232,26 @@ def test_fixed_shape_graph_buffers_give_the_eager_output() -> None:
         if rt.graphs is not None:
             assert rt.graphs.calls > 0
         assert engine.pages_used() == {"target": 0, "drafter": 0}
+
+
+@pytest.mark.parametrize("site", ["workspace", "target_forward"])
+def test_a_failed_forward_leaves_nothing_to_accept(site: str) -> None:
+    """Fault injection at the runtime's allocation and forward sites: the sequences keep their
+    length, nothing is pending (no half-written row can be accepted), no page moves; the next
+    forward gives Hugging Face's logits."""
+    from blockdraft import faults
+
+    model = make_target("qwen3")
+    rt = TargetRuntime(model, num_pages=10, page_size=4, capture_layers=[0, 2], graphs="off")
+    seq = rt.new_sequence(20)
+    rt.prefill([seq], [PROMPTS[1]])
+    before = (seq.length, list(seq.pages), rt.pool.num_free)
+    with faults.inject(site, 1), pytest.raises(Exception, match="fault injection"):
+        rt.forward([seq], [[4, 5, 6]])
+    assert (seq.length, list(seq.pages), rt.pool.num_free) == before and seq.pending == 0
+    with expect_clear_error(ValueError, "pending"):
+        rt.accept([seq], [1])
+    out = rt.forward([seq], [[4, 5, 6]], logits="all")
+    assert rel_err(out.logits[-1], _hf(model, PROMPTS[1] + [4, 5, 6]).logits[0, -1]) < 1e-5
+    rt.free([seq])
+    score.fault_points += 1

@@ -277,15 +277,17 @@ class TargetRuntime:
             logits: ``"all"`` (every new row, as a verify needs) or ``"last"`` (each
                 sequence's last row, as a prefill or decode needs).
 
+            capture: return the captured layers' rows (when the runtime has capture layers).
+
         Returns:
             the logits and captured rows; on the graph path they are views of the graph's
             buffers, valid until the next forward of the same shape.
-            capture: return the captured layers' rows (when the runtime has capture layers).
 
         Raises:
             InvalidStateError: a foreign or freed sequence.
             TypeError / ValueError: bad tokens, or rows past a sequence's capacity (nothing
-                changed).
+                changed). A forward that fails after that leaves every sequence's length as it
+                was and nothing pending.
         """
         if logits not in ("all", "last"):
             raise ValueError(f"logits must be 'all' or 'last', not {logits!r}")
@@ -294,6 +296,15 @@ class TargetRuntime:
         flat = self._tokens(tokens)
         counts = [len(t) for t in tokens]
         plan = _core.plan_forward("forward", list(seqs), counts, self._owner)
+        try:
+            return self._run(plan, flat, counts, logits, capture)
+        except BaseException:
+            # The rows were never (or only partly) written: none of them may be accepted.
+            _core.accept_rows("forward", list(seqs), [0] * len(counts), self._owner)
+            raise
+
+    def _run(self, plan: ForwardPlan, flat: list[int], counts: list[int], logits: str,
+             capture: bool) -> ForwardOutput:
         rows_each = counts[0] if counts else 0
         graphs = self.graphs
         if (graphs is not None and all(c == rows_each for c in counts)
