@@ -1,5 +1,6 @@
 """What every ``blockdraft`` subcommand shares: the one-line error, the device choice, checks of
-user input made before any model loads, and loading a Hugging Face target named by a flag.
+user input made before any model loads, loading a Hugging Face target named by a flag, and
+the facts `--tp` is checked against.
 
 Checks run on cheap facts (``config.json``, the tokenized prompt) so that a wrong flag fails in
 a second with a line that names the flag, instead of after loading weights with an error from
@@ -215,3 +216,28 @@ def load_drafter_dir(path: str | Path, device: Any, dtype: Any) -> Any:
         return load_drafter(path, device=device, dtype=dtype)
     except (CheckpointError, ValueError) as exc:
         raise CliError(f"--drafter {path}: {error_line(exc)}") from exc
+
+
+def tp_sizes(raw: dict[str, Any]) -> tuple[str, dict[str, int]]:
+    """The target's architecture and the counts ``--tp`` must divide, from its config."""
+    text = raw.get("text_config")
+    cfg: dict[str, Any] = text if isinstance(text, dict) else raw
+    archs = raw.get("architectures") or ["the target"]
+    heads = cfg.get("num_attention_heads")
+    sizes = {"num_attention_heads": heads,
+             "num_key_value_heads": cfg.get("num_key_value_heads") or heads,
+             "intermediate_size": cfg.get("intermediate_size")}
+    return str(archs[0]), {k: v for k, v in sizes.items() if isinstance(v, int) and not isinstance(v, bool)}
+
+
+def tp_device(name: str | None) -> str:
+    """``cpu`` or ``cuda`` for the ranks (each rank of a CUDA group takes its own GPU)."""
+    import torch
+
+    if name is None or name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if name not in ("cpu", "cuda"):
+        raise CliError(f"--device {name} with --tp: give cpu or cuda (rank r runs on cuda:r)")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise CliError("device 'cuda' requested but CUDA is not available")
+    return name

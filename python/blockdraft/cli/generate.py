@@ -33,6 +33,8 @@ from blockdraft.cli.common import (
     read_model_config,
     require_min,
     require_temperature,
+    tp_device,
+    tp_sizes,
 )
 
 DEFAULT_PROMPT = "def fibonacci(n):"
@@ -172,31 +174,6 @@ def pair_source(target: str | None, drafter: str | None) -> PairSource:
                       lambda: load_tokenizer("--target", target_dir), from_dirs, config=raw)
 
 
-def _tp_sizes(raw: dict[str, Any]) -> tuple[str, dict[str, int]]:
-    """The target's architecture and the counts ``--tp`` must divide, from its config."""
-    text = raw.get("text_config")
-    cfg: dict[str, Any] = text if isinstance(text, dict) else raw
-    archs = raw.get("architectures") or ["the target"]
-    heads = cfg.get("num_attention_heads")
-    sizes = {"num_attention_heads": heads,
-             "num_key_value_heads": cfg.get("num_key_value_heads") or heads,
-             "intermediate_size": cfg.get("intermediate_size")}
-    return str(archs[0]), {k: v for k, v in sizes.items() if isinstance(v, int) and not isinstance(v, bool)}
-
-
-def _tp_device(name: str | None) -> str:
-    """``cpu`` or ``cuda`` for the ranks (each rank of a CUDA group takes its own GPU)."""
-    import torch
-
-    if name is None or name == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if name not in ("cpu", "cuda"):
-        raise CliError(f"--device {name} with --tp: give cpu or cuda (rank r runs on cuda:r)")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise CliError("device 'cuda' requested but CUDA is not available")
-    return name
-
-
 def run_generate(args: argparse.Namespace) -> int:
     """Decode one prompt speculatively; with ``--compare`` also target-only on the same runtime
     and with Hugging Face ``generate``. Every path runs once untimed first (compiles, graph
@@ -213,7 +190,7 @@ def run_generate(args: argparse.Namespace) -> int:
         world = int(os.environ["WORLD_SIZE"])
         if tp is not None and tp != world:
             raise CliError(f"--tp {tp} but torchrun started {world} ranks (WORLD_SIZE)")
-        group = init_tp(device=_tp_device(args.device))
+        group = init_tp(device=tp_device(args.device))
         rc = _generate(args, group)
         group.close()
         return rc
@@ -221,7 +198,7 @@ def run_generate(args: argparse.Namespace) -> int:
         return _generate(args, None)
     _check_inputs(args, tp)  # one line before any rank starts
     try:
-        rcs = launch(_generate_on_rank, tp, (args,), device=_tp_device(args.device))
+        rcs = launch(_generate_on_rank, tp, (args,), device=tp_device(args.device))
     except RankFailedError as exc:
         if getattr(args, "debug", False) and exc.remote_traceback:
             print(exc.remote_traceback, file=sys.stderr, end="")
@@ -251,7 +228,7 @@ def _check_inputs(args: argparse.Namespace, tp: int) -> tuple[PairSource, Any, s
     check_text("the prompt", prompt)
     source = pair_source(args.target, args.drafter)
     if tp > 1 and source.config is not None:
-        arch, sizes = _tp_sizes(source.config)
+        arch, sizes = tp_sizes(source.config)
         check_split(arch, sizes, tp)
     tokenizer = source.tokenizer()
     ids = list(tokenizer.encode(prompt))
@@ -277,7 +254,7 @@ def _generate(args: argparse.Namespace, group: Any) -> int:
     if ranks == 1:
         device = pick_device(args.device)
     else:
-        _tp_device(args.device)
+        tp_device(args.device)
         device = group.device
     source, tokenizer, prompt, ids = _check_inputs(args, ranks)
     target, drafter = source.models(device, source.dtype or model_dtype(device))

@@ -2,12 +2,22 @@
 
 Without ``--target/--drafter`` it serves the built-in trained pair. Flags are checked, and
 the ``serve`` extra's presence too, before any weights load.
+
+``--tp N`` splits the target over N ranks: the command starts them itself
+(:func:`blockdraft.parallel.launch`, which stops them all and names the rank when one fails,
+and passes SIGINT/SIGTERM to rank 0), or, run under ``torchrun --nproc-per-node N``, each
+process is one rank. Rank 0 serves HTTP and runs the engine loop; the other ranks follow it
+(:func:`blockdraft.serve.follow`).
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib.util
+import logging
+import os
+import signal
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,6 +26,7 @@ from typing import Any
 from blockdraft.cli.common import (
     CliError,
     check_pair_dirs,
+    error_line,
     load_drafter_dir,
     load_target_model,
     load_tokenizer,
@@ -25,10 +36,16 @@ from blockdraft.cli.common import (
     quiet_transformers,
     read_model_config,
     require_min,
+    tp_device,
+    tp_sizes,
 )
+from blockdraft.parallel import DEFAULT_TIMEOUT_S as DEFAULT_TP_TIMEOUT_S
 
 SERVE_DEPENDENCIES = {"fastapi": "fastapi", "uvicorn": "uvicorn", "prometheus_client": "prometheus-client"}
 BUILTIN_MODEL_NAME = "blockdraft-builtin"
+PID_DIR_ENV = "BLOCKDRAFT_TEST_PID_DIR"
+"""Test suite only: a directory where every rank writes ``rank<r>.pid`` once its engine is
+built, so that a test can signal or kill one rank."""
 
 
 def missing_dependencies() -> list[str]:
@@ -49,6 +66,10 @@ def _check_flags(args: argparse.Namespace) -> None:
             require_min(flag, value, 2 if flag == "--max-seq-len" else 1)
     if not args.shutdown_timeout >= 0:
         raise CliError(f"--shutdown-timeout must be >= 0 seconds, not {args.shutdown_timeout}")
+    if args.tp is not None:
+        require_min("--tp", args.tp)
+    if not args.tp_timeout > 0:
+        raise CliError(f"--tp-timeout must be > 0 seconds, not {args.tp_timeout}")
     if (args.target is None) != (args.drafter is None):
         raise CliError("give both --target DIR and --drafter DIR (or neither for the built-in pair)")
 
@@ -62,6 +83,7 @@ class _Pair:
     description: str
     builtin: bool
     load: Callable[[Any], tuple[Any, Any, Any]]  # device -> (target, drafter, tokenizer)
+    config: dict[str, Any]  # the target's config.json
 
 
 def _pair(args: argparse.Namespace) -> _Pair:
@@ -75,9 +97,10 @@ def _pair(args: argparse.Namespace) -> _Pair:
             quiet_transformers()
             return pretrained.builtin_pair(device=device, dtype=model_dtype(device))
 
-        return _Pair(BUILTIN_MODEL_NAME,
-                     max_positions(read_model_config("the built-in target", pretrained.TARGET_DIR)),
-                     "built-in trained pair (Python code model + B=8 DFlash drafter)", True, builtin)
+        raw = read_model_config("the built-in target", pretrained.TARGET_DIR)
+        return _Pair(BUILTIN_MODEL_NAME, max_positions(raw),
+                     "built-in trained pair (Python code model + B=8 DFlash drafter)", True, builtin,
+                     raw)
     target_dir, drafter_dir = args.target, args.drafter
     raw = check_pair_dirs(target_dir, drafter_dir)
 
@@ -88,44 +111,124 @@ def _pair(args: argparse.Namespace) -> _Pair:
                 load_drafter_dir(drafter_dir, device, dtype), tokenizer)
 
     return _Pair(Path(target_dir).resolve().name, max_positions(raw),
-                 f"target {target_dir}, drafter {drafter_dir}", False, from_dirs)
+                 f"target {target_dir}, drafter {drafter_dir}", False, from_dirs, raw)
 
 
 def run_serve(args: argparse.Namespace) -> int:
     """Load the pair, build the engine, serve until SIGINT/SIGTERM; 0 when every page came
-    back at exit."""
+    back at exit. With ``--tp N`` (or under ``torchrun``) the target is split over N ranks."""
+    from blockdraft.parallel import RankFailedError, init_tp, launch, launched_by_torchrun
+
     missing = missing_dependencies()
     if missing:
         raise CliError(f"blockdraft serve needs {', '.join(missing)}: pip install blockdraft[serve]")
     _check_flags(args)
-    device = pick_device(args.device)
+    if launched_by_torchrun():
+        world = int(os.environ["WORLD_SIZE"])
+        if args.tp is not None and args.tp != world:
+            raise CliError(f"--tp {args.tp} but torchrun started {world} ranks (WORLD_SIZE)")
+        _plan(args, world)
+        group = init_tp(device=tp_device(args.device), timeout_s=args.tp_timeout)
+        if not group.is_first:
+            # torchrun passes a stop signal to every rank; rank 0 alone decides when the
+            # group stops (it drains first), so the others follow it until then.
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                signal.signal(sig, signal.SIG_IGN)
+            logging.getLogger().setLevel(logging.WARNING)
+        error = _serve(args, group)
+        group.close()
+    elif (args.tp or 1) == 1:
+        error = _serve(args, None)
+    else:
+        _plan(args, args.tp)  # one line before any rank starts
+        try:
+            errors = launch(_serve_on_rank, args.tp, (args,), device=tp_device(args.device),
+                            timeout_s=args.tp_timeout, forward_signals=True)
+        except RankFailedError as exc:
+            if getattr(args, "debug", False) and exc.remote_traceback:
+                print(exc.remote_traceback, file=sys.stderr, end="")
+            raise
+        error = next((e for e in errors if e is not None), None)
+    if error is not None:
+        raise CliError(error)
+    return 0
+
+
+def _plan(args: argparse.Namespace, ranks: int) -> tuple[_Pair, int]:
+    """The pair and the context length, checked before weights load."""
     pair = _pair(args)
     max_seq_len = args.max_seq_len or pair.positions or 4096
     if pair.positions is not None and max_seq_len > pair.positions:
         raise CliError(f"--max-seq-len {max_seq_len} is past the target's max_position_embeddings "
                        f"({pair.positions})")
+    if ranks > 1:
+        from blockdraft.parallel import check_split
+
+        arch, sizes = tp_sizes(pair.config)
+        check_split(arch, sizes, ranks)
+    return pair, max_seq_len
+
+
+def _serve_on_rank(group: Any, args: argparse.Namespace) -> str | None:
+    """One rank of ``serve --tp N`` (module level: each rank imports it). Its logging is set
+    up as ``main`` sets it up for one process; the other ranks log warnings only."""
+    debug = bool(getattr(args, "debug", False))
+    logging.basicConfig(level=logging.DEBUG if debug else logging.INFO, format="%(message)s")
+    if not group.is_first:
+        logging.getLogger().setLevel(logging.WARNING)
+    return _serve(args, group)
+
+
+def _serve(args: argparse.Namespace, group: Any) -> str | None:
+    """Serve on this rank (rank 0, or the only one) or follow rank 0 (the others).
+
+    Returns:
+        ``None``, or the one-line error of a serve that ended with every rank told to stop.
+
+    Raises:
+        CliError: a failure that left the other ranks running (the process that watches the
+            ranks stops them).
+    """
+    ranks = 1 if group is None else int(group.size)
+    device = pick_device(args.device) if ranks == 1 else group.device
+    pair, max_seq_len = _plan(args, ranks)
     target, drafter, tokenizer = pair.load(device)
 
-    from blockdraft.serve import ServeConfig, build_engine, create_app, serve
+    from blockdraft.serve import ServeConfig, build_engine, create_app, follow, serve
 
     engine = build_engine(target, drafter, max_seq_len=max_seq_len, max_active=args.max_active,
-                          target_pages=args.target_pages, drafter_blocks=args.drafter_blocks)
+                          target_pages=args.target_pages, drafter_blocks=args.drafter_blocks,
+                          tp=group if ranks > 1 else None)
+    rank = 0 if group is None else int(group.rank)
+    pid_dir = os.environ.get(PID_DIR_ENV)
+    if pid_dir:
+        Path(pid_dir, f"rank{rank}.pid").write_text(str(os.getpid()))
+    if rank > 0:
+        used, total = follow(engine, group)
+        if any(used.values()):
+            return f"tensor-parallel rank {rank}: pages were not all back at exit: {used} of {total} in use"
+        return None
     config = ServeConfig(model_name=args.model_name or pair.name, max_queue=args.max_queue,
                          builtin_chat=pair.builtin)
     app = create_app(engine, tokenizer, config)
+    loop = app.state.loop
     pools = engine.pages_total()
-    print(f"blockdraft serve: {pair.description} as {config.model_name!r} on {device}; "
+    where = f"; tensor parallel over {ranks} ranks ({group.backend})" if ranks > 1 else ""
+    print(f"blockdraft serve: {pair.description} as {config.model_name!r} on {device}{where}; "
           f"{args.max_active} running at most, {args.max_queue} queued, context {max_seq_len}; "
           f"pools: target {pools['target']} pages, drafter {pools['drafter']} pages; "
           f"OpenAI base URL http://{args.host}:{args.port}/v1", flush=True)
     if not serve(app, host=args.host, port=args.port, shutdown_timeout_s=args.shutdown_timeout):
-        raise CliError(f"could not serve on {args.host}:{args.port} (the log above says why)")
-    final = app.state.loop.final
+        loop.stop(config.stop_timeout_s)  # the lifespan may have started it; this stops every rank
+        return f"could not serve on {args.host}:{args.port} (the log above says why)"
+    if ranks > 1 and loop.failure is not None:
+        raise CliError(f"the engine loop failed: {error_line(loop.failure)}")
+    final = loop.final
     if final is None:
         raise CliError("the engine loop did not close at exit")
     if not final.all_back:
-        raise CliError(f"pages were not all back at exit: {final.used} of {final.total} in use")
-    return 0
+        return f"pages were not all back at exit: {final.used} of {final.total} in use"
+    return None
 
 
 def add_serve_command(sub: Any) -> None:
@@ -152,4 +255,10 @@ def add_serve_command(sub: Any) -> None:
     srv.add_argument("--shutdown-timeout", type=float, default=30.0,
                      help="seconds a SIGINT/SIGTERM waits for running requests before "
                           "cancelling them (default 30)")
+    srv.add_argument("--tp", type=int, default=None, metavar="N",
+                     help="split the target over N ranks (tensor parallelism; starts N processes, "
+                          "or the ranks torchrun started); rank 0 serves HTTP")
+    srv.add_argument("--tp-timeout", type=float, default=DEFAULT_TP_TIMEOUT_S, metavar="S",
+                     help="with --tp: the longest a rank waits for the others in one collective; "
+                          f"a rank silent this long ends the server (default {DEFAULT_TP_TIMEOUT_S:g})")
     srv.set_defaults(func=run_serve)

@@ -8,6 +8,11 @@ other rank and raises :class:`RankFailedError` naming the rank that failed first
 in a collective on the dead rank would otherwise wait for the group's timeout; the watchdog
 does not wait for them.
 
+A long-running group that stops itself (a server: rank 0 drains its requests, then tells the
+other ranks to stop) asks for ``forward_signals``: SIGINT and SIGTERM sent to the launcher go
+to rank 0 alone instead of stopping every rank, and the ranks run in a process group of their
+own, so a terminal's Ctrl-C reaches the launcher only (and through it rank 0, once).
+
 Under ``torchrun`` there is nothing to launch: every rank calls
 :func:`~blockdraft.parallel.init_tp` itself, and ``torchrun`` is the watchdog.
 """
@@ -21,6 +26,7 @@ import os
 import pickle
 import signal
 import socket
+import threading
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -109,7 +115,9 @@ def _send(conn: Any, report: _Report) -> None:
 
 def _rank_main(rank: int, size: int, port: int, fn: Callable[..., Any], args: Sequence[Any],
                conn: Any, device: str | None, backend: str | None, timeout_s: float,
-               threads: int | None) -> None:
+               threads: int | None, own_group: bool = False) -> None:
+    if own_group:
+        os.setpgrp()
     os.environ.update({
         "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
         "WORLD_SIZE": str(size), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(size),
@@ -153,6 +161,7 @@ def launch(
     backend: str | None = None,
     timeout_s: float = DEFAULT_TIMEOUT_S,
     threads: int | None = None,
+    forward_signals: bool = False,
 ) -> list[T]:
     """Run ``fn(group, *args)`` on ``nprocs`` ranks and return each rank's value, in rank order.
 
@@ -167,6 +176,9 @@ def launch(
         timeout_s: the longest one collective waits (the group's timeout).
         threads: torch CPU threads per rank (default on the CPU: the cores shared out, at
             least 1; on CUDA: torch's default).
+        forward_signals: pass SIGINT/SIGTERM to rank 0 (which is to stop the group) instead
+            of stopping every rank, and start the ranks in a process group of their own
+            (signal handlers are installed only when called from the main thread).
 
     Raises:
         RankFailedError: a rank raised or died; every other rank has been stopped.
@@ -186,12 +198,13 @@ def launch(
     port = free_port()
     procs: list[Any] = []
     conns: list[Any] = []
+    previous = _forward_to_first(procs) if forward_signals else {}
     try:
         for rank in range(nprocs):
             recv, send = ctx.Pipe(duplex=False)
             p = ctx.Process(target=_rank_main, name=f"blockdraft-tp-rank{rank}",
                             args=(rank, nprocs, port, fn, tuple(args), send, device, backend,
-                                  timeout_s, threads))
+                                  timeout_s, threads, forward_signals))
             p.start()
             send.close()
             procs.append(p)
@@ -202,6 +215,22 @@ def launch(
         _stop(procs)
         for c in conns:
             c.close()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _forward_to_first(procs: Sequence[Any]) -> dict[int, Any]:
+    """Handlers that pass SIGINT/SIGTERM on to rank 0; returns the handlers they replace."""
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+
+    def forward(sig: int, frame: Any) -> None:
+        if procs and procs[0].pid is not None and procs[0].exitcode is None:
+            os.kill(procs[0].pid, sig)
+        elif not procs:  # before rank 0 exists there is nothing to stop gracefully
+            raise KeyboardInterrupt
+
+    return {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
 
 
 def _watch(procs: Sequence[Any], conns: Sequence[Any]) -> list[Any]:

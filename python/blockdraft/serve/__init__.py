@@ -11,6 +11,7 @@ prometheus-client). User guide: ``docs/serve.md``.
 | ``chat`` | chat messages to prompt tokens (templates) |
 | ``text`` | tokens to text, released piece by piece, stop strings |
 | ``loop`` | the engine thread and the queues that cross to asyncio |
+| ``tp`` | tensor parallelism: rank 0's engine calls broadcast, :func:`follow` on the other ranks |
 | ``responses`` / ``sse`` | OpenAI's JSON shapes; server-sent events |
 | ``metrics`` | the Prometheus metrics |
 | ``errors`` | OpenAI-style errors |
@@ -24,6 +25,7 @@ from blockdraft.serve.errors import APIError
 from blockdraft.serve.loop import EngineLoop, FinalState
 from blockdraft.serve.metrics import ServeMetrics
 from blockdraft.serve.server import build_engine, serve
+from blockdraft.serve.tp import follow
 
 __all__ = ["APIError", "EngineLoop", "FinalState", "ServeConfig", "ServeMetrics", "build_engine",
-           "create_app", "serve"]
+           "create_app", "follow", "serve"]

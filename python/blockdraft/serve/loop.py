@@ -9,6 +9,12 @@ nothing is, so an idle server spends no CPU.
 
 A step that raises (a shared failure: the target's forward, say) has already failed every
 request it held; the loop reports those requests as errors and goes on with the rest.
+
+An engine that is one rank of a tensor-parallel group (``engine.tp``) is run as its rank 0:
+each iteration ends by broadcasting the engine calls it made to the other ranks
+(:mod:`blockdraft.serve.tp`), an idle loop wakes every heartbeat to broadcast an empty list,
+and a step that raises ends the loop (``on_failure`` is called): after it the ranks can no
+longer be shown to be in step.
 """
 
 from __future__ import annotations
@@ -18,28 +24,16 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
 from blockdraft.engine import SpeculativeEngine
 from blockdraft.serve.errors import APIError, invalid, queue_full, server_error, unavailable
 from blockdraft.serve.metrics import ServeMetrics
+from blockdraft.serve.tp import Leader, Submission, submit_to
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class Submission:
-    """What the engine is asked to generate (checked by the handler; the engine checks the
-    rest: token ids in the vocabulary, the pools' size)."""
-
-    prompt: list[int]
-    max_new_tokens: int
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    stop_token_ids: tuple[int, ...] = ()
-    seed: int | None = None
 
 
 @dataclass(frozen=True)
@@ -132,6 +126,10 @@ class EngineLoop:
         metrics: updated with tokens, steps, latencies, queue and pool gauges.
         max_queue: the most requests that wait beyond those the next step can start; one
             more is refused with 429 (``Retry-After: retry_after_s``).
+
+    Attributes:
+        on_failure: called on the loop's thread when a loop of tensor-parallel rank 0 fails
+            (a server stops listening then: every rank has to end).
     """
 
     def __init__(self, engine: SpeculativeEngine, metrics: ServeMetrics, *, max_queue: int,
@@ -149,6 +147,10 @@ class EngineLoop:
         self._deadline: float | None = None  # draining: cancel what still runs at this time
         self.failure: BaseException | None = None
         self.final: FinalState | None = None
+        self.on_failure: Callable[[], None] | None = None
+        tp = engine.tp
+        self._leader = Leader(tp) if tp is not None and tp.size > 1 else None
+        metrics.tp_size.set(tp.size if tp is not None else 1)
         metrics.set_pools(engine.pages_used(), engine.pages_total())
 
     # ------------------------------------------------------------------ any thread
@@ -212,7 +214,10 @@ class EngineLoop:
                     self._handle(command)
                 if self._deadline is not None and time.monotonic() >= self._deadline:
                     self._cancel_all()
-                if self.engine.num_running or self.engine.num_waiting:
+                step = bool(self.engine.num_running or self.engine.num_waiting)
+                if self._leader is not None:
+                    self._leader.publish(step=step)
+                if step:
                     self._step()
                 self._gauges()
         except Exception as exc:  # noqa: BLE001 - the loop's own fault: fail what is live, say why
@@ -223,12 +228,20 @@ class EngineLoop:
             self._live.clear()
         finally:
             self._closing = True
+            self._refuse_queued()
             self._close_engine()
+            if self.failure is not None and self._leader is not None and self.on_failure is not None:
+                self.on_failure()
 
     def _take_commands(self, *, block: bool) -> list[_Command]:
         out: list[_Command] = []
         if block:
-            out.append(self._inbox.get())
+            # Rank 0 of a group wakes to broadcast a heartbeat: the other ranks wait on it.
+            timeout = self._leader.heartbeat_s if self._leader is not None else None
+            try:
+                out.append(self._inbox.get(timeout=timeout))
+            except queue.Empty:
+                return out
         while True:
             try:
                 out.append(self._inbox.get_nowait())
@@ -247,8 +260,12 @@ class EngineLoop:
         elif command[0] == "cancel":
             ticket = command[1]
             if ticket.request_id is not None and ticket.request_id in self._live:
-                self.engine.cancel(ticket.request_id)
+                self._cancel(ticket.request_id)
                 self._report(ticket.request_id)
+
+    def _cancel(self, rid: int) -> None:
+        if self.engine.cancel(rid) and self._leader is not None:
+            self._leader.cancelled(rid)
 
     def _submit(self, ticket: Ticket, sub: Submission) -> None:
         eng = self.engine
@@ -257,16 +274,18 @@ class EngineLoop:
             ticket.post(queue_full(self.max_queue, self.retry_after_s))
             return
         try:
-            rid = eng.submit(sub.prompt, max_new_tokens=sub.max_new_tokens,
-                             temperature=sub.temperature, top_p=sub.top_p, top_k=sub.top_k,
-                             stop_token_ids=list(sub.stop_token_ids), seed=sub.seed)
-        except (TypeError, ValueError) as exc:
-            ticket.post(invalid(str(exc), "prompt"))
+            rid = submit_to(eng, sub)
+        except Exception as exc:  # noqa: BLE001 - a 400 or a 500 for this request, the loop goes on
+            if self._leader is not None:  # the other ranks make the call and fail it too
+                self._leader.submitted(sub, None)
+            if isinstance(exc, (TypeError, ValueError)):
+                ticket.post(invalid(str(exc), "prompt"))
+            else:
+                log.error("blockdraft serve: submit failed: %s: %s", type(exc).__name__, exc)
+                ticket.post(server_error(f"{type(exc).__name__}: {exc}"))
             return
-        except Exception as exc:  # noqa: BLE001 - answered as a 500, the loop goes on
-            log.error("blockdraft serve: submit failed: %s: %s", type(exc).__name__, exc)
-            ticket.post(server_error(f"{type(exc).__name__}: {exc}"))
-            return
+        if self._leader is not None:
+            self._leader.submitted(sub, rid)
         ticket.request_id = rid
         self._live[rid] = _Live(ticket)
         ticket.post(rid)
@@ -275,6 +294,8 @@ class EngineLoop:
         try:
             events = self.engine.step()
         except Exception as exc:  # noqa: BLE001 - the step's requests have failed; the rest go on
+            if self._leader is not None:
+                raise  # a rank whose step raised may have left the others inside a collective
             log.error("blockdraft serve: a step failed (%s: %s); its requests are answered "
                       "with errors", type(exc).__name__, exc)
             for rid in list(self._live):
@@ -316,7 +337,7 @@ class EngineLoop:
     def _cancel_all(self) -> None:
         for rid in list(self._live):
             try:
-                self.engine.cancel(rid)
+                self._cancel(rid)
                 self._report(rid)
             except Exception:  # noqa: BLE001 - the rest are cancelled all the same
                 log.exception("blockdraft serve: cancelling request %d failed", rid)
@@ -329,9 +350,25 @@ class EngineLoop:
         self.metrics.waiting.set(self.engine.num_waiting)
         self.metrics.set_pools(self.engine.pages_used(), self.engine.pages_total())
 
+    def _refuse_queued(self) -> None:
+        """Answer the submissions still in the inbox once the loop has ended (503)."""
+        while True:
+            try:
+                command = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if command[0] == "submit":
+                command[1].post(unavailable("the server is shutting down"))
+
     def _close_engine(self) -> None:
-        """Cancel every request left (their clients get ``cancelled``), record the pools,
-        detach the engine from its models."""
+        """Tell the other ranks to stop (a group's rank 0, unless the loop failed: then they
+        are stopped by the process that watches them), cancel every request left (their
+        clients get ``cancelled``), record the pools, detach the engine from its models."""
+        if self._leader is not None and self.failure is None:
+            try:
+                self._leader.stop()
+            except Exception:  # noqa: BLE001 - this rank still closes; the watchdog ends the rest
+                log.exception("blockdraft serve: telling the other ranks to stop failed")
         self._cancel_all()
         for rid in self.engine.request_ids():  # any the loop no longer tracks (after a fault)
             self.engine.cancel(rid)

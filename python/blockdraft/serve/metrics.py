@@ -11,6 +11,10 @@ can live in one process, as tests start them).
 | ``blockdraft_spec_accepted_tokens_total`` | counter | accepted drafts (each step's tokens minus its bonus token) |
 | ``blockdraft_time_to_first_token_seconds`` | histogram | arrival of a request to its first token |
 | ``blockdraft_time_per_output_token_seconds`` | histogram | per request: (end - first token) / (tokens - 1) |
+| ``blockdraft_tp_size`` | gauge | tensor-parallel ranks the target is split over (1: none) |
+
+With tensor parallelism rank 0 serves the metrics, and they describe rank 0's engine (the
+other ranks hold the same pools and requests).
 """
 
 from __future__ import annotations
@@ -58,6 +62,10 @@ class ServeMetrics:
         self.tpot = Histogram("blockdraft_time_per_output_token_seconds",
                               "Per request, time per output token after the first.",
                               buckets=_TPOT_BUCKETS, registry=reg)
+        self.tp_size = Gauge("blockdraft_tp_size",
+                             "Tensor-parallel ranks the target is split over (1: none).",
+                             registry=reg)
+        self.tp_size.set(1)
 
     def count(self, status: str) -> None:
         self.requests.labels(status).inc()

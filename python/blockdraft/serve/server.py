@@ -7,6 +7,10 @@ answers are out, the app's lifespan closes the engine and logs the pools. uvicor
 cancellation of hanging tasks stays as a backstop a few seconds later. uvicorn re-raises the
 signal once it has shut down, so that a default handler would kill the process after all;
 the handlers installed here take that second delivery, and the process exits normally.
+
+With tensor parallelism this runs on rank 0 (the other ranks run
+:func:`blockdraft.serve.follow`); an engine loop that fails there stops the server, since
+every rank has to end then.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from typing import Any
 import uvicorn
 
 from blockdraft.engine import SpeculativeEngine
+from blockdraft.parallel import TPGroup
 
 log = logging.getLogger(__name__)
 
@@ -37,9 +42,11 @@ def build_engine(
     max_active: int,
     target_pages: int | None = None,
     drafter_blocks: int | None = None,
+    tp: TPGroup | None = None,
 ) -> SpeculativeEngine:
     """The engine a server steps: ``max_active`` requests at once, proposals batched up to
-    16 wide, pools sized by the engine's defaults unless given.
+    16 wide, pools sized by the engine's defaults unless given; with ``tp``, this rank's
+    engine of a tensor-parallel group (every rank builds it with the same arguments).
 
     Raises:
         ConfigError / TypeError / ValueError: bad settings.
@@ -48,7 +55,8 @@ def build_engine(
     if drafter_blocks is not None:
         kwargs["num_blocks"] = drafter_blocks
     return SpeculativeEngine(target, drafter, max_seq_len=max_seq_len, max_active=max_active,
-                             target_pages=target_pages, max_batch=min(max_active, 16), **kwargs)
+                             target_pages=target_pages, max_batch=min(max_active, 16), tp=tp,
+                             **kwargs)
 
 
 @contextmanager
@@ -91,6 +99,11 @@ def serve(app: Any, *, host: str, port: int, shutdown_timeout_s: float = 30.0,
                             timeout_graceful_shutdown=math.ceil(shutdown_timeout_s) + BACKSTOP_S)
     loop = app.state.loop
     server = _Server(config, lambda: loop.drain(shutdown_timeout_s))
+
+    def stop_listening() -> None:
+        server.should_exit = True  # uvicorn's main loop polls it
+
+    loop.on_failure = stop_listening
     with _signals_after_shutdown() as seen:
         try:
             server.run()
