@@ -109,7 +109,8 @@ def test_causal_attention_reference_is_causal_and_windowed() -> None:
 def case_rope_store(device: torch.device, dtype: torch.dtype, rows: int, heads: int,
                     kv_heads: int, dim: int, norm: bool, seed: int = 0) -> None:
     gen = torch.Generator().manual_seed(seed)
-    page, pages = 4, 9
+    page = 4
+    pages = max(9, -(-rows // page) + 1)  # room for every row: slots are distinct
     qkv = torch.randn(rows, (heads + 2 * kv_heads) * dim, generator=gen).to(dtype).to(device)
     pos = torch.randint(0, 500, (rows,), generator=gen).to(device)
     slots = torch.randperm(page * pages, generator=gen)[:rows].to(device)

@@ -30,7 +30,7 @@ log = logging.getLogger(__name__)
 
 
 @contextlib.contextmanager
-def _no_replays() -> Iterator[None]:
+def no_replays() -> Iterator[None]:
     """Inside the block a CUDA graph's replay does nothing: both graph paths then queue no
     device work beyond their small copies, and a step's time is its host work."""
     real = torch.cuda.CUDAGraph.replay
@@ -81,7 +81,7 @@ def bench_spec(
             seqs = [engine.request(rid).target_seq for rid in rids]
             rec["decode_ms"] = _decode_step(engine.runtime, seqs, cfg, device)
             host = []
-            with _no_replays() if device.type == "cuda" else contextlib.nullcontext():
+            with no_replays() if device.type == "cuda" else contextlib.nullcontext():
                 for _ in range(cfg.reps):
                     sync(device)
                     t0 = time.perf_counter()
@@ -131,4 +131,4 @@ def spec_markdown(recs: list[dict[str, Any]]) -> list[str]:
     return [*lines, ""]
 
 
-__all__ = ["bench_spec", "spec_markdown"]
+__all__ = ["bench_spec", "no_replays", "spec_markdown"]
