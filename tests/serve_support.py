@@ -1,14 +1,18 @@
 """Helpers of the ``blockdraft serve`` tests: the built-in pair, in-process servers on loopback,
-reading ``/metrics``, and the solo (``blockdraft.generate``) reference of a prompt."""
+``blockdraft serve`` as a subprocess, reading ``/metrics`` and streamed answers, and the solo
+(``blockdraft.generate``) reference of a prompt."""
 
 from __future__ import annotations
 
+import json
 import socket
+import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -57,6 +61,56 @@ def wait_until(check: Callable[[], bool], what: str, deadline_s: float = DEADLIN
         if time.monotonic() > end:
             raise AssertionError(f"timed out after {deadline_s} s waiting for {what}")
         time.sleep(0.02)
+
+
+def sse_events(r: httpx.Response) -> Iterator[dict[str, Any] | str]:
+    """A streamed answer's server-sent events: each chunk's JSON object, then ``"[DONE]"``."""
+    for line in r.iter_lines():
+        if line == "data: [DONE]":
+            yield "[DONE]"
+        elif line.startswith("data: "):
+            yield json.loads(line[len("data: "):])
+
+
+class ServerProcess:
+    """A ``blockdraft serve`` command in a subprocess listening on ``port``, its output in
+    ``log_path``; the constructor returns once ``/health`` answers 200 (and fails with the
+    output if the process exits first)."""
+
+    def __init__(self, cmd: list[str], port: int, log_path: Path, env: dict[str, str],
+                 deadline_s: float) -> None:
+        self.port = port
+        self.url = f"http://{HOST}:{port}"
+        self.log_path = log_path
+        self.log = log_path.open("w")
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env)
+        wait_until(self._healthy, "the server's /health", deadline_s=deadline_s)
+
+    def _healthy(self) -> bool:
+        if self.proc.poll() is not None:
+            raise AssertionError(f"blockdraft serve exited with {self.proc.returncode}:\n{self.output()}")
+        try:
+            return httpx.get(f"{self.url}/health", timeout=5).status_code == 200
+        except httpx.TransportError:
+            return False
+
+    def output(self) -> str:
+        if not self.log.closed:
+            self.log.flush()
+        return self.log_path.read_text()
+
+    def wait(self, timeout: float = 120.0) -> int:
+        """The exit code, waiting at most ``timeout`` seconds."""
+        try:
+            return self.proc.wait(timeout=timeout)
+        finally:
+            self.log.close()
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self.log.close()
 
 
 class LiveServer:

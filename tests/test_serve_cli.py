@@ -4,11 +4,8 @@ with every page back; and the command's one-line errors."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
-import socket
-import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,54 +14,21 @@ from typing import Any
 import httpx
 import pytest
 
-from serve_support import HOST, MODEL, wait_until
+from serve_support import HOST, MODEL, ServerProcess, sse_events
 
 from blockdraft.cli import main
+from blockdraft.parallel import free_port
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return int(s.getsockname()[1])
+class ServeProcess(ServerProcess):
+    """``blockdraft serve`` on the built-in pair (CPU, small limits) plus ``flags``."""
 
-
-class ServeProcess:
     def __init__(self, tmp_path: Path, *flags: str) -> None:
-        self.port = _free_port()
-        self.url = f"http://{HOST}:{self.port}"
-        self.log_path = tmp_path / "serve.log"
-        self.log = self.log_path.open("w")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "blockdraft.cli", "serve", "--host", HOST, "--port", str(self.port),
-             "--device", "cpu", "--max-seq-len", "1024", "--max-active", "4", *flags],
-            stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        )
-        wait_until(self._healthy, "the server's /health", deadline_s=120)
-
-    def _healthy(self) -> bool:
-        if self.proc.poll() is not None:
-            raise AssertionError(f"blockdraft serve exited with {self.proc.returncode}:\n{self.output()}")
-        try:
-            return httpx.get(f"{self.url}/health", timeout=5).status_code == 200
-        except httpx.TransportError:
-            return False
-
-    def output(self) -> str:
-        if not self.log.closed:
-            self.log.flush()
-        return self.log_path.read_text()
-
-    def wait(self) -> int:
-        try:
-            return self.proc.wait(timeout=120)
-        finally:
-            self.log.close()
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
-        self.log.close()
+        port = free_port()
+        cmd = [sys.executable, "-m", "blockdraft.cli", "serve", "--host", HOST, "--port", str(port),
+               "--device", "cpu", "--max-seq-len", "1024", "--max-active", "4", *flags]
+        super().__init__(cmd, port, tmp_path / "serve.log", {**os.environ, "PYTHONUNBUFFERED": "1"},
+                         deadline_s=120)
 
 
 @pytest.fixture
@@ -80,14 +44,6 @@ def launch(tmp_path: Path) -> Iterator[Any]:
         p.kill()
 
 
-def _events(r: httpx.Response) -> Iterator[dict[str, Any] | str]:
-    for line in r.iter_lines():
-        if line == "data: [DONE]":
-            yield "[DONE]"
-        elif line.startswith("data: "):
-            yield json.loads(line[len("data: "):])
-
-
 def _body(max_tokens: int) -> dict[str, Any]:
     return {"model": MODEL, "prompt": "def fibonacci(n):", "max_tokens": max_tokens, "temperature": 0,
             "stream": True, "stream_options": {"include_usage": True}}
@@ -98,7 +54,7 @@ def test_sigterm_lets_the_running_request_finish(launch: Any) -> None:
     with httpx.Client(timeout=120) as client:
         with client.stream("POST", f"{srv.url}/v1/completions", json=_body(200)) as r:
             assert r.status_code == 200
-            events = _events(r)
+            events = sse_events(r)
             first = next(events)
             assert isinstance(first, dict) and first["choices"][0]["finish_reason"] is None
             srv.proc.send_signal(signal.SIGTERM)
@@ -119,7 +75,7 @@ def test_sigint_past_the_timeout_cancels_and_exits_0(launch: Any) -> None:
     with httpx.Client(timeout=120) as client:
         with client.stream("POST", f"{srv.url}/v1/completions", json=_body(1000)) as r:
             assert r.status_code == 200
-            events = _events(r)
+            events = sse_events(r)
             got.append(next(events))
             srv.proc.send_signal(signal.SIGINT)
             got.extend(events)

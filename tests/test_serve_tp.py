@@ -6,11 +6,9 @@ exits 0 with every page back; a killed rank ends the command with one line namin
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import signal
-import subprocess
 import sys
 import threading
 import time
@@ -21,7 +19,8 @@ from typing import Any
 import httpx
 import pytest
 from scorecard import score
-from serve_support import HOST, MODEL, Pair, builtin_pair, wait_until
+from serve_support import HOST, MODEL, Pair, ServerProcess, builtin_pair, sse_events, wait_until
+from tp_support import pid_alive
 
 from blockdraft.cli import main
 from blockdraft.cli.serve import PID_DIR_ENV
@@ -51,17 +50,14 @@ def _env(pid_dir: Path) -> dict[str, str]:
     return env
 
 
-class TPServer:
+class TPServer(ServerProcess):
     """``blockdraft serve --tp 2`` (or the same command under ``torchrun``) in a subprocess."""
 
     def __init__(self, tmp_path: Path, *flags: str, torchrun: bool = False) -> None:
-        self.port = free_port()
-        self.url = f"http://{HOST}:{self.port}"
+        port = free_port()
         self.pid_dir = tmp_path / "pids"
         self.pid_dir.mkdir()
-        self.log_path = tmp_path / "serve.log"
-        self.log = self.log_path.open("w")
-        argv = ["serve", "--host", HOST, "--port", str(self.port), "--device", "cpu",
+        argv = ["serve", "--host", HOST, "--port", str(port), "--device", "cpu",
                 "--max-seq-len", "1024", "--max-active", "4", "--tp-timeout", str(TP_TIMEOUT_S),
                 *flags]
         if torchrun:
@@ -69,40 +65,16 @@ class TPServer:
                    "--nproc-per-node", "2", "-m", "blockdraft.cli", *argv]
         else:
             cmd = [sys.executable, "-m", "blockdraft.cli", *argv, "--tp", "2"]
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT,
-                                     env=_env(self.pid_dir))
-        wait_until(self._healthy, "the server's /health", deadline_s=180)
+        super().__init__(cmd, port, tmp_path / "serve.log", _env(self.pid_dir), deadline_s=180)
         wait_until(lambda: all((self.pid_dir / f"rank{r}.pid").exists() for r in range(2)),
                    "both ranks' pid files")
         self.ranks = [int((self.pid_dir / f"rank{r}.pid").read_text()) for r in range(2)]
 
-    def _healthy(self) -> bool:
-        if self.proc.poll() is not None:
-            raise AssertionError(f"blockdraft serve exited with {self.proc.returncode}:\n{self.output()}")
-        try:
-            return httpx.get(f"{self.url}/health", timeout=5).status_code == 200
-        except httpx.TransportError:
-            return False
-
-    def output(self) -> str:
-        if not self.log.closed:
-            self.log.flush()
-        return self.log_path.read_text()
-
-    def wait(self, timeout: float) -> int:
-        try:
-            return self.proc.wait(timeout=timeout)
-        finally:
-            self.log.close()
-
     def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
+        super().kill()
         for pid in getattr(self, "ranks", []):
-            if _alive(pid):
+            if pid_alive(pid):
                 os.kill(pid, signal.SIGKILL)
-        self.log.close()
 
     def complete(self, prompt: str, *, stream: bool, max_tokens: int = MAX_TOKENS) -> str:
         body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
@@ -115,7 +87,7 @@ class TPServer:
             return str(out["choices"][0]["text"])
         with httpx.stream("POST", f"{self.url}/v1/completions", json=body, timeout=120) as r:
             assert r.status_code == 200
-            events = list(_events(r))
+            events = list(sse_events(r))
         assert events[-1] == "[DONE]"
         return "".join(e["choices"][0]["text"] for e in events if isinstance(e, dict))
 
@@ -124,22 +96,6 @@ class TPServer:
         found = re.search(rf"^{re.escape(name)} (\S+)$", text, re.MULTILINE)
         assert found is not None, text
         return float(found.group(1))
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
-
-
-def _events(r: httpx.Response) -> Iterator[dict[str, Any] | str]:
-    for line in r.iter_lines():
-        if line == "data: [DONE]":
-            yield "[DONE]"
-        elif line.startswith("data: "):
-            yield json.loads(line[len("data: "):])
 
 
 @pytest.fixture(scope="module")
@@ -191,7 +147,7 @@ def test_tp2_answers_as_one_rank_survives_idle_and_stops_on_sigterm(start: Any,
     body = {"model": MODEL, "prompt": PROMPTS[1], "max_tokens": 200, "temperature": 0,
             "stream": True}
     with httpx.stream("POST", f"{srv.url}/v1/completions", json=body, timeout=120) as r:
-        assert isinstance(next(_events(r)), dict)
+        assert isinstance(next(sse_events(r)), dict)
     wait_until(lambda: srv.metric('blockdraft_pool_pages_used{pool="target"}') == 0
                and srv.metric("blockdraft_requests_running") == 0, "the left request cancelled")
     assert srv.complete(PROMPTS[0], stream=True) == solo[PROMPTS[0]]
@@ -209,7 +165,7 @@ def test_tp2_answers_as_one_rank_survives_idle_and_stops_on_sigterm(start: Any,
     out = srv.output()
     assert "stopped by SIGTERM" in out and "every page back" in out, out
     assert "Traceback" not in out, out
-    wait_until(lambda: not any(_alive(pid) for pid in srv.ranks), "both ranks to exit", 10)
+    wait_until(lambda: not any(pid_alive(pid) for pid in srv.ranks), "both ranks to exit", 10)
 
 
 @pytest.mark.skipif(not Path(sys.executable).with_name("torchrun").exists(), reason="needs torchrun")
@@ -223,7 +179,7 @@ def test_under_torchrun_sigterm_on_rank_0_stops_every_rank(start: Any, solo: dic
     assert srv.wait(60) == 0, srv.output()
     out = srv.output()
     assert "stopped by SIGTERM" in out and "every page back" in out, out
-    assert not any(_alive(pid) for pid in srv.ranks)
+    assert not any(pid_alive(pid) for pid in srv.ranks)
 
 
 def test_killed_rank_ends_the_command_with_one_line(start: Any) -> None:
@@ -237,7 +193,7 @@ def test_killed_rank_ends_the_command_with_one_line(start: Any) -> None:
                 "stream": True}
         try:
             with httpx.stream("POST", f"{srv.url}/v1/completions", json=body, timeout=120) as r:
-                for ev in _events(r):
+                for ev in sse_events(r):
                     if not ended:
                         ended.append("first")
         except httpx.TransportError:
@@ -257,7 +213,7 @@ def test_killed_rank_ends_the_command_with_one_line(start: Any) -> None:
                     "the other ranks were stopped"), srv.output()
     client.join(HANG_BOUND_S)
     assert ended[-1] == "ended"
-    assert not _alive(srv.ranks[0])
+    assert not pid_alive(srv.ranks[0])
     score.fault_points += 1
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from scorecard import expect_clear_error, score
-from tp_support import decode_until_killed, fail_on_rank, save_pair
+from tp_support import decode_until_killed, fail_on_rank, pid_alive, save_pair
 
 from blockdraft import ConfigError
 from blockdraft.cli import main
@@ -26,14 +26,6 @@ ROOT = Path(__file__).resolve().parents[1]
 HANG_BOUND_S = 60.0
 """A dead rank must end the run well before this (the launcher's watchdog acts within about a
 second; without it the survivors would wait for the group's collective timeout)."""
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 def test_killed_rank_ends_the_group(tmp_path: Path) -> None:
@@ -56,7 +48,7 @@ def test_killed_rank_ends_the_group(tmp_path: Path) -> None:
     err = info.value
     assert err.rank == 1 and err.exitcode == -signal.SIGKILL
     assert str(err) == "tensor-parallel rank 1 was killed by signal SIGKILL; the other ranks were stopped"
-    assert not _alive(int((tmp_path / "rank0").read_text()))
+    assert not pid_alive(int((tmp_path / "rank0").read_text()))
     score.fault_points += 1
 
 
@@ -170,7 +162,7 @@ def test_cli_killed_rank_is_one_line_exit_2(tmp_path: Path) -> None:
     assert re.fullmatch(r"blockdraft: error: tensor-parallel rank [01] was killed by signal SIGKILL; "
                         r"the other ranks were stopped", last), err
     assert "Traceback" not in err
-    assert not any(_alive(pid) for pid in ranks)
+    assert not any(pid_alive(pid) for pid in ranks)
     score.fault_points += 1
 
 

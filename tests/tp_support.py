@@ -23,6 +23,15 @@ from blockdraft import ConfigError, SpeculativeEngine, TargetRuntime
 from blockdraft.parallel import TPGroup
 
 PROMPTS = [[3], [5, 9, 11, 2, 60, 7, 7, 1, 40], [(7 * i + 3) % VOCAB for i in range(23)]]
+def pid_alive(pid: int) -> bool:
+    """Whether a process ``pid`` exists (a zombie counts until it is reaped)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
 RUNTIME_CASES = ["qwen3", "llama-gqa3", "qwen3-mha-tied", "qwen3-sliding", "mistral-sliding-gqa4",
                  "llama-bias-gqa"]
 """Head counts and intermediate sizes that 2 divides: GQA 2:1 and 3:1, MHA with tied

@@ -4,12 +4,12 @@ one :class:`~blockdraft.BlockPool` shared by all the proposer's sequences."""
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 from torch import Tensor
 
 from blockdraft._core import BlockPool, ConfigError
+from blockdraft.device_memory import free_bytes
 from blockdraft.proposer.spec import DraftSpec
 
 
@@ -66,13 +66,7 @@ class DrafterCache:
         """
         per_block = DrafterCache.block_bytes(spec, page_size, elem)
         want = windows * math.ceil(window / page_size)
-        if device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(device)
-        else:
-            try:
-                free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-            except (ValueError, OSError):
-                free = 1 << 30
+        free = free_bytes(device)
         fits = int(free * fraction) // per_block
         if fits < 1:
             raise ConfigError(

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 from torch import Tensor
 
 from blockdraft._core import BlockPool, ConfigError
+from blockdraft.device_memory import free_bytes
 from blockdraft.runtime.spec import TargetSpec
 
 
@@ -50,13 +50,7 @@ class TargetKVCache:
         per_page = TargetKVCache.page_bytes(spec, page_size)
         want = max(1, math.ceil(tokens / page_size))
         device = spec.device
-        if device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(device)
-        else:
-            try:
-                free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-            except (ValueError, OSError):
-                free = 1 << 30
+        free = free_bytes(device)
         fits = int(free * fraction) // per_page
         if fits < 1:
             raise ConfigError(
