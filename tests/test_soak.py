@@ -90,7 +90,8 @@ def soak(
     prop.forward.run = run  # type: ignore[method-assign]
     rows = torch.randn(64, K_H, device=device)
     live: list[Seq] = []
-    sites = [s for s in faults.SITES if s != "target_forward"]
+    # Only the proposer's sites: one the soak never reaches would make an armed step a no-op.
+    sites = faults.PROPOSER_SITES
     start = time.perf_counter()
 
     def end(seq: Seq, aborted: bool) -> None:

@@ -46,7 +46,7 @@ import torch
 from blockdraft import _core
 from blockdraft._core import PoolExhaustedError
 
-SITES: tuple[str, ...] = (
+PROPOSER_SITES: tuple[str, ...] = (
     "pool_blocks",
     "accumulator",
     "block_table_dev",
@@ -54,10 +54,11 @@ SITES: tuple[str, ...] = (
     "forward",
     "attention",
     "logits",
-    "target_forward",
-    "target_pages",
-    "workspace",
 )
+"""The sites inside the proposer (a test of the proposer alone arms these)."""
+TARGET_SITES: tuple[str, ...] = ("target_forward", "target_pages", "workspace")
+"""The sites of the target's side: its forward and the runtime's allocations."""
+SITES: tuple[str, ...] = PROPOSER_SITES + TARGET_SITES
 
 _OOM_SITES = frozenset({"accumulator", "block_table_dev", "kv_cache", "target_forward", "workspace"})
 _POOL_SITES = frozenset({"pool_blocks", "target_pages"})
