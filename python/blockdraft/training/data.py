@@ -15,7 +15,7 @@ import json
 import logging
 import os
 import sysconfig
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -121,13 +121,16 @@ def collect_python_sources(
     max_chars: int,
     min_file_chars: int = 200,
     max_file_chars: int = 100_000,
+    keep: Callable[[Path], bool] | None = None,
 ) -> list[SourceFile]:
     """``.py`` files under ``roots`` (default :func:`python_source_roots`), deduplicated by content.
 
     Files are visited root by root in sorted path order (so the standard library comes first)
     and taken until ``max_chars`` characters are collected. Files that are not UTF-8, shorter
     than ``min_file_chars`` or longer than ``max_file_chars`` (generated tables) are skipped;
-    ``site-packages`` inside the standard library root is left to its own root.
+    ``site-packages`` inside the standard library root is left to its own root. ``keep``, when
+    given, must accept a file for it to be read (e.g. a
+    :class:`~blockdraft.training.licences.PermissiveFilter`).
     """
     chosen = list(roots) if roots is not None else python_source_roots()
     seen: set[str] = set()
@@ -140,6 +143,8 @@ def collect_python_sources(
             dirnames[:] = sorted(d for d in dirnames if d not in skip_dirs and not d.startswith("."))
             files.extend(Path(dirpath) / f for f in sorted(filenames) if f.endswith(".py"))
         for file in files:
+            if keep is not None and not keep(file):
+                continue
             try:
                 size = file.stat().st_size
                 if size < min_file_chars or size > max_file_chars * 4:

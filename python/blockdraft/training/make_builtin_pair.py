@@ -36,7 +36,6 @@ from blockdraft.training.data import (
     EOS_TOKEN,
     MASK_TOKEN,
     SourceFile,
-    collect_python_sources,
     encode_stream,
     sample_windows,
     split_heldout,
@@ -44,6 +43,7 @@ from blockdraft.training.data import (
     train_bpe_tokenizer,
 )
 from blockdraft.training.evaluate import EvalReport, evaluate_drafter
+from blockdraft.training.licences import permissive_python_sources
 from blockdraft.training.recipe import BudgetCalibrator, DrafterTrainConfig, train_drafter
 
 log = logging.getLogger("blockdraft.make_builtin_pair")
@@ -235,7 +235,9 @@ def main(argv: list[str] | None = None) -> int:
 
     # ---- corpus and tokenizer
     t = time.perf_counter()
-    files = collect_python_sources(max_chars=p.corpus_chars)
+    # Only the standard library and permissively licensed distributions (their licences go
+    # into the report, for the model card).
+    files, licences = permissive_python_sources(max_chars=p.corpus_chars)
     train_files, held_files = split_heldout(files, p.heldout_every)
     train_texts = [f.text for f in train_files]
     tok_texts: list[str] = []
@@ -260,6 +262,8 @@ def main(argv: list[str] | None = None) -> int:
         "chars": sum(len(f.text) for f in files), "train_tokens": int(stream.numel()),
         "heldout_tokens": int(held_stream.numel()), "tokenizer_chars": size, "vocab": len(tokenizer),
         "seconds": time.perf_counter() - t,
+        "licences": [{"distribution": lic.distribution, "version": lic.version, "licence": lic.licence}
+                     for lic in licences],
     }
     log.info("corpus: %s", report["corpus"])
     save_report()
