@@ -25,6 +25,7 @@ import pstats
 import time
 from collections import defaultdict
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -35,7 +36,8 @@ from blockdraft.bench.timing import sync
 from blockdraft.engine import SpeculativeEngine
 
 
-def engine_at(target, drafter, ctx: int, n: int, steps: int, gen, dev):  # type: ignore[no-untyped-def]
+def engine_at(target: Any, drafter: Any, ctx: int, n: int, steps: int, gen: torch.Generator,
+              dev: torch.device) -> SpeculativeEngine:
     block = drafter.config.block_size
     vocab = target.config.vocab_size
     new_tokens = (3 * steps + 16) * block
@@ -50,7 +52,7 @@ def engine_at(target, drafter, ctx: int, n: int, steps: int, gen, dev):  # type:
     return engine
 
 
-def device_profile(engine, steps: int, dev) -> tuple[list[str], float, float]:  # type: ignore[no-untyped-def]
+def device_profile(engine: SpeculativeEngine, steps: int, dev: torch.device) -> tuple[list[str], float, float]:
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         t0 = time.perf_counter()
         for _ in range(steps):
@@ -71,7 +73,7 @@ def device_profile(engine, steps: int, dev) -> tuple[list[str], float, float]:  
     return lines, wall_ms, busy_us / steps / 1e3
 
 
-def host_profile(engine, steps: int, dev) -> tuple[list[str], float]:  # type: ignore[no-untyped-def]
+def host_profile(engine: SpeculativeEngine, steps: int, dev: torch.device) -> tuple[list[str], float]:
     prof = cProfile.Profile()
     with no_replays():
         sync(dev)

@@ -15,6 +15,7 @@ import argparse
 import logging
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -24,7 +25,7 @@ from blockdraft.training.recipe import save_drafter
 log = logging.getLogger("random_pair")
 
 
-def word_tokenizer(vocab: int):  # type: ignore[no-untyped-def]
+def word_tokenizer(vocab: int) -> Any:
     """A fast tokenizer with one word per id (``t0`` .. ``t<vocab-1>``), ``t0`` the unknown."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
