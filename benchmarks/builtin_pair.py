@@ -25,15 +25,14 @@ import torch
 
 import blockdraft
 from blockdraft import pretrained
+from blockdraft.devices import sync
 
 
 def _timed(fn: Any, device: torch.device) -> tuple[float, Any]:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    sync(device)
     t0 = time.perf_counter()
     out = fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    sync(device)
     return time.perf_counter() - t0, out
 
 

@@ -32,7 +32,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from blockdraft import bench, pretrained
 from blockdraft.bench.spec import no_replays
-from blockdraft.bench.timing import sync
+from blockdraft.devices import sync
 from blockdraft.engine import SpeculativeEngine
 
 

@@ -22,7 +22,7 @@ from blockdraft.bench.reference import bench_reference
 from blockdraft.bench.shapes import SHAPES, Shape, build_drafter, build_target
 from blockdraft.bench.spec import bench_spec
 from blockdraft.bench.target import bench_target
-from blockdraft.bench.timing import sync
+from blockdraft.devices import sync
 
 log = logging.getLogger(__name__)
 

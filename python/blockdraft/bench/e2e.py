@@ -16,7 +16,8 @@ from blockdraft.bench.config import BenchConfig
 from blockdraft.bench.figures import fmt
 from blockdraft.bench.reference import sdpa_context
 from blockdraft.bench.shapes import Shape, build_reference_drafter
-from blockdraft.bench.timing import sync, timed_calls
+from blockdraft.bench.timing import timed_calls
+from blockdraft.devices import sync
 from blockdraft.bench.workload import release, uncapped_window
 
 log = logging.getLogger(__name__)

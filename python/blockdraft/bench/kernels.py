@@ -13,7 +13,8 @@ import torch
 from blockdraft.bench.config import BenchConfig
 from blockdraft.bench.figures import fmt
 from blockdraft.bench.shapes import Shape
-from blockdraft.bench.timing import sync, time_ms
+from blockdraft.bench.timing import time_ms
+from blockdraft.devices import sync
 from blockdraft.bench.workload import Seqs, make_proposer, release
 
 log = logging.getLogger(__name__)

@@ -24,7 +24,8 @@ import torch
 from blockdraft.bench.config import BenchConfig
 from blockdraft.bench.figures import fmt
 from blockdraft.bench.shapes import Shape
-from blockdraft.bench.timing import summarize, sync
+from blockdraft.bench.timing import summarize
+from blockdraft.devices import sync
 
 log = logging.getLogger(__name__)
 

@@ -26,7 +26,8 @@ import torch
 from blockdraft.bench.config import BenchConfig
 from blockdraft.bench.figures import fmt
 from blockdraft.bench.shapes import Shape
-from blockdraft.bench.timing import cell_times, sync
+from blockdraft.bench.timing import cell_times
+from blockdraft.devices import sync
 
 log = logging.getLogger(__name__)
 

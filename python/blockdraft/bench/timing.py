@@ -15,18 +15,14 @@ from typing import Any
 
 import torch
 
+from blockdraft.devices import sync
+
 
 def timing_method(device: torch.device | str) -> str:
     """The timing method :func:`time_ms` uses on ``device``, in words."""
     if torch.device(device).type == "cuda":
         return "CUDA events"
     return "wall clock"
-
-
-def sync(device: torch.device) -> None:
-    """Wait for the device's queued work (a no-op off CUDA, where every call is synchronous)."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def time_ms(fn: Callable[[], Any], device: torch.device) -> float:

@@ -247,6 +247,7 @@ def _generate(args: argparse.Namespace, group: Any) -> int:
     from tqdm import tqdm  # type: ignore[import-untyped]
 
     import blockdraft
+    from blockdraft.devices import sync
     from blockdraft.engine import SpeculativeEngine
 
     ranks = 1 if group is None else int(group.size)
@@ -306,8 +307,7 @@ def _generate(args: argparse.Namespace, group: Any) -> int:
             ref = target.generate(inp, attention_mask=torch.ones_like(inp), max_new_tokens=count,
                                   do_sample=not greedy, temperature=args.temperature if not greedy else None,
                                   eos_token_id=stops, pad_token_id=stops[0] if stops else 0)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        sync(device)
         return ref[0, len(ids):].tolist(), time.perf_counter() - start
 
     hf(warm)

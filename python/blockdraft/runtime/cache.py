@@ -8,7 +8,7 @@ import torch
 from torch import Tensor
 
 from blockdraft._core import BlockPool, ConfigError
-from blockdraft.device_memory import free_bytes
+from blockdraft.devices import free_bytes
 from blockdraft.runtime.spec import TargetSpec
 
 

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from blockdraft.devices import sync
 from blockdraft.engine import SpeculativeEngine
 from blockdraft.runtime import decode
 
@@ -123,11 +124,6 @@ def heldout_prompts(texts: Sequence[str], tokenizer: Any, num_prompts: int, prom
     return prompts
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 @torch.inference_mode()
 def target_only_greedy(target: Any, prompt: Sequence[int], max_new_tokens: int,
                        stop_token_ids: Sequence[int] = ()) -> list[int]:
@@ -194,7 +190,7 @@ def evaluate_drafter(
         steps: list[int] = []
         outs: list[list[int]] = []
         tokens = 0
-        _sync(device)
+        sync(device)
         t0 = time.perf_counter()
         for p in prompts:
             res = engine.generate([list(p)], max_new_tokens=max_new_tokens, temperature=temp,
@@ -202,14 +198,14 @@ def evaluate_drafter(
             steps.extend(res.stats.acceptance_lengths[0])
             tokens += res.stats.num_new_tokens
             outs.append(res.tokens[0])
-        _sync(device)
+        sync(device)
         return steps, tokens, time.perf_counter() - t0, outs
 
     def run_target() -> tuple[list[list[int]], float]:
-        _sync(device)
+        sync(device)
         t0 = time.perf_counter()
         outs = [target_only_greedy(target, p, max_new_tokens, stops) for p in prompts]
-        _sync(device)
+        sync(device)
         return outs, time.perf_counter() - t0
 
     for temp in temperatures:
@@ -238,13 +234,13 @@ def evaluate_drafter(
             report.greedy_tokens_per_s_runs.append(engine_rate)
             report.target_tokens_per_s_runs.append(target_rate)
             if runtime is not None:
-                _sync(device)
+                sync(device)
                 t0 = time.perf_counter()
                 done = 0
                 for p in prompts:
                     done += decode(runtime, [list(p)], max_new_tokens=max_new_tokens,
                                    stop_token_ids=stops).stats.num_new_tokens
-                _sync(device)
+                sync(device)
                 rate = done / (time.perf_counter() - t0)
                 report.runtime_tokens_per_s_runs.append(rate)
                 if rate > 0:

@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from blockdraft.devices import sync
 from blockdraft.training.data import (
     EOS_TOKEN,
     MASK_TOKEN,
@@ -104,11 +105,6 @@ PRESETS: dict[str, Preset] = {
 }
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def build_target(p: Preset, eos_id: int, seed: int) -> Any:
     """A fresh Qwen3 causal LM (fp32, CPU, tied embeddings) of the preset's shape."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
@@ -161,7 +157,7 @@ def train_target(model: Any, stream: torch.Tensor, p: Preset, device: torch.devi
             total, settled = calibrator.check(step, step, total)
             bar.total = total
     bar.close()
-    _sync(device)
+    sync(device)
     seconds = time.perf_counter() - t0
     tokens_seen = step * p.target_batch * p.target_seq_len
     model.eval()

@@ -1,4 +1,5 @@
-"""How much memory a device has free now: what the paged K/V pools size themselves against."""
+"""What the library asks of a device: the memory it has free now (what the paged K/V pools size
+themselves against) and waiting for its queued work."""
 
 from __future__ import annotations
 
@@ -22,4 +23,10 @@ def free_bytes(device: torch.device) -> int:
         return UNKNOWN_HOST_FREE
 
 
-__all__ = ["UNKNOWN_HOST_FREE", "free_bytes"]
+def sync(device: torch.device) -> None:
+    """Wait for the device's queued work (a no-op off CUDA, where every call is synchronous)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+__all__ = ["UNKNOWN_HOST_FREE", "free_bytes", "sync"]
