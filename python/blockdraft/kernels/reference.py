@@ -15,6 +15,8 @@ from collections.abc import Sequence
 
 import torch
 
+from blockdraft.models.layers import embed_blocks
+
 PAD_SLOT = -1
 """Slot value of a row that must not be written (same value as ``blockdraft.core.PAD_SLOT``)."""
 
@@ -356,20 +358,3 @@ def block_inputs(
     tables = meta[:, table_col : table_col + width].to(torch.int32)
     embeds, q_pos = embed_blocks(meta[:, 1], meta[:, 2], embed, mask_id, block, dtype)
     return lens, tables, embeds, q_pos
-
-
-def embed_blocks(
-    anchors: torch.Tensor,
-    starts: torch.Tensor,
-    embed: torch.Tensor,
-    mask_id: int,
-    block: int,
-    dtype: torch.dtype,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Anchors and their positions ``[n]`` -> the blocks ``[anchor, mask_id x (B-1)]`` embedded
-    with ``embed [V, H]`` as ``[n, B, H]`` ``dtype``, and their positions ``[n, B]`` int64."""
-    n = anchors.shape[0]
-    ids = torch.full((n, block), mask_id, dtype=torch.int64, device=anchors.device)
-    ids[:, 0] = anchors
-    q_pos = starts[:, None] + torch.arange(block, dtype=torch.int64, device=anchors.device)[None, :]
-    return torch.nn.functional.embedding(ids, embed).to(dtype), q_pos

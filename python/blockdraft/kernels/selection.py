@@ -23,16 +23,6 @@ _NO_ID32 = tl.constexpr(2**31 - 1)  # the same inside the partial kernel (ids ar
 
 
 @triton.jit
-def _bits_allowed(bitmask_ptr, row, ids, mask, num_words, HAS_MASK: tl.constexpr):
-    # bit (id % 32) of word (id // 32) set = id allowed
-    if HAS_MASK:
-        words = tl.load(bitmask_ptr + row * num_words + ids // 32, mask=mask, other=0)
-        return mask & (((words >> (ids % 32).to(tl.int32)) & 1) != 0)
-    else:
-        return mask
-
-
-@triton.jit
 def _tile_logits(row_logits, base, tile_ids, vocab, CHECK_RANGE: tl.constexpr):
     # The logits of the [W, 32] tile at id `base` (ids past the vocabulary read as -inf),
     # streamed: each is read once, so it should not displace other data in L2.

@@ -21,6 +21,23 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     return weight * xf.to(dtype)
 
 
+
+def embed_blocks(
+    anchors: Tensor,
+    starts: Tensor,
+    embed: Tensor,
+    mask_id: int,
+    block: int,
+    dtype: torch.dtype,
+) -> tuple[Tensor, Tensor]:
+    """Anchors and their positions ``[n]`` -> the blocks ``[anchor, mask_id x (B-1)]`` embedded
+    with ``embed [V, H]`` as ``[n, B, H]`` ``dtype``, and their positions ``[n, B]`` int64."""
+    n = anchors.shape[0]
+    ids = torch.full((n, block), mask_id, dtype=torch.int64, device=anchors.device)
+    ids[:, 0] = anchors
+    q_pos = starts[:, None] + torch.arange(block, dtype=torch.int64, device=anchors.device)[None, :]
+    return F.embedding(ids, embed).to(dtype), q_pos
+
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float, *, device: Device = None, dtype: torch.dtype | None = None):
         super().__init__()

@@ -28,6 +28,7 @@ from blockdraft._core import PrecomputePlan
 from blockdraft.kernels import KernelOps
 from blockdraft.models.drafter import AttendFn, DFlashDrafter
 from blockdraft.models.fast import FastDrafter
+from blockdraft.models.layers import embed_blocks
 from blockdraft.proposer.cache import DrafterCache
 from blockdraft.proposer.spec import DraftSpec, TargetHead
 from blockdraft.proposer.state import DFlashState, Proposal
@@ -124,11 +125,7 @@ class DraftForward:
         embedded with the target's table ``[n, B, H]`` and their positions ``[n, B]``. Raw
         target embeddings: the drafter applies ``input_embedding_scale`` itself."""
         spec = self.spec
-        n, b = anchors.shape[0], spec.block_size
-        ids = torch.full((n, b), spec.mask_token_id, dtype=torch.int64, device=anchors.device)
-        ids[:, 0] = anchors
-        offsets = torch.arange(b, dtype=torch.int64, device=anchors.device)
-        return F.embedding(ids, self.head.embed).to(self.dtype), starts[:, None] + offsets[None, :]
+        return embed_blocks(anchors, starts, self.head.embed, spec.mask_token_id, spec.block_size, self.dtype)
 
     def block_inputs(
         self, meta: Tensor, table_col: int, width: int

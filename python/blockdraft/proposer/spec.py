@@ -24,7 +24,6 @@ class DraftSpec:
         scale: the attention softmax scale.
     """
 
-    config: DrafterConfig
     hidden_size: int
     num_layers: int
     num_heads: int
@@ -59,7 +58,6 @@ class DraftSpec:
             raise ConfigError(f"the drafter's block_size must be >= 2, not {cfg.block_size}")
         layers = range(cfg.num_layers)
         return cls(
-            config=cfg,
             hidden_size=cfg.hidden_size,
             num_layers=cfg.num_layers,
             num_heads=cfg.num_heads,
