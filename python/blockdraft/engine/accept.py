@@ -62,21 +62,33 @@ def accept_blocks(
     if any(_device_greedy(r) for r in requests):
         # One argmax on the device and one small transfer for every greedy request.
         greedy_rows = torch.argmax(logits, dim=-1).tolist()
-    host: Tensor | None = None
-    out: list[tuple[int, int]] = []
+    starts: list[int] = []
     offset = 0
+    for d in drafts:
+        starts.append(offset)
+        offset += len(d) + 1
+    # Only the rows of requests decided on the host travel there: copying the whole [R, V]
+    # would move every greedy request's rows too.
+    host_rows = [starts[i] + k for i, (r, d) in enumerate(zip(requests, drafts)) if not _device_greedy(r)
+                 for k in range(len(d) + 1)]
+    host: Tensor | None = None
+    if host_rows:
+        if len(host_rows) == logits.shape[0]:
+            host = logits.cpu()
+        else:
+            host = logits.index_select(0, torch.tensor(host_rows, device=logits.device)).cpu()
+    out: list[tuple[int, int]] = []
+    at = 0  # the next host row
     for i, (r, d) in enumerate(zip(requests, drafts)):
         rows = len(d) + 1
         if _device_greedy(r):
             assert greedy_rows is not None
-            choices = greedy_rows[offset : offset + rows]
-            out.append(_greedy_accept(d, choices))
+            out.append(_greedy_accept(d, greedy_rows[starts[i] : starts[i] + rows]))
         else:
-            if host is None:
-                host = logits.cpu()
+            assert host is not None
             q = draft_q[i] if draft_q is not None else None
-            out.append(_host_accept(r, d, host[offset : offset + rows], q))
-        offset += rows
+            out.append(_host_accept(r, d, host[at : at + rows], q))
+            at += rows
     return out
 
 

@@ -362,10 +362,7 @@ class SpeculativeEngine:
             try:
                 self._speculate(running, events)
             except BaseException as exc:
-                for r in running:
-                    if not r.status.ended:
-                        self._fail(r, exc)
-                        events.append(self._event(r))
+                self._fail_all(running, exc, events)
                 raise
         return events
 
@@ -496,11 +493,15 @@ class SpeculativeEngine:
             try:
                 self._prefill(batch, events)
             except BaseException as exc:
-                for r in batch:
-                    if not r.status.ended:
-                        self._fail(r, exc)
-                        events.append(self._event(r))
+                self._fail_all(batch, exc, events)
                 raise
+
+    def _fail_all(self, reqs: Sequence[Request], exc: BaseException, events: list[StepEvent]) -> None:
+        """A step that raised out of its shared work fails every request of it still live."""
+        for r in reqs:
+            if not r.status.ended:
+                self._fail(r, exc)
+                events.append(self._event(r))
 
     def _prefill(self, batch: list[Request], events: list[StepEvent]) -> None:
         prop = self.proposer

@@ -32,7 +32,7 @@ class Status(enum.Enum):
         return self in (Status.FINISHED, Status.CANCELLED, Status.FAILED)
 
 
-@dataclass
+@dataclass(eq=False)  # a request is an identity: `in` and `remove` must not compare fields
 class Request:
     """A request's settings, progress and what it holds (target sequence, proposer state).
 

@@ -13,6 +13,7 @@ import torch
 from blockdraft._core import SeqPages
 from blockdraft.results import GenerationResult, GenerationStats
 from blockdraft.runtime.runtime import TargetRuntime
+from blockdraft.runtime.spec import TargetSpec
 from blockdraft.sampling import SamplingParams, draw, target_probs
 
 
@@ -79,25 +80,21 @@ def decode(
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, not {max_new_tokens}")
     params = SamplingParams(temperature, top_p, top_k)
-    if isinstance(target, TargetRuntime):
-        runtime = target
-        ids = check_prompts(prompts, int(runtime.spec.embed.weight.shape[0]))
-    else:
-        from blockdraft.runtime.spec import TargetSpec
-
-        spec = TargetSpec.from_model(target)
-        ids = check_prompts(prompts, int(spec.embed.weight.shape[0]))
-        longest = max(len(p) for p in ids) + max_new_tokens
+    runtime = target if isinstance(target, TargetRuntime) else None
+    spec = runtime.spec if runtime is not None else TargetSpec.from_model(target)
+    ids = check_prompts(prompts, int(spec.embed.weight.shape[0]))
+    # Lengths are checked before a runtime is built for the call (fused weights, a page pool).
+    limit = runtime.max_seq_len if runtime is not None else spec.max_positions
+    for i, p in enumerate(ids):
+        if len(p) + max_new_tokens > limit:
+            raise ValueError(
+                f"prompt {i}: {len(p)} + {max_new_tokens} new tokens exceed max_seq_len {limit}"
+            )
+    if runtime is None:
         page = 16
         pages = sum(-(-(len(p) + max_new_tokens) // page) for p in ids)
-        runtime = TargetRuntime(target, max_seq_len=min(spec.max_positions, max(longest, 1)),
-                                num_pages=pages, page_size=page)
-    for i, p in enumerate(ids):
-        if len(p) + max_new_tokens > runtime.max_seq_len:
-            raise ValueError(
-                f"prompt {i}: {len(p)} + {max_new_tokens} new tokens exceed max_seq_len "
-                f"{runtime.max_seq_len}"
-            )
+        runtime = TargetRuntime(target, max_seq_len=max(len(p) for p in ids) + max_new_tokens,
+                                num_pages=pages, page_size=page, max_batch=len(ids))
     stops = frozenset(int(t) for t in (stop_token_ids or ()))
     if generator is None and not params.greedy and runtime.tp.size > 1:
         generator = torch.Generator().manual_seed(int(runtime.tp.broadcast(secrets.randbits(62))))
