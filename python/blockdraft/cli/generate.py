@@ -249,6 +249,7 @@ def _generate(args: argparse.Namespace, group: Any) -> int:
     import blockdraft
     from blockdraft.devices import sync
     from blockdraft.engine import SpeculativeEngine
+    from blockdraft.engine.generate import pool_sizes
 
     ranks = 1 if group is None else int(group.size)
     say = print if group is None or group.is_first else _silent
@@ -262,10 +263,10 @@ def _generate(args: argparse.Namespace, group: Any) -> int:
     stop = getattr(tokenizer, "eos_token_id", None)
     stops = [stop] if isinstance(stop, int) else None
     n = args.max_new_tokens
+    target_pages, drafter_blocks = pool_sizes([len(ids)], n, int(drafter.config.block_size))
     engine = SpeculativeEngine(target, drafter, max_seq_len=len(ids) + n, max_active=1,
-                               max_batch=1, page_size=16,
-                               num_blocks=-(-(len(ids) + n + int(drafter.config.block_size) + 1) // 16),
-                               tp=group)
+                               max_batch=1, page_size=16, target_pages=target_pages,
+                               num_blocks=drafter_blocks, tp=group)
     where = f"; tensor parallel over {ranks} ranks ({group.backend})" if ranks > 1 else ""
     say(f"blockdraft generate: {source.description}; device {device}{where}; "
         f"target on {'blockdraft runtime' if engine.runtime is not None else 'Hugging Face'}")

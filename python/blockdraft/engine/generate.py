@@ -13,6 +13,15 @@ from blockdraft.parallel.group import TPGroup
 from blockdraft.results import GenerationResult
 
 
+def pool_sizes(lengths: Sequence[int], max_new_tokens: int, block_size: int,
+               page_size: int = 16) -> tuple[int, int]:
+    """(target pages, drafter blocks) that hold prompts of ``lengths`` at their longest (each
+    plus ``max_new_tokens`` and one block of look-ahead), and no more."""
+    target = sum(-(-(n + max_new_tokens + block_size) // page_size) for n in lengths)
+    drafter = sum(-(-(n + max_new_tokens + block_size + 1) // page_size) for n in lengths)
+    return target, drafter
+
+
 def generate(
     target: Any,
     drafter: Any,
@@ -51,9 +60,7 @@ def generate(
     lengths = [len(p) for p in prompts]
     longest = max(lengths) + max_new_tokens
     page = 16
-    # Pools that hold every prompt at its longest, and no more.
-    target_pages = sum(-(-(n + max_new_tokens + block) // page) for n in lengths)
-    drafter_blocks = sum(-(-(n + max_new_tokens + block + 1) // page) for n in lengths)
+    target_pages, drafter_blocks = pool_sizes(lengths, max_new_tokens, block, page)
     with SpeculativeEngine(
         target, drafter, runtime=runtime, max_seq_len=longest, max_active=len(prompts),
         target_pages=target_pages, page_size=page, num_blocks=drafter_blocks,
@@ -66,4 +73,4 @@ def generate(
         )
 
 
-__all__ = ["generate"]
+__all__ = ["generate", "pool_sizes"]

@@ -20,6 +20,7 @@ import torch
 
 from blockdraft.devices import sync
 from blockdraft.engine import SpeculativeEngine
+from blockdraft.engine.generate import pool_sizes
 from blockdraft.runtime import decode
 
 log = logging.getLogger(__name__)
@@ -173,9 +174,11 @@ def evaluate_drafter(
     device = next(target.parameters()).device
     longest = max(len(p) for p in prompts) + max_new_tokens
     block = int(drafter.config.block_size)
+    # One prompt at a time: pools for the longest one alone.
+    target_pages, drafter_blocks = pool_sizes([longest - max_new_tokens], max_new_tokens, block)
     engine = SpeculativeEngine(
-        target, drafter, max_seq_len=longest, max_batch=1,
-        num_blocks=-(-(longest + block + 1) // 16) + 1, page_size=16, backend=backend,
+        target, drafter, max_seq_len=longest, max_active=1, max_batch=1,
+        target_pages=target_pages, num_blocks=drafter_blocks, page_size=16, backend=backend,
         sdpa_backends=None,
     )
     report = EvalReport(len(prompts), max_new_tokens, str(device), str(next(target.parameters()).dtype))
