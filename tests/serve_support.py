@@ -9,7 +9,7 @@ import socket
 import subprocess
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -69,6 +69,20 @@ def sse_events(r: httpx.Response) -> Iterator[dict[str, Any] | str]:
         if line == "data: [DONE]":
             yield "[DONE]"
         elif line.startswith("data: "):
+            yield json.loads(line[len("data: "):])
+
+
+def sse_chunks(r: httpx.Response) -> Iterator[dict[str, Any]]:
+    """The chunk objects of a streamed answer (``[DONE]`` left out)."""
+    for ev in sse_events(r):
+        if isinstance(ev, dict):
+            yield ev
+
+
+async def sse_chunks_async(r: httpx.Response) -> AsyncIterator[dict[str, Any]]:
+    """:func:`sse_chunks` of an ``httpx.AsyncClient`` stream."""
+    async for line in r.aiter_lines():
+        if line.startswith("data: ") and line != "data: [DONE]":
             yield json.loads(line[len("data: "):])
 
 

@@ -15,7 +15,8 @@ import pytest
 
 import blockdraft.faults
 from scorecard import score
-from serve_support import MODEL, LiveServer, Pair, builtin_pair, counter, live_server, requests_total, wait_until
+from serve_support import (MODEL, LiveServer, Pair, builtin_pair, counter, live_server, requests_total, sse_chunks,
+                           sse_chunks_async, wait_until)
 
 PROMPT = "def fibonacci(n):"
 
@@ -138,12 +139,6 @@ def test_openai_client_sees_the_errors(server: LiveServer) -> None:
         client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=-1)
 
 
-def _stream_lines(r: httpx.Response) -> Iterator[dict[str, Any]]:
-    for line in r.iter_lines():
-        if line.startswith("data: ") and line != "data: [DONE]":
-            yield json.loads(line[len("data: "):])
-
-
 def test_disconnect_mid_stream_cancels_and_returns_pages(server: LiveServer) -> None:
     before = server.metrics()
     with httpx.Client(timeout=60) as client:
@@ -151,7 +146,7 @@ def test_disconnect_mid_stream_cancels_and_returns_pages(server: LiveServer) -> 
                            json=_completion(max_tokens=900, stream=True)) as r:
             assert r.status_code == 200
             texts = []
-            chunks = _stream_lines(r)
+            chunks = sse_chunks(r)
             for chunk in chunks:
                 texts.append(chunk["choices"][0]["text"])
                 if len(texts) == 3:
@@ -215,7 +210,7 @@ def test_overload_queues_then_429_and_drops_nothing(pair: Pair) -> None:
                 for cm, _ in long:
                     await cm.__aexit__(None, None, None)
                 for cm, r in queued:
-                    text = "".join([c["choices"][0]["text"] async for c in _aiter_chunks(r)])
+                    text = "".join([c["choices"][0]["text"] async for c in sse_chunks_async(r)])
                     assert text == want
                     await cm.__aexit__(None, None, None)
 
@@ -233,17 +228,11 @@ def _gauges(srv: LiveServer) -> tuple[float, float]:
     return m[("blockdraft_requests_running", ())], m[("blockdraft_requests_waiting", ())]
 
 
-async def _aiter_chunks(r: httpx.Response) -> Any:
-    async for line in r.aiter_lines():
-        if line.startswith("data: ") and line != "data: [DONE]":
-            yield json.loads(line[len("data: "):])
-
-
 def _open_running_stream(client: httpx.Client, server: LiveServer, max_tokens: int) -> tuple[Any, Iterator[dict[str, Any]]]:
     cm = client.stream("POST", f"{server.url}/v1/completions", json=_completion(max_tokens=max_tokens, stream=True))
     r = cm.__enter__()
     assert r.status_code == 200
-    chunks = _stream_lines(r)
+    chunks = sse_chunks(r)
     first = next(chunks)
     assert first["choices"][0]["finish_reason"] is None
     return cm, _prepend(first, chunks)

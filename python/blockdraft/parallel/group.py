@@ -30,9 +30,6 @@ DEFAULT_TIMEOUT_S = 120.0
 """The longest one collective waits for the other ranks (every rank runs the same forward,
 so a healthy wait is one forward's skew, far below this)."""
 
-ENV_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
-"""What ``torchrun`` (and :func:`~blockdraft.parallel.launch`) sets for every rank."""
-
 
 def launched_by_torchrun() -> bool:
     """Whether this process is one rank of several started by ``torchrun`` (or a launcher that
@@ -190,4 +187,4 @@ def init_tp(*, device: str | torch.device | None = None, backend: str | None = N
                    process_group=torch.distributed.group.WORLD)
 
 
-__all__ = ["DEFAULT_TIMEOUT_S", "ENV_VARS", "TPGroup", "init_tp", "launched_by_torchrun"]
+__all__ = ["DEFAULT_TIMEOUT_S", "TPGroup", "init_tp", "launched_by_torchrun"]

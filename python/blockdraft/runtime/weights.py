@@ -22,6 +22,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, nn
 
+from blockdraft.parallel.split import part
+
 
 def _is_fused(tensors: Sequence[Tensor]) -> Tensor | None:
     """The tensor whose consecutive row blocks ``tensors`` are (one storage, back to back,
@@ -90,12 +92,7 @@ def shard_rows(linears: Sequence[nn.Linear], rank: int, size: int) -> None:
     ``bias`` become views of it and ``out_features`` their shard's rows; the full weights are
     released. ``size`` must divide every ``out_features``."""
     with torch.no_grad():
-        parts = []
-        for m in linears:
-            if m.out_features % size:
-                raise ValueError(f"{size} ranks do not split {m.out_features} output rows")
-            each = m.out_features // size
-            parts.append(slice(rank * each, (rank + 1) * each))
+        parts = [part(m.out_features, rank, size) for m in linears]
         weight = torch.cat([m.weight.detach()[s] for m, s in zip(linears, parts)], dim=0)
         biases = [m.bias for m in linears]
         if len({b is None for b in biases}) > 1:
@@ -117,13 +114,11 @@ def shard_cols(linear: nn.Linear, rank: int, size: int) -> None:
     """Keep rank ``rank``'s ``1/size`` of ``linear``'s input columns (a row-parallel
     projection: each rank's product is a partial sum); the bias stays whole, added once after
     the sum. The full weight is released."""
-    if linear.in_features % size:
-        raise ValueError(f"{size} ranks do not split {linear.in_features} input columns")
-    each = linear.in_features // size
+    cols = part(linear.in_features, rank, size)
     with torch.no_grad():
-        shard = linear.weight.detach()[:, rank * each : (rank + 1) * each].contiguous()
+        shard = linear.weight.detach()[:, cols].contiguous()
     linear.weight = nn.Parameter(shard, requires_grad=linear.weight.requires_grad)
-    linear.in_features = each
+    linear.in_features = cols.stop - cols.start
 
 
 __all__ = ["fuse_linears", "shard_cols", "shard_rows"]

@@ -28,10 +28,6 @@ class ChatFormat:
         self.builtin = builtin
         self.has_template = bool(getattr(tokenizer, "chat_template", None))
 
-    @property
-    def available(self) -> bool:
-        return self.has_template or self.builtin
-
     def render(self, messages: list[dict[str, str]]) -> list[int]:
         """The prompt ids for ``messages`` (each ``{"role", "content"}``).
 
