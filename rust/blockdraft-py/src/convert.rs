@@ -1,6 +1,9 @@
 //! Argument conversion: Python ints and lists into the core's types, with `TypeError` /
 //! `ValueError` messages that name the argument (never `OverflowError`).
 
+use std::collections::HashSet;
+use std::sync::Arc;
+
 use blockdraft_core as core;
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
@@ -110,5 +113,24 @@ pub(crate) fn py_bool(b: bool) -> &'static str {
         "True"
     } else {
         "False"
+    }
+}
+
+/// Calls with fewer items than this find a repeat by scanning the ones before each (cheaper
+/// than hashing for a handful, e.g. the one state of `propose`); wider ones hash.
+const SCAN_BELOW: usize = 16;
+
+/// Whether `next` is already among `earlier` (by identity). `seen` holds a set of `earlier`
+/// once the call is wide enough to hash; pass the same `seen` for every item of one call.
+pub(crate) fn is_repeat<T>(
+    earlier: &[Arc<T>],
+    seen: &mut Option<HashSet<*const T>>,
+    next: &Arc<T>,
+) -> bool {
+    if earlier.len() < SCAN_BELOW {
+        earlier.iter().any(|o| Arc::ptr_eq(o, next))
+    } else {
+        let set = seen.get_or_insert_with(|| earlier.iter().map(Arc::as_ptr).collect());
+        !set.insert(Arc::as_ptr(next))
     }
 }

@@ -16,7 +16,7 @@ use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyString};
 
-use crate::convert::{optional, owner_arg, positive, py_bool, size_arg};
+use crate::convert::{is_repeat, optional, owner_arg, positive, py_bool, size_arg};
 use crate::errors::{lock, CoreError, CoreResult, InvalidStateError};
 use crate::step::{prefixed, strict_i64};
 use crate::{PyBlockPool, SharedPool};
@@ -169,10 +169,6 @@ impl PySeqPages {
     }
 }
 
-/// Calls with fewer sequences than this find a repeat by scanning the ones before each (cheaper
-/// than hashing for a handful); wider ones hash.
-const SCAN_BELOW: usize = 16;
-
 /// The sequences of one call: each a `SeqPages`, none twice.
 fn seqs_arg(seqs: &Bound<'_, PyAny>, what: &str) -> PyResult<Vec<Arc<PagesShared>>> {
     let mut out: Vec<Arc<PagesShared>> = Vec::with_capacity(seqs.len().unwrap_or(0));
@@ -186,13 +182,7 @@ fn seqs_arg(seqs: &Bound<'_, PyAny>, what: &str) -> PyResult<Vec<Arc<PagesShared
             )));
         };
         let shared = Arc::clone(&seq.get().shared);
-        let repeat = if out.len() < SCAN_BELOW {
-            out.iter().any(|o| Arc::ptr_eq(o, &shared))
-        } else {
-            let set = seen.get_or_insert_with(|| out.iter().map(Arc::as_ptr).collect());
-            !set.insert(Arc::as_ptr(&shared))
-        };
-        if repeat {
+        if is_repeat(&out, &mut seen, &shared) {
             return Err(PyValueError::new_err(format!(
                 "{what}: sequence {i}: the same sequence appears twice"
             )));

@@ -15,7 +15,7 @@ use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyList, PyTuple};
 
-use crate::convert::{i64_arg, i64_list_arg};
+use crate::convert::{i64_arg, i64_list_arg, is_repeat};
 use crate::errors::{lock, with_message, CoreError, InvalidStateError, PoolExhaustedError};
 use crate::{PyContextState, PyPrecomputePlan, StateShared};
 
@@ -28,10 +28,6 @@ pub(crate) fn strict_i64(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<i64> {
     }
     i64_arg(obj, name)
 }
-
-/// Calls with fewer states than this find a repeat by scanning the states before each one
-/// (cheaper than hashing for the one state of `after_verify` or `propose`); wider ones hash.
-const SCAN_BELOW: usize = 16;
 
 /// The states of one call: each a `ContextState` of proposer `owner`, none twice.
 fn states_arg(
@@ -53,13 +49,7 @@ fn states_arg(
         lock(&shared.state, "state")?
             .ensure_owner(owner)
             .map_err(|e| map_err(e, what))?;
-        let repeat = if out.len() < SCAN_BELOW {
-            out.iter().any(|o| Arc::ptr_eq(o, &shared))
-        } else {
-            let set = seen.get_or_insert_with(|| out.iter().map(Arc::as_ptr).collect());
-            !set.insert(Arc::as_ptr(&shared))
-        };
-        if repeat {
+        if is_repeat(&out, &mut seen, &shared) {
             return Err(PyValueError::new_err(format!(
                 "{what}: the same state appears twice"
             )));
