@@ -91,17 +91,19 @@ class ContextWriter:
         # copy per sequence.
         n = len(entries)
         ops = self.ops
+        table: Tensor | None = None
         if (ops.acc_append is not None and ops.append_table is not None and 1 < n
                 and batch.n_rows == batch.kept <= self.block_size * n):
-            rows = new_rows.contiguous()
+            new_rows = new_rows.contiguous()
             addrs = [states[e[0]].acc_address for e in entries]
-            table = ops.append_table(addrs, batch.row_map(), rows.device)
-            for acc, keep, kept in moves:
-                acc[:keep] = kept
-            ops.acc_append(rows, table)
+            # Allocated before the first write: a failure here leaves every state as it was.
+            table = ops.append_table(addrs, batch.row_map(), new_rows.device)
+        for acc, keep, kept in moves:
+            acc[:keep] = kept
+        if table is not None:
+            assert ops.acc_append is not None
+            ops.acc_append(new_rows, table)
         else:
-            for acc, keep, kept in moves:
-                acc[:keep] = kept
             whole = new_rows.shape[0]
             for (i, src, dst, count), acc in zip(entries, accs):
                 view = acc[dst : dst + count]
