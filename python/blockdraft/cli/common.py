@@ -30,9 +30,13 @@ def error_line(exc: BaseException) -> str:
 
 
 def report_failure(exc: BaseException, *, debug: bool) -> int:
-    """Print ``blockdraft: error: <one line>`` (after the traceback with ``debug``); return 2."""
+    """Print ``blockdraft: error: <one line>`` (after the traceback with ``debug``, and the
+    failed rank's own traceback for a tensor-parallel rank failure); return 2."""
     if debug:
         traceback.print_exception(type(exc), exc, exc.__traceback__, file=sys.stderr)
+        remote = getattr(exc, "remote_traceback", None)
+        if remote:
+            print(remote, file=sys.stderr, end="")
     print(f"blockdraft: error: {error_line(exc)}", file=sys.stderr)
     return 2
 

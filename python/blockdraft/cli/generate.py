@@ -12,7 +12,6 @@ prints.
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -179,7 +178,7 @@ def run_generate(args: argparse.Namespace) -> int:
     and with Hugging Face ``generate``. Every path runs once untimed first (compiles, graph
     captures, caches), so the timed runs are warm. With ``--tp N`` (or under ``torchrun``) the
     target is split over N ranks."""
-    from blockdraft.parallel import RankFailedError, init_tp, launch, launched_by_torchrun
+    from blockdraft.parallel import init_tp, launch, launched_by_torchrun
 
     tp = args.tp
     if tp is not None:
@@ -197,12 +196,7 @@ def run_generate(args: argparse.Namespace) -> int:
     if tp is None or tp == 1:
         return _generate(args, None)
     _check_inputs(args, tp)  # one line before any rank starts
-    try:
-        rcs = launch(_generate_on_rank, tp, (args,), device=tp_device(args.device))
-    except RankFailedError as exc:
-        if getattr(args, "debug", False) and exc.remote_traceback:
-            print(exc.remote_traceback, file=sys.stderr, end="")
-        raise
+    rcs = launch(_generate_on_rank, tp, (args,), device=tp_device(args.device))
     return int(rcs[0])
 
 

@@ -17,7 +17,6 @@ import importlib.util
 import logging
 import os
 import signal
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -117,7 +116,7 @@ def _pair(args: argparse.Namespace) -> _Pair:
 def run_serve(args: argparse.Namespace) -> int:
     """Load the pair, build the engine, serve until SIGINT/SIGTERM; 0 when every page came
     back at exit. With ``--tp N`` (or under ``torchrun``) the target is split over N ranks."""
-    from blockdraft.parallel import RankFailedError, init_tp, launch, launched_by_torchrun
+    from blockdraft.parallel import init_tp, launch, launched_by_torchrun
 
     missing = missing_dependencies()
     if missing:
@@ -141,13 +140,8 @@ def run_serve(args: argparse.Namespace) -> int:
         error = _serve(args, None)
     else:
         _plan(args, args.tp)  # one line before any rank starts
-        try:
-            errors = launch(_serve_on_rank, args.tp, (args,), device=tp_device(args.device),
-                            timeout_s=args.tp_timeout, forward_signals=True)
-        except RankFailedError as exc:
-            if getattr(args, "debug", False) and exc.remote_traceback:
-                print(exc.remote_traceback, file=sys.stderr, end="")
-            raise
+        errors = launch(_serve_on_rank, args.tp, (args,), device=tp_device(args.device),
+                        timeout_s=args.tp_timeout, forward_signals=True)
         error = next((e for e in errors if e is not None), None)
     if error is not None:
         raise CliError(error)
