@@ -16,6 +16,7 @@ from collections.abc import Sequence
 import torch
 
 from blockdraft.models.layers import embed_blocks
+from blockdraft.sampling import allowed_ids
 
 PAD_SLOT = -1
 """Slot value of a row that must not be written (same value as ``blockdraft.core.PAD_SLOT``)."""
@@ -308,13 +309,6 @@ def causal_attention(
     return out
 
 
-def unpack_bitmask(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
-    """[R, ceil(V/32)] int32 -> [R, V] bool: bit ``j`` of word ``w`` allows id ``32 * w + j``."""
-    ids = torch.arange(vocab, device=bitmask.device)
-    words = bitmask.to(torch.int64)[:, ids // 32]
-    return ((words >> (ids % 32)) & 1).to(torch.bool)
-
-
 def masked_argmax(logits: torch.Tensor, bitmask: torch.Tensor | None) -> torch.Tensor:
     """logits [R, V], bitmask [R, ceil(V/32)] int32 or None -> [R] int64.
 
@@ -326,7 +320,7 @@ def masked_argmax(logits: torch.Tensor, bitmask: torch.Tensor | None) -> torch.T
     allowed = (
         torch.ones(num_rows, vocab, dtype=torch.bool, device=logits.device)
         if bitmask is None
-        else unpack_bitmask(bitmask, vocab)
+        else allowed_ids(bitmask, vocab)
     )
     scores = logits.to(torch.float32).masked_fill(~allowed, float("-inf"))
     best = torch.argmax(scores, dim=1)
