@@ -162,11 +162,14 @@ class SpeculativeEngine:
         self.target_model = target
         self.drafter = drafter
         self.proposer = proposer or DFlashProposer(
-            drafter, target, max_seq_len=max_seq_len, graphs=graphs, **proposer_kwargs
+            drafter, target, max_seq_len=max_seq_len, graphs=graphs, tp=tp, **proposer_kwargs
         )
-        if tp is not None and tp.size > 1:
-            self._agree_drafter_pool(tp, drafter, target, max_seq_len, graphs, proposer is None,
-                                     proposer_kwargs)
+        if proposer is not None and parallel:
+            assert tp is not None
+            # Admission reads the pool: every rank's must be the same size.
+            sizes = [int(n) for n in tp.gather(proposer.pool.num_blocks)]
+            if len(set(sizes)) > 1:
+                raise ConfigError(f"tensor-parallel ranks have drafter pools of different sizes: {sizes}")
         self.block_size = self.proposer.block_size
         self.target: TargetBackend
         if which == "blockdraft":
@@ -194,18 +197,6 @@ class SpeculativeEngine:
             self._seed_base = int(tp.broadcast(secrets.randbits(62)))
 
     # ------------------------------------------------------------------ set-up
-
-    def _agree_drafter_pool(self, tp: TPGroup, drafter: Any, target: Any, max_seq_len: int,
-                            graphs: GraphMode, built: bool, kwargs: dict[str, Any]) -> None:
-        """One drafter pool size on every rank: admission reads it, so ranks that sized their
-        pools from their own free memory would admit different requests."""
-        sizes = [int(n) for n in tp.gather(self.proposer.pool.num_blocks)]
-        if len(set(sizes)) == 1:
-            return
-        if not built or kwargs.get("num_blocks") is not None:
-            raise ConfigError(f"tensor-parallel ranks have drafter pools of different sizes: {sizes}")
-        self.proposer = DFlashProposer(drafter, target, max_seq_len=max_seq_len, graphs=graphs,
-                                       **{**kwargs, "num_blocks": min(sizes)})
 
     @property
     def target_runtime(self) -> str:

@@ -30,6 +30,7 @@ from torch import Tensor
 from blockdraft import _core, faults, kernels
 from blockdraft._core import BlockPool, ConfigError, ContextState, InvalidStateError
 from blockdraft.levers import Levers, read_levers
+from blockdraft.parallel.group import TPGroup
 from blockdraft.proposer.cache import DrafterCache
 from blockdraft.proposer.commit import ContextWriter, as_positions, check_rows
 from blockdraft.proposer.forward import DraftForward
@@ -76,6 +77,9 @@ class DFlashProposer:
             buffers, run eagerly) or ``"off"`` force one.
         levers: the proposer's levers (:class:`~blockdraft.Levers`); default: read from the
             ``BLOCKDRAFT_DFLASH_*`` environment variables.
+        tp: a tensor-parallel group whose every rank builds this proposer: the pool gets one
+            size on every rank before it is allocated (admission reads it), the smallest any
+            rank found in its free memory; given sizes must agree.
 
     Raises:
         ConfigError: a bad lever, backend or ``graphs`` mode (``"capture"`` off CUDA too), a
@@ -101,6 +105,7 @@ class DFlashProposer:
         batched_path: bool = True,
         graphs: GraphMode = "auto",
         levers: Levers | None = None,
+        tp: TPGroup | None = None,
     ) -> None:
         self.spec = spec = DraftSpec.from_drafter(drafter)
         self.head = head = TargetHead.from_target(target)
@@ -136,11 +141,14 @@ class DFlashProposer:
         elem = torch.empty((), dtype=self.dtype).element_size()
         self.ctx_slot_bytes = spec.ctx_row_width * elem
         if pool is None:
+            sized = num_blocks is None
             if num_blocks is None:
                 num_blocks = DrafterCache.default_num_blocks(
                     spec, page_size, elem, windows=max_batch, window=self.ceiling,
                     fraction=pool_memory_fraction, device=self.device,
                 )
+            if tp is not None and tp.size > 1:
+                num_blocks = _agreed_blocks(tp, num_blocks, sized)
             pool = BlockPool(num_blocks, page_size)
         self.pool = pool
         self.cache = DrafterCache(pool, spec, self.dtype, self.device)
@@ -614,6 +622,15 @@ class DFlashProposer:
                 f"not {list(t.shape)}"
             )
         return t[:rows].to(self.device).contiguous()
+
+
+def _agreed_blocks(tp: TPGroup, num_blocks: int, sized: bool) -> int:
+    """The drafter pool size of every rank: the smallest one found in free memory, or the
+    given one when every rank was given the same."""
+    sizes = [int(n) for n in tp.gather(num_blocks)]
+    if not sized and len(set(sizes)) > 1:
+        raise ConfigError(f"tensor-parallel ranks have drafter pools of different sizes: {sizes}")
+    return min(sizes)
 
 
 __all__ = ["DFlashProposer"]
