@@ -17,7 +17,7 @@ import blockdraft
 from blockdraft.engine import DEFAULT_SDPA_BACKENDS, Request, SpeculativeEngine, generate
 from blockdraft.engine.accept import accept_blocks, first_tokens
 from blockdraft.engine.targets import HFTarget
-from blockdraft.sampling import SamplingParams
+from blockdraft.sampling import SamplingParams, sample_rows
 from blockdraft.sampling import target_probs
 from blockdraft.proposer import DFlashProposer, DFlashState
 
@@ -452,3 +452,13 @@ def test_sdpa_backends_without_set_priority(target: Any, drafter: Any, monkeypat
 def test_sdpa_backends_validated(target: Any, drafter: Any, bad: Any, exc: type[Exception]) -> None:
     with pytest.raises(exc, match="sdpa_backends"):
         SpeculativeEngine(target, drafter, max_seq_len=64, num_blocks=64, max_batch=4, sdpa_backends=bad)
+
+
+def test_sample_rows_draws_one_index_per_row_from_the_generators_stream() -> None:
+    probs = torch.softmax(torch.randn(5, 11, generator=torch.Generator().manual_seed(1)), dim=-1)
+    a = sample_rows(probs, torch.Generator().manual_seed(7))
+    b = torch.multinomial(probs, 1, generator=torch.Generator().manual_seed(7))[:, 0]
+    assert a.shape == (5,) and a.dtype == torch.int64 and torch.equal(a, b)
+    one_hot = torch.zeros(3, 11)
+    one_hot[torch.arange(3), torch.tensor([4, 0, 10])] = 1.0
+    assert sample_rows(one_hot, None).tolist() == [4, 0, 10]

@@ -84,6 +84,18 @@ def target_probs(
     return probs
 
 
+def sample_rows(probs: Tensor, generator: torch.Generator | None) -> Tensor:
+    """One index per row of ``probs [N, V]`` drawn from it: [N] int64 on ``probs``' device.
+
+    A generator on another device than ``probs`` (a host generator for rows on the GPU, the
+    usual kind) draws on its own device, so the random stream is the same wherever the rows
+    live.
+    """
+    if generator is not None and generator.device != probs.device:
+        return torch.multinomial(probs.to(generator.device), 1, generator=generator)[:, 0].to(probs.device)
+    return torch.multinomial(probs, 1, generator=generator)[:, 0]
+
+
 def draw(probs: Tensor, generator: torch.Generator | None) -> int:
     """One id drawn from ``probs [V]``."""
     return int(torch.multinomial(probs, 1, generator=generator)[0])

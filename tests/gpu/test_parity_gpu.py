@@ -225,3 +225,22 @@ def test_greedy_generation_parity(
         if dtype == torch.float32:
             assert t.identical == t.prompts, f"seed={seed} {name}: fp32 tokens differ: {t.near_tie + t.real}"
         assert not t.real, f"seed={seed} {name}: divergence without a near-tie: {t.real}"
+
+
+@pytest.mark.parametrize("dflash2", [False, True])
+def test_sampled_drafts_on_cuda_with_a_host_generator(tmp_path: Path, seed: int, dflash2: bool) -> None:
+    """Sampling drafts on the GPU from a host ``torch.Generator`` (what ``generate`` and the
+    server pass) draws on the host, for DFlash and for DFlash2's selector walk, and the same
+    seed gives the same output twice."""
+    device = torch.device("cuda")
+    target = build_target("qwen3", device, torch.float32)
+    build_drafter(tmp_path, dflash2=dflash2, block_size=8, target_ids=[1, 3, 4])
+    drafter = blockdraft.load_drafter(tmp_path, device=device, dtype=torch.float32)
+    prompt = [random.Random(seed).randrange(VOCAB) for _ in range(12)]
+    runs = []
+    for _ in range(2):
+        gen = torch.Generator().manual_seed(seed)
+        res = blockdraft.generate(target, drafter, [prompt], max_new_tokens=24, temperature=1.0,
+                                  generator=gen, sampled_drafts=True)
+        runs.append(res.tokens[0])
+    assert len(runs[0]) == 24 and runs[0] == runs[1]

@@ -20,6 +20,7 @@ from blockdraft.config import DrafterConfig
 from blockdraft.models.attention import ReferenceAttend
 from blockdraft.models.layers import MLP, CandidateSelector, Device, GroupedDynamicConv, RMSNorm, rms_norm
 from blockdraft.models.rope import Rope, apply_rope
+from blockdraft.sampling import sample_rows
 
 AttendFn = Callable[[int, Tensor, Tensor, Tensor], Tensor]
 """``attend(layer, q [n,B,Hq,D], k [n,B,Hkv,D], v [n,B,Hkv,D]) -> [n,B,Hq,D]``."""
@@ -175,7 +176,9 @@ class DFlashDrafter(nn.Module):
 
     # ---- block ---------------------------------------------------------------------------
 
-    def forward_block(self, embeds: Tensor, positions: Tensor, attend: AttendFn) -> Tensor:
+    def forward_block(
+        self, embeds: Tensor, positions: Tensor, attend: AttendFn, segment: int | None = None
+    ) -> Tensor:
         """Run the drafter layers over ``n`` blocks.
 
         Args:
@@ -183,6 +186,8 @@ class DFlashDrafter(nn.Module):
                 applies ``input_embedding_scale``.
             positions: [n, B] int64 absolute positions of the block rows.
             attend: see :data:`AttendFn`; it adds the context K/V of each sequence.
+            segment: DFlash2 only: the B rows are B / segment blocks placed one after another
+                (the training forward); the convolutions stay inside each. ``None``: one block.
         Returns:
             [n, B, H] hidden rows after the final norm.
         """
@@ -199,23 +204,23 @@ class DFlashDrafter(nn.Module):
             x: Tensor = layer.input_layernorm(h)
             attn_taps = None
             if layer.attention_conv is not None:
-                x, attn_taps = layer.attention_conv.prepare(x)
+                x, attn_taps = layer.attention_conv.prepare(x, segment)
             q: Tensor = attn.q_norm(attn.q_proj(x).reshape(n, b, c.num_heads, c.head_dim))
             k: Tensor = attn.k_norm(attn.k_proj(x).reshape(n, b, c.num_kv_heads, c.head_dim))
             v: Tensor = attn.v_proj(x).reshape(n, b, c.num_kv_heads, c.head_dim)
             o = attend(i, apply_rope(q, cos, sin), apply_rope(k, cos, sin), v)
             y: Tensor = attn.o_proj(o.reshape(n, b, c.num_heads * c.head_dim))
             if layer.attention_conv is not None and attn_taps is not None:
-                y = layer.attention_conv.finish(y, attn_taps)
+                y = layer.attention_conv.finish(y, attn_taps, segment)
             h = residual + y
             residual = h
             x = layer.post_attention_layernorm(h)
             mlp_taps = None
             if layer.mlp_conv is not None:
-                x, mlp_taps = layer.mlp_conv.prepare(x)
+                x, mlp_taps = layer.mlp_conv.prepare(x, segment)
             y = layer.mlp(x)
             if layer.mlp_conv is not None and mlp_taps is not None:
-                y = layer.mlp_conv.finish(y, mlp_taps)
+                y = layer.mlp_conv.finish(y, mlp_taps, segment)
             h = residual + y
         out: Tensor = self.norm(h)
         return out
@@ -252,7 +257,7 @@ class DFlashDrafter(nn.Module):
         if temperature <= 0:
             return Draft(tokens=torch.argmax(logits, dim=-1), logits=logits)
         q = torch.softmax(logits.to(torch.float32) / temperature, dim=-1)
-        flat = torch.multinomial(q.reshape(-1, q.shape[-1]), 1, generator=generator)
+        flat = sample_rows(q.reshape(-1, q.shape[-1]), generator)
         return Draft(tokens=flat.reshape(q.shape[:-1]), logits=logits, q=q)
 
     def reference_forward(

@@ -10,6 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from blockdraft.sampling import sample_rows
+
 Device = torch.device | str | None
 
 
@@ -62,7 +64,9 @@ class MLP(nn.Module):
         return out
 
 
-def grouped_dynamic_conv(hidden: Tensor, dynamic: Tensor, base: Tensor, group_size: int) -> Tensor:
+def grouped_dynamic_conv(
+    hidden: Tensor, dynamic: Tensor, base: Tensor, group_size: int, segment: int | None = None
+) -> Tensor:
     """Causal convolution along the block with a static per-channel and a dynamic per-group tap.
 
     ``out[t] = sum_o (base[o] + dynamic[t, o]) * hidden[t - o]``, with ``hidden[t - o] = 0``
@@ -72,9 +76,24 @@ def grouped_dynamic_conv(hidden: Tensor, dynamic: Tensor, base: Tensor, group_si
         hidden: [n, T, H].
         dynamic: [n, T, K, G] per-group taps (G = H / group_size), computed from the row ``t``.
         base: [K, H] static taps.
+        segment: when given, the T rows are T / segment blocks of ``segment`` rows each, one
+            after the other (training runs many blocks in one row dimension); taps never cross
+            from one block into the next. ``None``: the T rows are one block.
     Returns:
         [n, T, H] in ``hidden``'s dtype.
     """
+    if segment is not None and segment != hidden.shape[1]:
+        n, length, size = hidden.shape
+        if segment < 1 or length % segment:
+            raise ValueError(f"{length} rows do not split into blocks of {segment}")
+        blocks_per_row = length // segment
+        flat = grouped_dynamic_conv(
+            hidden.reshape(n * blocks_per_row, segment, size),
+            dynamic.reshape(n * blocks_per_row, segment, *dynamic.shape[2:]),
+            base,
+            group_size,
+        )
+        return flat.reshape(n, length, size)
     n, length, size = hidden.shape
     groups = size // group_size
     taps = base.shape[0]
@@ -111,16 +130,19 @@ class GroupedDynamicConv(nn.Module):
         self.base_kernel = nn.Parameter(torch.zeros(2, kernel_size, hidden, device=device, dtype=dtype))
         self.kernel_projection = nn.Linear(hidden, 2 * kernel_size * groups, bias=False, device=device, dtype=dtype)
 
-    def prepare(self, x: Tensor) -> tuple[Tensor, Tensor]:
-        """Convolve the sub-block input ``x`` [n, T, H]; return it and the taps for :meth:`finish`."""
+    def prepare(self, x: Tensor, segment: int | None = None) -> tuple[Tensor, Tensor]:
+        """Convolve the sub-block input ``x`` [n, T, H]; return it and the taps for :meth:`finish`.
+
+        ``segment``: see :func:`grouped_dynamic_conv`.
+        """
         groups = x.shape[-1] // self.group_size
         dynamic = self.kernel_projection(x).reshape(*x.shape[:-1], 2, self.kernel_size, groups)
-        before = grouped_dynamic_conv(x, dynamic[..., 0, :, :], self.base_kernel[0], self.group_size)
+        before = grouped_dynamic_conv(x, dynamic[..., 0, :, :], self.base_kernel[0], self.group_size, segment)
         return before, dynamic[..., 1, :, :]
 
-    def finish(self, y: Tensor, dynamic: Tensor) -> Tensor:
+    def finish(self, y: Tensor, dynamic: Tensor, segment: int | None = None) -> Tensor:
         """Convolve the sub-block output ``y`` [n, T, H] with the taps from :meth:`prepare`."""
-        return grouped_dynamic_conv(y, dynamic, self.base_kernel[1], self.group_size)
+        return grouped_dynamic_conv(y, dynamic, self.base_kernel[1], self.group_size, segment)
 
 
 class CandidateSelector(nn.Module):
@@ -172,7 +194,7 @@ class CandidateSelector(nn.Module):
             scores = unary[:, t] + torch.einsum("nr,nkr->nk", pred, succ)
             if temperature > 0:
                 q = torch.softmax(scores.to(torch.float32) / temperature, dim=-1)
-                index = torch.multinomial(q, 1, generator=generator)[:, 0]
+                index = sample_rows(q, generator)
                 q_rows.append(q)
             else:
                 index = torch.argmax(scores, dim=-1)

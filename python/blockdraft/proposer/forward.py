@@ -32,7 +32,7 @@ from blockdraft.models.layers import embed_blocks
 from blockdraft.proposer.cache import DrafterCache
 from blockdraft.proposer.spec import DraftSpec, TargetHead
 from blockdraft.proposer.state import DFlashState, Proposal
-from blockdraft.sampling import SamplingParams, allowed_ids, target_probs
+from blockdraft.sampling import SamplingParams, allowed_ids, sample_rows, target_probs
 
 
 class DraftForward:
@@ -225,11 +225,7 @@ class DraftForward:
         rows = hidden[:, 1 : 1 + take].reshape(n * take, self.spec.hidden_size)
         logits = self.drafter.logits(rows, self.head.lm_head)
         q = target_probs(logits, params.temperature, params.top_p, params.top_k)
-        if generator is not None and generator.device != q.device:
-            # a host generator (the usual kind) draws on the host
-            tokens = torch.multinomial(q.cpu(), 1, generator=generator)[:, 0].to(q.device)
-        else:
-            tokens = torch.multinomial(q, 1, generator=generator)[:, 0]
+        tokens = sample_rows(q, generator)
         return tokens.view(n, take), q.view(n, take, vocab)
 
     # ------------------------------------------------------------------ the plain path
