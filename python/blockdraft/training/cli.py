@@ -47,6 +47,21 @@ def _temperatures(text: str) -> list[float]:
     return temps
 
 
+def _dflash2_sizes(text: str | None) -> dict[str, int] | None:
+    """``--dflash2 K,G,R,C`` -> the DFlash2 sizes (``None`` when the flag is absent)."""
+    from blockdraft.training.recipe import DFLASH2_FIELDS
+
+    if text is None:
+        return None
+    try:
+        values = [int(v) for v in text.split(",")]
+    except ValueError:
+        values = []
+    if len(values) != len(DFLASH2_FIELDS) or min(values) < 1:
+        raise CliError(f"--dflash2 {text!r}: expected four positive integers KERNEL,GROUP,RANK,TOP_K")
+    return dict(zip(DFLASH2_FIELDS, values))
+
+
 def _texts(flag: str, path: str) -> list[str]:
     """:func:`load_texts` with its errors naming ``flag`` (a bad JSONL line: ``path:line``)."""
     from blockdraft.training.data import load_texts
@@ -105,7 +120,8 @@ def _train(args: argparse.Namespace) -> int:
         seq_len=args.seq_len, num_seqs=args.num_seqs, num_anchors=args.num_anchors, steps=args.steps,
         time_budget_s=args.time_budget, lr=args.lr, warmup_steps=args.warmup, label_mode=args.labels,
         gamma=args.gamma, seed=args.seed, save_every=args.save_every, save_dtype=args.save_dtype,
-        log_every=args.log_every,
+        log_every=args.log_every, distill_weight=args.distill_weight,
+        dflash2=_dflash2_sizes(args.dflash2), selector_weight=args.selector_weight,
     )
     res = train_drafter(target, stream, cfg, out, resume=args.resume, progress=not args.no_progress)
     print(f"drafter: {res.drafter_dir} ({res.steps} steps, {res.seconds:.0f} s, "
@@ -158,7 +174,7 @@ def _eval(args: argparse.Namespace) -> int:
     report = evaluate_drafter(
         target, drafter, prompts, max_new_tokens=args.max_new_tokens, temperatures=temps,
         compare_target=not args.no_compare, stop_token_ids=[eos] if isinstance(eos, int) else [],
-        seed=args.seed, backend=args.backend, repeats=args.repeats,
+        seed=args.seed, backend=args.backend, repeats=args.repeats, sampled_drafts=args.sampled_drafts,
     )
     for line in report.lines():
         print(line)
@@ -187,6 +203,12 @@ def add_training_commands(sub: Any) -> None:
     tr.add_argument("--labels", choices=("target", "corpus"), default="target",
                     help="train on the target's greedy choices (default) or on the corpus tokens")
     tr.add_argument("--gamma", type=float, default=None, help="loss decay (default 7/5/4 for B=16/10/8)")
+    tr.add_argument("--distill-weight", type=float, default=0.0,
+                    help="add the target's T=1 distribution as a soft label with this weight (sampled drafts)")
+    tr.add_argument("--dflash2", default=None, metavar="K,G,R,C",
+                    help="train a DFlash2 drafter: conv kernel K, conv group G, selector rank R, top-K C "
+                         "(e.g. 3,32,32,8)")
+    tr.add_argument("--selector-weight", type=float, default=1.0, help="DFlash2: weight of the selector loss")
     tr.add_argument("--seed", type=int, default=0)
     tr.add_argument("--save-every", type=int, default=500, help="checkpoint interval in steps (0: end only)")
     tr.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --out")
@@ -205,6 +227,8 @@ def add_training_commands(sub: Any) -> None:
     ev.add_argument("--prompt-tokens", type=int, default=64)
     ev.add_argument("--max-new-tokens", type=int, default=64)
     ev.add_argument("--temperatures", default="0,1", help="comma-separated; 0 = greedy")
+    ev.add_argument("--sampled-drafts", action="store_true",
+                    help="at temperatures > 0 also measure tau with drafts sampled from the drafter")
     ev.add_argument("--no-compare", action="store_true", help="skip the target-only comparison")
     ev.add_argument("--repeats", type=int, default=1,
                     help="rounds of engine vs target-only timing; medians are reported")

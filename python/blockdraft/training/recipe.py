@@ -38,9 +38,10 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 from torch import Tensor
 
-from blockdraft.config import DFLASH_ARCH, DrafterConfig, default_target_layer_ids
-from blockdraft.models import DFlashDrafter
+from blockdraft.config import DFLASH2_ARCH, DFLASH_ARCH, DrafterConfig, default_target_layer_ids
+from blockdraft.models import DFlash2Drafter, DFlashDrafter
 from blockdraft.training.data import sample_windows, step_generator
+from blockdraft.training.selector import init_dflash2_extras, selector_loss, teacher_predecessors
 
 log = logging.getLogger(__name__)
 
@@ -113,6 +114,10 @@ def block_loss(
     embed_weight: Tensor,
     head_weight: Tensor,
     weights: Tensor,
+    *,
+    soft_logits: Tensor | None = None,
+    distill_weight: float = 0.0,
+    selector_weight: float = 1.0,
 ) -> tuple[Tensor, Tensor]:
     """The recipe's loss for ``n`` windows.
 
@@ -124,8 +129,14 @@ def block_loss(
         embed_weight: [V_in, H] the target's input embeddings (frozen).
         head_weight: [V, H] the target's ``lm_head`` (frozen).
         weights: [B-1] per-row loss weights.
+        soft_logits: [n, T, V] the target's logits for each position (its distribution after
+            the prefix before it); needed when ``distill_weight`` > 0.
+        distill_weight: weight of the distillation term, the cross-entropy of the drafter's
+            distribution against the target's softmax at T = 1 (what sampled drafts need).
+        selector_weight: DFlash2 only: weight of :func:`~blockdraft.training.selector.selector_loss`.
     Returns:
-        (scalar loss, [n, A, B-1] bool: draft row k equals its label).
+        (scalar loss, [n, A, B-1] bool: the drafted token of row k equals its label; for
+        DFlash2, the selector's pick given correct earlier rows).
     """
     c = drafter.config
     if c.mask_token_id is None:
@@ -159,17 +170,34 @@ def block_loss(
         out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=visible, scale=scale)
         return out.transpose(1, 2)
 
-    hidden = drafter.forward_block(embeds, positions.reshape(n, a * b), attend)
+    hidden = drafter.forward_block(embeds, positions.reshape(n, a * b), attend, segment=b)
     hidden = hidden.reshape(n, a, b, -1)[:, :, 1:]
     logits = drafter.logits(hidden, head_weight).float()  # [n, A, B-1, V]
-    target = labels.gather(1, positions[:, :, 1:].reshape(n, -1)).reshape(n, a, b - 1)
-    ce = F.cross_entropy(
-        logits.reshape(-1, logits.shape[-1]), target.reshape(-1), reduction="none", ignore_index=-100
-    ).reshape(n, a, b - 1)
+    row_pos = positions[:, :, 1:].reshape(n, -1)
+    target = labels.gather(1, row_pos).reshape(n, a, b - 1)
+    flat_logits = logits.reshape(-1, logits.shape[-1])
+    ce = F.cross_entropy(flat_logits, target.reshape(-1), reduction="none", ignore_index=-100)
     valid = (target != -100).float()
     w = weights.to(dev)
-    loss = (ce * w * valid).sum() / (w * valid).sum().clamp_min(1e-6)
-    correct = (logits.argmax(-1) == target) & (target != -100)
+    loss = (ce.reshape(n, a, b - 1) * w * valid).sum() / (w * valid).sum().clamp_min(1e-6)
+    if distill_weight > 0:
+        if soft_logits is None:
+            raise ValueError("distill_weight > 0 needs the target's logits (soft_logits)")
+        # The target's distribution for position p is its softmax after the prefix before p.
+        rows = soft_logits.gather(1, (row_pos - 1)[:, :, None].expand(-1, -1, soft_logits.shape[-1]))
+        probs = torch.softmax(rows.float(), dim=-1).reshape(-1, soft_logits.shape[-1])
+        soft = F.cross_entropy(flat_logits, probs, reduction="none").reshape(n, a, b - 1)
+        loss = loss + distill_weight * (soft * w).sum() / (w.sum() * n * a)
+    if isinstance(drafter, DFlash2Drafter):
+        prev = teacher_predecessors(block_ids[:, :, :1], target)
+        sel, picks = selector_loss(drafter.candidate_selector, hidden.reshape(n * a, b - 1, -1),
+                                   logits.reshape(n * a, b - 1, -1), prev.reshape(n * a, b - 1),
+                                   target.reshape(n * a, b - 1), w)
+        loss = loss + selector_weight * sel
+        drafted = picks.reshape(n, a, b - 1)
+    else:
+        drafted = logits.argmax(-1)
+    correct = (drafted == target) & (target != -100)
     return loss, correct
 
 
@@ -182,20 +210,29 @@ def target_features(
     position ``p`` is the target's greedy choice after ``tokens[:, :p]``; with ``"corpus"`` it is
     ``tokens[:, p]``. Position 0 has no label from the target (``-100``).
     """
+    ctx, labels, _ = target_pass(target, tokens, layer_ids, label_mode, keep_logits=False)
+    return ctx, labels
+
+
+def target_pass(
+    target: Any, tokens: Tensor, layer_ids: tuple[int, ...], label_mode: LabelMode, *, keep_logits: bool
+) -> tuple[Tensor, Tensor, Tensor | None]:
+    """:func:`target_features` plus, with ``keep_logits``, the target's logits [n, T, V]."""
     with torch.no_grad():
         out = target(
             input_ids=tokens,
             output_hidden_states=True,
             use_cache=False,
-            logits_to_keep=0 if label_mode == "target" else 1,
+            logits_to_keep=0 if label_mode == "target" or keep_logits else 1,
         )
         hs = out.hidden_states
         ctx = torch.cat([hs[i + 1] for i in layer_ids], dim=-1)
+        logits = out.logits if keep_logits else None
         if label_mode == "corpus":
-            return ctx, tokens.clone()
+            return ctx, tokens.clone(), logits
         labels = torch.full_like(tokens, -100)
         labels[:, 1:] = out.logits[:, :-1].argmax(-1)
-        return ctx, labels
+        return ctx, labels, logits
 
 
 # ---------------------------------------------------------------- drafter shape and checkpoints
@@ -209,11 +246,14 @@ def drafter_config_dict(
     mask_token_id: int,
     target_layer_ids: list[int] | None = None,
     intermediate_size: int | None = None,
+    dflash2: dict[str, int] | None = None,
 ) -> dict[str, Any]:
     """A z-lab ``config.json`` object for a drafter of ``target_config``'s hidden size.
 
     Heads, head dim, RoPE, norm epsilon and (by default) the MLP width follow the target; the
-    result loads with :func:`blockdraft.load_drafter` and ``dflash.DFlashDraftModel``.
+    result loads with :func:`blockdraft.load_drafter` and ``dflash.DFlashDraftModel``. With
+    ``dflash2`` (``conv_kernel_size``, ``conv_group_size``, ``selector_rank``,
+    ``selector_top_k``) it is a DFlash2 config (``dflash.DFlash2DraftModel``).
     """
     tc = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
     num_target = int(tc.num_hidden_layers)
@@ -228,8 +268,8 @@ def drafter_config_dict(
             raise ValueError(f"target RoPE {rope_params} is not supported by the recipe (default RoPE only)")
     theta = float(theta or getattr(tc, "rope_theta", None) or 10000.0)
     vocab = int(tc.vocab_size)
-    return {
-        "architectures": [DFLASH_ARCH],
+    raw: dict[str, Any] = {
+        "architectures": [DFLASH2_ARCH if dflash2 else DFLASH_ARCH],
         "model_type": "qwen3",
         "hidden_size": hidden,
         "num_hidden_layers": num_layers,
@@ -256,19 +296,76 @@ def drafter_config_dict(
             "target_layer_ids": ids,
         },
     }
+    if dflash2:
+        raw["dflash_config"].update({k: int(dflash2[k]) for k in DFLASH2_FIELDS})
+    return raw
+
+
+DFLASH2_FIELDS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
 
 
 def new_drafter(raw_config: dict[str, Any], seed: int) -> DFlashDrafter:
-    """A freshly initialised fp32 drafter on the CPU (``nn.Linear`` default init, norms at 1)."""
+    """A freshly initialised fp32 drafter on the CPU (linear weights ~ N(0, 0.02), norms at 1).
+
+    A DFlash2 drafter starts as its DFlash part: identity convolutions and a selector that adds
+    nothing yet (:func:`~blockdraft.training.selector.init_dflash2_extras`).
+    """
     config = DrafterConfig.from_dict(raw_config)
-    if config.is_dflash2:
-        raise ValueError("the recipe trains DFlash drafters only (not DFlash2)")
     torch.manual_seed(seed)
-    drafter = DFlashDrafter(config, device="cpu", dtype=torch.float32)
+    cls = DFlash2Drafter if config.is_dflash2 else DFlashDrafter
+    drafter = cls(config, device="cpu", dtype=torch.float32)
     for module in drafter.modules():
         if isinstance(module, torch.nn.Linear):
             torch.nn.init.normal_(module.weight, std=0.02)
+    if config.is_dflash2:
+        init_dflash2_extras(drafter, seed)
     return drafter
+
+
+def init_from_target(drafter: DFlashDrafter, target: Any) -> list[int]:
+    """Start the drafter's layers as copies of the target's last ``num_layers`` layers.
+
+    Each drafter layer has exactly the shape of a target layer (the recipe's config follows
+    the target), so the copy is a start that already maps hidden states towards the target's
+    next-token space, rather than noise. Also copied: the target's final norm into the
+    drafter's ``norm`` (its output rows go through the same ``lm_head``) and the first copied
+    layer's input norm into ``hidden_norm`` (the fused context rows are normalised once and then
+    used as keys/values, as that layer's normalised input is in the target). ``fc`` starts as
+    the projection that passes the deepest context layer through (identity on its slice, zero
+    on the others). DFlash2 extras keep their own start.
+
+    Returns:
+        the target layer index each drafter layer was copied from.
+    Raises:
+        ValueError: the target's layers are not named like Llama/Qwen decoder layers or their
+            shapes differ from the drafter's.
+    """
+    body = getattr(target, "model", None)
+    layers = getattr(body, "layers", None)
+    final_norm = getattr(body, "norm", None)
+    if layers is None or final_norm is None:
+        raise ValueError("init_from_target needs a Llama/Qwen-style target (model.layers, model.norm)")
+    c = drafter.config
+    chosen = list(range(len(layers) - c.num_layers, len(layers)))
+    with torch.no_grad():
+        for i, src in enumerate(chosen):
+            mine = drafter.layer(i).state_dict()
+            theirs = layers[src].state_dict()
+            for name, tensor in mine.items():
+                if name not in theirs:
+                    continue  # DFlash2 convolutions
+                if theirs[name].shape != tensor.shape:
+                    raise ValueError(f"target layer {src} {name} is {tuple(theirs[name].shape)}, the drafter's "
+                                     f"is {tuple(tensor.shape)}")
+                tensor.copy_(theirs[name].to(tensor.dtype))
+        drafter.norm.weight.copy_(final_norm.weight.to(drafter.norm.weight.dtype))
+        first = layers[chosen[0]]
+        drafter.hidden_norm.weight.copy_(first.input_layernorm.weight.to(drafter.hidden_norm.weight.dtype))
+        h = c.hidden_size
+        fc = drafter.fc.weight
+        fc.zero_()
+        fc[:, (c.num_context_layers - 1) * h :] = torch.eye(h, dtype=fc.dtype, device=fc.device)
+    return chosen
 
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -304,6 +401,13 @@ class DrafterTrainConfig:
             to ``min_lr_ratio * lr``.
         label_mode: ``"target"`` (the target's greedy choices) or ``"corpus"`` (the tokens).
         gamma: loss decay (``None``: :func:`default_gamma`).
+        distill_weight: weight of the distillation term (the target's T = 1 distribution as a
+            soft label, for sampled drafts); 0 trains on the hard labels alone.
+        dflash2: train a DFlash2 drafter with these ``conv_kernel_size``, ``conv_group_size``,
+            ``selector_rank``, ``selector_top_k`` (``None``: DFlash); selector_weight: the
+            weight of its selector objective.
+        init_from_target: start the drafter's layers as copies of the target's last layers
+            (:func:`init_from_target`) instead of random weights.
         save_every: steps between checkpoints (0: only at the end); keep: checkpoints kept.
         save_dtype: dtype of the exported drafter.
     """
@@ -326,6 +430,10 @@ class DrafterTrainConfig:
     grad_clip: float = 1.0
     label_mode: LabelMode = "target"
     gamma: float | None = None
+    distill_weight: float = 0.0
+    dflash2: dict[str, int] | None = None
+    selector_weight: float = 1.0
+    init_from_target: bool = False
     seed: int = 0
     save_every: int = 0
     keep: int = 2
@@ -441,9 +549,13 @@ def train_drafter(
         mask_token_id=cfg.mask_token_id,
         target_layer_ids=cfg.target_layer_ids or None,
         intermediate_size=cfg.intermediate_size,
+        dflash2=cfg.dflash2,
     )
     layer_ids = tuple(raw["dflash_config"]["target_layer_ids"])
-    drafter = new_drafter(raw, cfg.seed).to(device)
+    drafter = new_drafter(raw, cfg.seed)
+    if cfg.init_from_target:
+        init_from_target(drafter, target)
+    drafter = drafter.to(device)
     drafter.train()
     decay = [p for p in drafter.parameters() if p.dim() > 1]
     no_decay = [p for p in drafter.parameters() if p.dim() <= 1]
@@ -492,10 +604,12 @@ def train_drafter(
             tokens, anchors = tokens.to(device), anchors.to(device)
             for group in opt.param_groups:
                 group["lr"] = lr_at(step, total, cfg)
-            ctx, labels = target_features(target, tokens, layer_ids, cfg.label_mode)
+            ctx, labels, soft = target_pass(target, tokens, layer_ids, cfg.label_mode,
+                                            keep_logits=cfg.distill_weight > 0)
             with torch.autocast(device_type="cuda", dtype=torch.bfloat16, enabled=use_amp):
                 loss, correct = block_loss(
-                    drafter, ctx, tokens, labels, anchors, embed_weight, head_weight, weights
+                    drafter, ctx, tokens, labels, anchors, embed_weight, head_weight, weights,
+                    soft_logits=soft, distill_weight=cfg.distill_weight, selector_weight=cfg.selector_weight,
                 )
             opt.zero_grad(set_to_none=True)
             loss.backward()  # type: ignore[no-untyped-call]

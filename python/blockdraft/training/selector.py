@@ -1,0 +1,114 @@
+"""The DFlash2 candidate selector's training objective.
+
+At inference the selector walks a block's rows left to right. Row ``k`` takes the top-K
+lm_head candidates of the drafter's logits and picks
+
+    argmax_c  logit(c) + sum_r Pred[prev, r] * h_r * Succ[c, r]
+
+with ``h = hidden_projection(row)`` and ``prev`` the token picked for row ``k - 1`` (the anchor
+for the first row). A pick only matters while every earlier pick was accepted, that is while
+``prev`` equals the target's choice; so training teacher-forces ``prev`` with the label of the
+previous position (the anchor for the first row), which makes the selector's training-time
+choices exactly its inference-time choices on every accepted prefix.
+
+The objective is a cross-entropy over the K candidates with the label's candidate as the
+class, on rows whose label is among the candidates (a row whose label is not among them cannot
+be drafted right by any selector; the token loss on the full logits handles it), weighted per
+row like the token loss. The unary term is the drafter's own logit of each candidate and keeps
+its gradient, so the selector loss also sharpens the drafter between close candidates; the
+candidate set itself (top-K) is a non-differentiable choice.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from blockdraft.models.layers import CandidateSelector
+
+
+def teacher_predecessors(anchor_tokens: Tensor, labels: Tensor) -> Tensor:
+    """The predecessor of every block row under teacher forcing.
+
+    Args:
+        anchor_tokens: [..., 1] the anchor token of each block.
+        labels: [..., B-1] the labels of block rows 1..B-1 (``-100`` where unknown).
+    Returns:
+        [..., B-1] int64: the anchor for row 1, the label of row ``k - 1`` for row ``k``;
+        unknown labels become token 0 (their rows carry no loss).
+    """
+    prev = torch.cat((anchor_tokens, labels[..., :-1]), dim=-1)
+    return prev.clamp_min(0)
+
+
+def selector_scores(
+    selector: CandidateSelector, hidden: Tensor, logits: Tensor, prev: Tensor
+) -> tuple[Tensor, Tensor]:
+    """Scores of the top-K candidates of every row given its predecessor.
+
+    Args:
+        hidden: [..., T, H] drafter output rows.
+        logits: [..., T, V] their logits.
+        prev: [..., T] the predecessor token of each row.
+    Returns:
+        ``(scores [..., T, K], candidates [..., T, K])``.
+    """
+    candidates = torch.topk(logits.detach(), selector.top_k, dim=-1, sorted=False).indices
+    unary = logits.gather(-1, candidates)
+    projected = selector.hidden_projection(hidden)
+    pred = F.embedding(prev, selector.predecessor_codebook) * projected
+    succ = F.embedding(candidates, selector.successor_codebook)
+    pair = torch.einsum("...r,...kr->...k", pred.to(succ.dtype), succ)
+    return unary + pair.to(unary.dtype), candidates
+
+
+def selector_loss(
+    selector: CandidateSelector,
+    hidden: Tensor,
+    logits: Tensor,
+    prev: Tensor,
+    labels: Tensor,
+    weights: Tensor,
+) -> tuple[Tensor, Tensor]:
+    """The selector objective (module docstring) and the selector's teacher-forced picks.
+
+    Args:
+        hidden: [N, B-1, H]; logits: [N, B-1, V] fp32; prev: [N, B-1] from
+            :func:`teacher_predecessors`; labels: [N, B-1] (``-100`` unknown); weights: [B-1].
+    Returns:
+        ``(scalar loss, picks [N, B-1])``; ``picks[i, k]`` is the token the selector drafts for
+        row ``k`` when rows ``< k`` were drafted right.
+    """
+    scores, candidates = selector_scores(selector, hidden, logits, prev)
+    hit = candidates == labels[..., None]
+    usable = hit.any(-1) & (labels != -100)
+    cls = hit.to(torch.int64).argmax(-1)
+    ce = F.cross_entropy(scores.reshape(-1, scores.shape[-1]).float(), cls.reshape(-1), reduction="none")
+    w = weights.to(ce.device)[None, :] * usable.to(ce.dtype)
+    loss = (ce.reshape(usable.shape) * w).sum() / w.sum().clamp_min(1e-6)
+    picks = candidates.gather(-1, scores.argmax(-1, keepdim=True))[..., 0]
+    return loss, picks
+
+
+def init_dflash2_extras(drafter: torch.nn.Module, seed: int) -> None:
+    """Start a fresh DFlash2 drafter as its DFlash part.
+
+    Each convolution passes its input through unchanged (static tap 0 is one, every other tap
+    and the dynamic taps' projection zero), and the selector adds nothing to the unary logits
+    (successor codebook zero). The predecessor codebook is random, so the successor codebook
+    gets a gradient from the first step.
+    """
+    gen = torch.Generator().manual_seed(seed + 7919)
+    with torch.no_grad():
+        for name, param in drafter.named_parameters():
+            if name.endswith("base_kernel"):
+                param.zero_()
+                param[:, 0, :] = 1.0
+            elif name.endswith("kernel_projection.weight") or name.endswith("successor_codebook"):
+                param.zero_()
+            elif name.endswith("predecessor_codebook"):
+                param.copy_(torch.randn(param.shape, generator=gen).to(param.dtype))
+
+
+__all__ = ["init_dflash2_extras", "selector_loss", "selector_scores", "teacher_predecessors"]
