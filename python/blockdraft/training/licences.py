@@ -141,11 +141,16 @@ class PermissiveFilter:
         return lic.permissive
 
 
-def permissive_python_sources(*, max_chars: int, **kwargs: int) -> tuple[list[SourceFile], list[Licence]]:
-    """:func:`~blockdraft.training.data.collect_python_sources` over the interpreter's roots,
-    keeping only the standard library and permissively licensed distributions; also returns
-    the licence of every distribution the kept files came from, sorted by name."""
+def permissive_python_sources(
+    *, max_chars: int, site_roots: Sequence[Path] | None = None, **kwargs: int
+) -> tuple[list[SourceFile], list[Licence]]:
+    """:func:`~blockdraft.training.data.collect_python_sources` over the standard library and
+    ``site_roots`` (default: the interpreter's own site-packages), keeping only the standard
+    library and permissively licensed distributions; also returns the licence of every
+    distribution the kept files came from, sorted by name."""
     roots = python_source_roots()
+    if site_roots is not None:
+        roots = roots[:1] + [Path(r) for r in site_roots]
     keep = PermissiveFilter(roots[0] if roots else None, roots[1:])
     files = collect_python_sources(roots, max_chars=max_chars, keep=keep, **kwargs)
     return files, sorted(keep.used.values(), key=lambda lic: lic.distribution.lower())
