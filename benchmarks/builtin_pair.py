@@ -4,8 +4,8 @@ On the held-out prompts (128 new tokens each, greedy): speculative generation on
 runtime, target-only decoding on the same runtime, and Hugging Face ``generate``, one prompt at
 a time; then all 16 prompts at once against one at a time. Each path runs once untimed first
 (compiles, graph captures). On a CPU the figures follow the host's speed: the record carries a
-yardstick beside them (the median time of one fp32 ``[1, 256] x [256, 1536]`` GEMV, the shape
-of the target's gate/up projection). Prints a table and writes ``builtin_pair.json`` under the
+yardstick beside them (the median time of one fp32 ``[1, 256] x [256, 1536]`` GEMV: the fused
+gate/up shape of the first built-in target, kept fixed so that records of every pair compare). Prints a table and writes ``builtin_pair.json`` under the
 given directory (or ``$OUT``).
 
     python benchmarks/builtin_pair.py [OUT_DIR] [--device cpu|cuda] [--prompts N] [--new N]
@@ -37,7 +37,7 @@ def _timed(fn: Any, device: torch.device) -> tuple[float, Any]:
 
 
 def yardstick_us() -> float:
-    """Median microseconds of one fp32 GEMV of the target's gate/up shape, on the host."""
+    """Median microseconds of one fp32 ``[1, 256] x [256, 1536]`` GEMV on the host."""
     x, w = torch.randn(1, 256), torch.randn(1536, 256)
     times = []
     for i in range(600):

@@ -35,8 +35,8 @@ from blockdraft.cli.common import (
     tp_device,
     tp_sizes,
 )
+from blockdraft.pretrained import DEFAULT_PROMPT
 
-DEFAULT_PROMPT = "def fibonacci(n):"
 DEMO_VOCAB = 320
 DEMO_MASK = 256
 DEMO_MAX_POSITIONS = 4096

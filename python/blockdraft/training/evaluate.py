@@ -10,6 +10,7 @@ the target on blockdraft's runtime) and Hugging Face ``generate``.
 from __future__ import annotations
 
 import logging
+import math
 import statistics
 import time
 from collections.abc import Sequence
@@ -48,6 +49,8 @@ class EvalReport:
             ``tokens_per_s["greedy"]`` and ``target_tokens_per_s`` figures are their medians.
         identical: prompts whose greedy output equals the target-only output, of ``num_prompts``.
         first_divergence: per differing prompt, the index of the first differing token.
+        distinct_4gram: mean over prompts of :func:`distinct_ngram_ratio` (n = 4) of the greedy
+            continuation: near 0 for a continuation that loops, 1 when no 4-gram repeats.
     """
 
     num_prompts: int
@@ -65,6 +68,7 @@ class EvalReport:
     runtime_tokens_per_s: float | None = None
     runtime_speedup: float | None = None
     runtime_tokens_per_s_runs: list[float] = field(default_factory=list)
+    distinct_4gram: float | None = None
 
     @property
     def speedup_runs(self) -> list[float]:
@@ -87,7 +91,11 @@ class EvalReport:
         for key, tau in self.tau.items():
             rate = self.tokens_per_s.get(key, 0.0)
             timed = _median_of(rounds) if key == "greedy" and rounds else "one pass over the prompts"
-            out.append(f"  {key:>7}: tau {tau:.2f}  engine {rate:.1f} tok/s ({timed})")
+            drafts = " (sampled drafts)" if key.endswith(" sampled") else ""
+            out.append(f"  {key.removesuffix(' sampled'):>7}: tau {tau:.2f}  engine {rate:.1f} tok/s ({timed})"
+                       f"{drafts}")
+        if self.distinct_4gram is not None:
+            out.append(f"  greedy continuations: distinct 4-gram ratio {self.distinct_4gram:.2f} (mean)")
         if self.runtime_tokens_per_s is not None:
             out.append(f"  target only, blockdraft runtime (greedy): {self.runtime_tokens_per_s:.1f} "
                        f"tok/s ({_median_of(len(self.runtime_tokens_per_s_runs))})")
@@ -105,6 +113,54 @@ class EvalReport:
                 runs = ", ".join(f"{x:.2f}" for x in self.speedup_runs)
                 out.append(f"  speed-up per repeat (median above): {runs}")
         return out
+
+
+def distinct_ngram_ratio(tokens: Sequence[int], n: int = 4) -> float:
+    """Distinct ``n``-grams over all ``n``-grams of ``tokens`` (1.0 when there are none).
+
+    A continuation stuck in a loop repeats the same few n-grams and scores near 0.
+    """
+    if n < 1:
+        raise ValueError(f"n must be >= 1, not {n}")
+    grams = [tuple(tokens[i : i + n]) for i in range(len(tokens) - n + 1)]
+    return len(set(grams)) / len(grams) if grams else 1.0
+
+
+@torch.no_grad()
+def heldout_metrics(model: Any, stream: torch.Tensor, chars: int, *, seq_len: int = 512,
+                    batch: int = 32) -> dict[str, float]:
+    """Next-token quality of a causal LM on a held-out token stream, all of it.
+
+    The stream is cut into consecutive windows of ``seq_len`` tokens (the last one shorter);
+    every token but each window's first is predicted. ``chars`` is the character count of the
+    text the stream encodes, for a figure that does not depend on the tokenizer.
+
+    Returns:
+        ``loss`` (nats per predicted token), ``perplexity``, ``accuracy`` (argmax equals the
+        next token), ``bits_per_char`` (the summed loss over ``chars``, in bits), ``tokens``.
+    """
+    device = next(model.parameters()).device
+    total = correct = count = 0.0
+    windows = [stream[i : i + seq_len] for i in range(0, stream.numel() - 1, seq_len)]
+    windows = [w for w in windows if w.numel() > 1]
+    for i in range(0, len(windows), batch):
+        group = windows[i : i + batch]
+        width = max(w.numel() for w in group)
+        ids = torch.zeros(len(group), width, dtype=torch.int64)
+        valid = torch.zeros(len(group), width, dtype=torch.bool)
+        for row, w in enumerate(group):
+            ids[row, : w.numel()] = w
+            valid[row, : w.numel()] = True
+        ids, valid = ids.to(device), valid.to(device)
+        logits = model(input_ids=ids, attention_mask=valid.long(), use_cache=False).logits[:, :-1].float()
+        nxt, mask = ids[:, 1:], valid[:, 1:]
+        ce = torch.nn.functional.cross_entropy(logits.transpose(1, 2), nxt, reduction="none")
+        total += float(ce[mask].sum())
+        correct += float((logits.argmax(-1) == nxt)[mask].sum())
+        count += float(mask.sum())
+    loss = total / max(1.0, count)
+    return {"loss": loss, "perplexity": math.exp(loss), "accuracy": correct / max(1.0, count),
+            "bits_per_char": total / math.log(2) / max(1, chars), "tokens": count}
 
 
 def _median_of(rounds: int) -> str:
@@ -155,8 +211,12 @@ def evaluate_drafter(
     seed: int = 0,
     backend: str = "auto",
     repeats: int = 1,
+    sampled_drafts: bool = False,
 ) -> EvalReport:
     """tau (and tokens/s) of ``drafter`` with ``target`` on ``prompts``, one prompt at a time.
+
+    At a temperature > 0 the drafts are the drafter's argmax; with ``sampled_drafts`` a second
+    pass samples them from the drafter's own distribution (reported as ``"T=1 sampled"``).
 
     One warm-up prompt runs first (not counted) so that kernel compilation and allocator
     growth stay out of the timings. With ``compare_target``, ``repeats`` rounds each time the
@@ -176,17 +236,20 @@ def evaluate_drafter(
     block = int(drafter.config.block_size)
     # One prompt at a time: pools for the longest one alone.
     target_pages, drafter_blocks = pool_sizes([longest - max_new_tokens], max_new_tokens, block)
-    engine = SpeculativeEngine(
-        target, drafter, max_seq_len=longest, max_active=1, max_batch=1,
-        target_pages=target_pages, num_blocks=drafter_blocks, page_size=16, backend=backend,
-        sdpa_backends=None,
-    )
+    def make_engine(sampled: bool) -> SpeculativeEngine:
+        return SpeculativeEngine(
+            target, drafter, max_seq_len=longest, max_active=1, max_batch=1,
+            target_pages=target_pages, num_blocks=drafter_blocks, page_size=16, backend=backend,
+            sdpa_backends=None, sampled_drafts=sampled,
+        )
+
+    engine = make_engine(False)
     report = EvalReport(len(prompts), max_new_tokens, str(device), str(next(target.parameters()).dtype))
     stops = list(stop_token_ids)
     engine.generate([prompts[0]], max_new_tokens=min(16, max_new_tokens), stop_token_ids=stops)
     greedy_out: list[list[int]] = []
 
-    def run_engine(temp: float) -> tuple[list[int], int, float, list[list[int]]]:
+    def run_engine(temp: float, eng: SpeculativeEngine = engine) -> tuple[list[int], int, float, list[list[int]]]:
         """(acceptance lengths, new tokens, seconds, outputs) over every prompt."""
         # The engine samples from rows it has moved to the CPU.
         gen = torch.Generator().manual_seed(seed) if temp > 0 else None
@@ -196,8 +259,8 @@ def evaluate_drafter(
         sync(device)
         t0 = time.perf_counter()
         for p in prompts:
-            res = engine.generate([list(p)], max_new_tokens=max_new_tokens, temperature=temp,
-                                  stop_token_ids=stops, generator=gen)
+            res = eng.generate([list(p)], max_new_tokens=max_new_tokens, temperature=temp,
+                               stop_token_ids=stops, generator=gen)
             steps.extend(res.stats.acceptance_lengths[0])
             tokens += res.stats.num_new_tokens
             outs.append(res.tokens[0])
@@ -216,9 +279,17 @@ def evaluate_drafter(
         steps, tokens, elapsed, outs = run_engine(temp)
         if temp == 0:
             greedy_out = outs
+            report.distinct_4gram = statistics.fmean(distinct_ngram_ratio(o) for o in outs)
         report.tau[key] = sum(steps) / max(1, len(steps))
         report.tokens_per_s[key] = tokens / elapsed if elapsed > 0 else 0.0
         log.debug("%s pass: tau %.2f, %.1f tok/s", key, report.tau[key], report.tokens_per_s[key])
+    if sampled_drafts and any(t > 0 for t in temperatures):
+        sampler = make_engine(True)
+        for temp in (t for t in temperatures if t > 0):
+            key = f"T={temp:g} sampled"
+            steps, tokens, elapsed, _ = run_engine(temp, sampler)
+            report.tau[key] = sum(steps) / max(1, len(steps))
+            report.tokens_per_s[key] = tokens / elapsed if elapsed > 0 else 0.0
     if compare_target:
         target_only_greedy(target, prompts[0], min(16, max_new_tokens), stops)
         runtime = engine.runtime

@@ -1,18 +1,21 @@
 """Make the built-in trained target + drafter pair from scratch, offline.
 
-    python -m blockdraft.training.make_builtin_pair --preset h200 --out DIR   # the shipped pair
+    python -m blockdraft.training.corpus_site SITE            # once, with network: the corpus packages
+    python -m blockdraft.training.make_builtin_pair --preset h200 --corpus-site SITE --out DIR
     python -m blockdraft.training.make_builtin_pair --preset tiny --out DIR   # CPU smoke run
 
-Steps: collect the interpreter's own Python source (standard library, then site-packages),
+Steps: collect Python source (the interpreter's standard library, then the permissively
+licensed packages under ``--corpus-site``, default the interpreter's own site-packages),
 deduplicated, holding out whole files (by content hash) for evaluation; train a byte-level BPE
-tokenizer; train a small Qwen3 causal LM from scratch (the target); train DFlash drafters
-against it with the recipe (:mod:`blockdraft.training.recipe`) for B = 8 and, time allowing,
-B = 16; measure tau on held-out files with the speculative engine; write everything (bf16) with
-a model card under ``DIR/pair`` (the layout of ``blockdraft/pretrained``).
+tokenizer; train a small Qwen3 causal LM from scratch (the target) and measure it on the
+held-out files; train the drafters (``--drafters``: DFlash or DFlash2, any block sizes) against
+it with the recipe (:mod:`blockdraft.training.recipe`), each with the same time budget; measure
+tau on held-out prompts with the speculative engine; write everything (bf16) with a model card
+under ``DIR/pair`` (the layout of ``blockdraft/pretrained``).
 
 Stages run against one wall-clock deadline (``--deadline-s``) so a run on a rented GPU ends in
-time: the target and the first drafter get fixed time budgets (steps are fitted after a short
-calibration and recorded), the B = 16 drafter only what is left.
+time: the target and each drafter get fixed time budgets (steps are fitted after a short
+calibration and recorded); a drafter that no longer fits is skipped and says so.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import math
 import platform
 import shutil
 import sys
+import tarfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,8 +47,10 @@ from blockdraft.training.data import (
     step_generator,
     train_bpe_tokenizer,
 )
-from blockdraft.training.evaluate import EvalReport, evaluate_drafter
+from blockdraft.pretrained import DEFAULT_PROMPT
+from blockdraft.training.evaluate import EvalReport, distinct_ngram_ratio, evaluate_drafter, heldout_metrics
 from blockdraft.training.licences import permissive_python_sources
+from blockdraft.training.model_card import write_model_card
 from blockdraft.training.recipe import BudgetCalibrator, DrafterTrainConfig, train_drafter
 
 log = logging.getLogger("blockdraft.make_builtin_pair")
@@ -72,25 +78,27 @@ class Preset:
     target_layer_ids: list[int]
     drafter: dict[str, Any]
     drafter_budget_s: float
-    b16_budget_s: float
+    drafters: list[str]
     eval_prompts: int
     eval_prompt_tokens: int
     eval_new_tokens: int
     heldout_every: int = 40
     test_prompts: int = 4
     per_block: dict[int, dict[str, Any]] = field(default_factory=dict)
+    dflash2: dict[str, int] = field(default_factory=lambda: dict(
+        conv_kernel_size=3, conv_group_size=32, selector_rank=32, selector_top_k=8))
 
 
 PRESETS: dict[str, Preset] = {
     "h200": Preset(
-        corpus_chars=20_000_000, tokenizer_chars=6_000_000, vocab=8192,
-        hidden=256, layers=6, heads=4, kv_heads=2, intermediate=768, max_positions=2048,
-        target_seq_len=512, target_batch=48, target_steps=6000, target_lr=2e-3, target_budget_s=75,
-        drafter_layers=2, target_layer_ids=[1, 3, 5],
-        drafter=dict(seq_len=512, num_seqs=32, num_anchors=64, steps=8000, lr=1e-3, warmup_steps=100,
-                     log_every=100),
-        per_block={8: dict(num_seqs=64, num_anchors=128)},
-        drafter_budget_s=140, b16_budget_s=100,
+        corpus_chars=150_000_000, tokenizer_chars=10_000_000, vocab=8192,
+        hidden=384, layers=8, heads=6, kv_heads=2, intermediate=1152, max_positions=2048,
+        target_seq_len=512, target_batch=96, target_steps=20000, target_lr=1.5e-3, target_budget_s=270,
+        drafter_layers=2, target_layer_ids=[1, 4, 6],
+        drafter=dict(seq_len=512, num_seqs=32, num_anchors=64, steps=20000, lr=1e-3, warmup_steps=100,
+                     log_every=100, init_from_target=True),
+        per_block={8: dict(num_seqs=64, num_anchors=128, distill_weight=0.5)},
+        drafter_budget_s=100, drafters=["16", "16:dflash2", "8"],
         eval_prompts=16, eval_prompt_tokens=64, eval_new_tokens=128,
     ),
     "tiny": Preset(
@@ -98,11 +106,38 @@ PRESETS: dict[str, Preset] = {
         hidden=64, layers=3, heads=4, kv_heads=2, intermediate=128, max_positions=512,
         target_seq_len=64, target_batch=8, target_steps=40, target_lr=3e-3, target_budget_s=0,
         drafter_layers=1, target_layer_ids=[0, 2],
-        drafter=dict(seq_len=64, num_seqs=4, num_anchors=8, steps=20, lr=1e-3, warmup_steps=5, log_every=10),
-        drafter_budget_s=0, b16_budget_s=0,
+        drafter=dict(seq_len=64, num_seqs=4, num_anchors=8, steps=20, lr=1e-3, warmup_steps=5, log_every=10,
+                     init_from_target=True),
+        per_block={8: dict(distill_weight=0.5)},
+        drafter_budget_s=0, drafters=["8", "16:dflash2"],
         eval_prompts=3, eval_prompt_tokens=16, eval_new_tokens=24, test_prompts=3, heldout_every=4,
+        dflash2=dict(conv_kernel_size=2, conv_group_size=16, selector_rank=8, selector_top_k=4),
     ),
 }
+
+
+@dataclass(frozen=True)
+class DrafterSpec:
+    """One drafter to train: ``"16"`` (DFlash, B = 16) or ``"16:dflash2"``."""
+
+    block: int
+    dflash2: bool
+
+    @property
+    def name(self) -> str:
+        return f"b{self.block}" + ("-dflash2" if self.dflash2 else "")
+
+    @classmethod
+    def parse(cls, text: str) -> DrafterSpec:
+        """``B`` or ``B:dflash2``.
+
+        Raises:
+            ValueError: anything else.
+        """
+        block, _, kind = text.strip().partition(":")
+        if not block.isdigit() or int(block) < 2 or kind not in ("", "dflash", "dflash2"):
+            raise ValueError(f"drafter {text!r}: expected B or B:dflash2 with B >= 2")
+        return cls(int(block), kind == "dflash2")
 
 
 def build_target(p: Preset, eos_id: int, seed: int) -> Any:
@@ -165,16 +200,6 @@ def train_target(model: Any, stream: torch.Tensor, p: Preset, device: torch.devi
             "s_per_1m_tokens": seconds / tokens_seen * 1e6}
 
 
-@torch.no_grad()
-def heldout_loss(model: Any, stream: torch.Tensor, seq_len: int, device: torch.device) -> float:
-    """Mean next-token loss over up to 32 consecutive held-out windows."""
-    n = min(32, (stream.numel() - 1) // seq_len)
-    if n < 1:
-        return float("nan")
-    tokens = stream[: n * seq_len].reshape(n, seq_len).to(device)
-    return float(model(input_ids=tokens, labels=tokens, use_cache=False).loss)
-
-
 def _params(module: Any) -> int:
     return sum(q.numel() for q in module.parameters())
 
@@ -183,26 +208,78 @@ def _dir_mb(path: Path) -> float:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) / 1e6
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True, type=Path, help="output directory (the pair goes to OUT/pair)")
     ap.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
     ap.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--deadline-s", type=float, default=0.0, help="wall-clock limit of the whole build (0: none)")
-    ap.add_argument("--blocks", default="8,16", help="drafter block sizes to train (default 8,16)")
+    ap.add_argument("--drafters", default=None,
+                    help="drafters to train, e.g. 16,16:dflash2,8 (default: the preset's)")
+    ap.add_argument("--corpus-site", type=Path, default=None,
+                    help="site directory of the corpus packages (blockdraft.training.corpus_site); "
+                         "default: the interpreter's own site-packages")
+    ap.add_argument("--corpus-archive", type=Path, default=None,
+                    help="a .tar.xz made by corpus_site --pack, unpacked under OUT/work and used as --corpus-site")
     ap.add_argument("--reuse-target", type=Path, default=None,
                     help="take the target and tokenizer from this directory instead of training them")
+    ap.add_argument("--compare-target", type=Path, default=None,
+                    help="another target directory (with its tokenizer) to measure on the same held-out files")
     ap.add_argument("--target-steps", type=int, default=0, help="fixed target steps (no time budget)")
-    ap.add_argument("--drafter-budget-s", type=float, default=0.0, help="override the first drafter's time budget")
-    ap.add_argument("--drafter-steps", default="", help="fixed drafter steps per block, e.g. 8:4000,16:2861")
+    ap.add_argument("--target-budget-s", type=float, default=0.0, help="override the target's time budget")
+    ap.add_argument("--drafter-budget-s", type=float, default=0.0, help="override each drafter's time budget")
+    ap.add_argument("--drafter-steps", default="", help="fixed drafter steps by name, e.g. b8:4000,b16-dflash2:2861")
+    ap.add_argument("--skip-eval", action="store_true", help="train only; measure later with --evaluate")
+    ap.add_argument("--evaluate", type=Path, default=None, metavar="PAIR",
+                    help="measure the drafters of an existing pair directory (and rewrite its report and "
+                         "model card) instead of building; --out takes the log")
+    ap.add_argument("--eval-dtype", choices=("auto", "float32", "bfloat16"), default="auto",
+                    help="dtype of the --evaluate run (auto: bf16 on CUDA, fp32 on the CPU)")
     args = ap.parse_args(argv)
+    if args.corpus_site is not None and args.corpus_archive is not None:
+        ap.error("give --corpus-site or --corpus-archive, not both")
+    try:
+        args.drafter_specs = [DrafterSpec.parse(t) for t in (args.drafters or "").split(",") if t.strip()]
+        args.fixed_steps = {k: int(v) for k, v in (kv.split(":") for kv in args.drafter_steps.split(",") if kv)}
+    except ValueError as exc:
+        ap.error(str(exc))
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    # The build log goes to OUT/build.log as well, for the whole build only.
+    file_log = logging.FileHandler(args.out / "build.log")
+    file_log.setFormatter(logging.Formatter("%(asctime)s %(name)s: %(message)s"))
+    root = logging.getLogger()
+    root.addHandler(file_log)
+    level = root.level
+    root.setLevel(min(level, logging.INFO) if level else logging.INFO)
+    try:
+        if args.evaluate is not None:
+            return evaluate_pair(args.evaluate, args.device, args.eval_dtype)
+        return build(args, argv)
+    finally:
+        root.removeHandler(file_log)
+        root.setLevel(level)
+        file_log.close()
+
+
+def build(args: argparse.Namespace, argv: list[str] | None) -> int:
+    """The build described in the module docstring, with parsed arguments."""
     start = time.perf_counter()
     out: Path = args.out
-    out.mkdir(parents=True, exist_ok=True)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s",
-                        handlers=[logging.StreamHandler(sys.stderr), logging.FileHandler(out / "build.log")])
     p = PRESETS[args.preset]
+    if args.target_steps > 0:
+        p = dataclasses.replace(p, target_steps=args.target_steps, target_budget_s=0.0)
+    elif args.target_budget_s > 0:
+        p = dataclasses.replace(p, target_budget_s=args.target_budget_s)
+    if args.drafter_budget_s > 0:
+        p = dataclasses.replace(p, drafter_budget_s=args.drafter_budget_s)
+    specs = args.drafter_specs or [DrafterSpec.parse(t) for t in p.drafters]
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     pair = out / "pair"
     work = out / "work"
@@ -213,8 +290,8 @@ def main(argv: list[str] | None = None) -> int:
                               "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else
                               platform.processor() or platform.machine(),
                               "python": platform.python_version(), "torch": torch.__version__,
-                              "command": f"python -m blockdraft.training.make_builtin_pair --preset {args.preset} "
-                                         f"--seed {args.seed} --out DIR"}
+                              "command": "python -m blockdraft.training.make_builtin_pair " + " ".join(
+                                  argv if argv is not None else sys.argv[1:])}
 
     def save_report() -> None:
         (pair / "build_report.json").write_text(json.dumps(report, indent=2, default=str) + "\n", encoding="utf-8")
@@ -222,47 +299,14 @@ def main(argv: list[str] | None = None) -> int:
     def left() -> float:
         return math.inf if args.deadline_s <= 0 else args.deadline_s - (time.perf_counter() - start)
 
-    if args.target_steps > 0:
-        p = dataclasses.replace(p, target_steps=args.target_steps, target_budget_s=0.0)
-    if args.drafter_budget_s > 0:
-        p = dataclasses.replace(p, drafter_budget_s=args.drafter_budget_s)
-    fixed_steps = {int(k): int(v) for k, v in (kv.split(":") for kv in args.drafter_steps.split(",") if kv)}
-    blocks = [int(b) for b in args.blocks.split(",") if b]
-
-    # ---- corpus and tokenizer
-    t = time.perf_counter()
-    # Only the standard library and permissively licensed distributions (their licences go
-    # into the report, for the model card).
-    files, licences = permissive_python_sources(max_chars=p.corpus_chars)
-    train_files, held_files = split_heldout(files, p.heldout_every)
-    train_texts = [f.text for f in train_files]
-    tok_texts: list[str] = []
-    size = 0
-    for text in train_texts:
-        if size >= p.tokenizer_chars:
-            break
-        tok_texts.append(text)
-        size += len(text)
-    if args.reuse_target is not None:
-        from transformers import AutoTokenizer
-
-        tokenizer: Any = AutoTokenizer.from_pretrained(args.reuse_target)
-    else:
-        tokenizer = train_bpe_tokenizer(tok_texts, p.vocab)
-    eos_id = int(tokenizer.convert_tokens_to_ids(EOS_TOKEN))
-    mask_id = int(tokenizer.convert_tokens_to_ids(MASK_TOKEN))
-    stream = encode_stream(train_texts, tokenizer, eos_id)
-    held_stream = encode_stream([f.text for f in held_files], tokenizer, eos_id)
-    report["corpus"] = {
-        "files": len(files), "train_files": len(train_files), "heldout_files": len(held_files),
-        "chars": sum(len(f.text) for f in files), "train_tokens": int(stream.numel()),
-        "heldout_tokens": int(held_stream.numel()), "tokenizer_chars": size, "vocab": len(tokenizer),
-        "seconds": time.perf_counter() - t,
-        "licences": [{"distribution": lic.distribution, "version": lic.version, "licence": lic.licence}
-                     for lic in licences],
-    }
-    log.info("corpus: %s", report["corpus"])
+    site = args.corpus_site
+    if args.corpus_archive is not None:
+        site = work / "corpus_site"
+        with tarfile.open(args.corpus_archive, "r:xz") as tar:
+            tar.extractall(site, filter="data")
+    corpus = build_corpus(p, site, args.reuse_target, report)
     save_report()
+    tokenizer, held_files = corpus.tokenizer, corpus.held_files
 
     # ---- target
     target_dir = pair / "target"
@@ -271,10 +315,16 @@ def main(argv: list[str] | None = None) -> int:
         earlier = args.reuse_target.parent / "build_report.json"
         report["target"] = {"reused_from": str(args.reuse_target)}
         if earlier.is_file():
-            report["target"].update(json.loads(earlier.read_text(encoding="utf-8")).get("target", {}))
+            before = json.loads(earlier.read_text(encoding="utf-8"))
+            report["target"].update(before.get("target", {}))
+            if "compare_target" in before:
+                report["compare_target"] = before["compare_target"]
     else:
-        train_and_save_target(p, args.seed, eos_id, stream, held_stream, device, tokenizer, target_dir, report)
+        train_and_save_target(p, args.seed, corpus, device, target_dir, report)
     save_report()
+    if args.compare_target is not None:
+        report["compare_target"] = measure_other_target(args.compare_target, held_files, p, device)
+        save_report()
 
     from transformers import AutoModelForCausalLM
 
@@ -285,37 +335,39 @@ def main(argv: list[str] | None = None) -> int:
     prompts = held_prompts(held_files, tokenizer, p)
     (pair / "heldout_prompts.json").write_text(json.dumps(prompts, indent=1) + "\n", encoding="utf-8")
 
-    # ---- drafters
+    # ---- drafters: each gets the same time budget (a fair comparison), time allowing
     report["drafters"] = {}
-    for block in blocks:
-        budget = p.drafter_budget_s if block == blocks[0] else p.b16_budget_s
-        reserve = 60.0 if device.type == "cuda" else 0.0
-        if block != blocks[0] and budget > 0:
-            budget = min(budget, left() - reserve)
+    reserve = 45.0 if device.type == "cuda" and not args.skip_eval else 5.0
+    for spec in specs:
+        budget = p.drafter_budget_s
+        if budget > 0 and args.deadline_s > 0 and left() - reserve < budget:
+            budget = left() - reserve
             if budget < 30:
-                log.info("skipping the B=%d drafter: %.0f s left", block, left())
-                report["drafters"][f"b{block}"] = {"skipped": f"{left():.0f} s left before the deadline"}
-                break
-        settings = {**p.drafter, **p.per_block.get(block, {})}
-        if block in fixed_steps:
-            settings["steps"], budget = fixed_steps[block], 0.0
-        cfg = DrafterTrainConfig(num_layers=p.drafter_layers, block_size=block, mask_token_id=mask_id,
+                log.info("skipping drafter %s: %.0f s left", spec.name, left())
+                report["drafters"][spec.name] = {"skipped": f"{left():.0f} s left before the deadline"}
+                continue
+        settings = {**p.drafter, **p.per_block.get(spec.block, {})}
+        if spec.name in args.fixed_steps:
+            settings["steps"], budget = args.fixed_steps[spec.name], 0.0
+        cfg = DrafterTrainConfig(num_layers=p.drafter_layers, block_size=spec.block, mask_token_id=corpus.mask_id,
                                  target_layer_ids=list(p.target_layer_ids), time_budget_s=budget,
-                                 seed=args.seed, **settings)
-        res = train_drafter(target, stream, cfg, work / f"drafter-b{block}")
-        dest = pair / f"drafter-b{block}"
+                                 seed=args.seed, dflash2=dict(p.dflash2) if spec.dflash2 else None, **settings)
+        res = train_drafter(target, corpus.stream, cfg, work / f"drafter-{spec.name}")
+        dest = pair / f"drafter-{spec.name}"
         shutil.copytree(res.drafter_dir, dest)
         entry: dict[str, Any] = {
-            "block_size": block, "layers": p.drafter_layers, "target_layer_ids": p.target_layer_ids,
+            "architecture": "DFlash2" if spec.dflash2 else "DFlash",
+            "block_size": spec.block, "layers": p.drafter_layers, "target_layer_ids": p.target_layer_ids,
             "steps": res.steps, "seconds": res.seconds, "context_tokens": res.context_tokens,
             "s_per_1m_context_tokens": res.seconds / max(1, res.context_tokens) * 1e6,
             "final_loss": res.final_loss, "train_tau_estimate": res.final_tau, "mb": _dir_mb(dest),
             "train_config": dataclasses.asdict(cfg),
         }
-        report["drafters"][f"b{block}"] = entry
+        report["drafters"][spec.name] = entry
         save_report()
-        entry["eval"] = run_eval(target, dest, prompts, p, device, eos_id)
-        save_report()
+        if not args.skip_eval:
+            entry["eval"] = run_eval(target, dest, prompts, p, tokenizer, corpus.eos_id)
+            save_report()
     report["total_seconds"] = time.perf_counter() - start
     save_report()
     write_model_card(pair, report)
@@ -323,19 +375,124 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def train_and_save_target(p: Preset, seed: int, eos_id: int, stream: torch.Tensor, held_stream: torch.Tensor,
-                          device: torch.device, tokenizer: Any, target_dir: Path, report: dict[str, Any]) -> None:
-    """Train the target from scratch and save it (bf16) with its tokenizer to ``target_dir``."""
-    model = build_target(p, eos_id, seed)
+def evaluate_pair(pair: Path, device_name: str | None, dtype: str = "auto") -> int:
+    """Measure every drafter of a built pair (:func:`run_eval`) and rewrite its report and card.
+
+    The measurements go to each drafter's ``eval`` entry; a run in another dtype or on another
+    device than the build's also goes to ``eval_<device type>_<dtype>`` so both are kept.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    report = json.loads((pair / "build_report.json").read_text(encoding="utf-8"))
+    p = PRESETS[report["preset"]]
+    prompts = json.loads((pair / "heldout_prompts.json").read_text(encoding="utf-8"))
+    device = torch.device(device_name or ("cuda" if torch.cuda.is_available() else "cpu"))
+    tokenizer: Any = AutoTokenizer.from_pretrained(pair / "target")
+    auto = torch.bfloat16 if device.type == "cuda" else torch.float32
+    run_dtype = auto if dtype == "auto" else getattr(torch, dtype)
+    loaded: Any = AutoModelForCausalLM.from_pretrained(pair / "target", dtype=run_dtype)
+    target = loaded.to(device).eval()
+    eos_id = int(tokenizer.convert_tokens_to_ids(EOS_TOKEN))
+    key = "eval" if run_dtype == auto and device.type == torch.device(report["device"]).type else (
+        f"eval_{device.type}_{str(run_dtype).removeprefix('torch.')}")
+    t0 = time.perf_counter()
+    for name, entry in report.get("drafters", {}).items():
+        if "skipped" not in entry and (pair / f"drafter-{name}").is_dir():
+            entry[key] = run_eval(target, pair / f"drafter-{name}", prompts, p, tokenizer, eos_id)
+            (pair / "build_report.json").write_text(json.dumps(report, indent=2, default=str) + "\n",
+                                                    encoding="utf-8")
+    report["eval_seconds"] = time.perf_counter() - t0
+    (pair / "build_report.json").write_text(json.dumps(report, indent=2, default=str) + "\n", encoding="utf-8")
+    write_model_card(pair, report)
+    return 0
+
+
+@dataclass
+class Corpus:
+    """The build's data: held-out files, the tokenizer, and the training token stream."""
+
+    held_files: list[SourceFile]
+    tokenizer: Any
+    stream: torch.Tensor
+    held_stream: torch.Tensor
+    held_chars: int
+    eos_id: int
+    mask_id: int
+
+
+def build_corpus(p: Preset, site: Path | None, reuse_target: Path | None, report: dict[str, Any]) -> Corpus:
+    """Collect, split, tokenize (training a tokenizer unless the target is reused)."""
+    t = time.perf_counter()
+    # Only the standard library and permissively licensed distributions (their licences go
+    # into the report, for the model card).
+    files, licences = permissive_python_sources(max_chars=p.corpus_chars,
+                                                site_roots=None if site is None else [site])
+    train_files, held_files = split_heldout(files, p.heldout_every)
+    train_texts = [f.text for f in train_files]
+    tok_texts: list[str] = []
+    size = 0
+    # The tokenizer learns from files spread evenly over the corpus, so that it sees every
+    # package, not only the first few in path order.
+    stride = max(1, sum(len(t) for t in train_texts) // max(1, p.tokenizer_chars))
+    for text in train_texts[::stride] + train_texts:
+        if size >= p.tokenizer_chars:
+            break
+        tok_texts.append(text)
+        size += len(text)
+    if reuse_target is not None:
+        from transformers import AutoTokenizer
+
+        tokenizer: Any = AutoTokenizer.from_pretrained(reuse_target)
+    else:
+        tokenizer = train_bpe_tokenizer(tok_texts, p.vocab)
+    eos_id = int(tokenizer.convert_tokens_to_ids(EOS_TOKEN))
+    mask_id = int(tokenizer.convert_tokens_to_ids(MASK_TOKEN))
+    stream = encode_stream(train_texts, tokenizer, eos_id)
+    held_texts = [f.text for f in held_files]
+    held_stream = encode_stream(held_texts, tokenizer, eos_id)
+    report["corpus"] = {
+        "files": len(files), "train_files": len(train_files), "heldout_files": len(held_files),
+        "chars": sum(len(f.text) for f in files), "train_tokens": int(stream.numel()),
+        "heldout_tokens": int(held_stream.numel()), "tokenizer_chars": size, "vocab": len(tokenizer),
+        "site": "the interpreter's site-packages" if site is None else "corpus packages (corpus_packages.txt)",
+        "seconds": time.perf_counter() - t,
+        "licences": [{"distribution": lic.distribution, "version": lic.version, "licence": lic.licence}
+                     for lic in licences],
+    }
+    log.info("corpus: %s", {k: v for k, v in report["corpus"].items() if k != "licences"})
+    return Corpus(held_files, tokenizer, stream, held_stream, sum(len(x) for x in held_texts), eos_id, mask_id)
+
+
+def train_and_save_target(p: Preset, seed: int, corpus: Corpus, device: torch.device, target_dir: Path,
+                          report: dict[str, Any]) -> None:
+    """Train the target from scratch, measure it, save it (bf16) with its tokenizer to ``target_dir``."""
+    model = build_target(p, corpus.eos_id, seed)
     report["target"] = {"params": _params(model), "config": {
         "hidden": p.hidden, "layers": p.layers, "heads": p.heads, "kv_heads": p.kv_heads,
         "intermediate": p.intermediate, "vocab": p.vocab, "tied_embeddings": True}}
-    report["target"].update(train_target(model, stream, p, device, seed))
-    report["target"]["heldout_loss"] = heldout_loss(model, held_stream, p.target_seq_len, device)
+    report["target"].update(train_target(model, corpus.stream, p, device, seed))
+    report["target"]["heldout"] = heldout_metrics(model, corpus.held_stream, corpus.held_chars,
+                                                  seq_len=p.target_seq_len)
     log.info("target: %s", report["target"])
     model.to(torch.bfloat16).save_pretrained(target_dir)
-    tokenizer.save_pretrained(target_dir)
+    corpus.tokenizer.save_pretrained(target_dir)
     report["target"]["mb"] = _dir_mb(target_dir)
+
+
+def measure_other_target(path: Path, held: list[SourceFile], p: Preset, device: torch.device) -> dict[str, Any]:
+    """:func:`heldout_metrics` of another target (its own tokenizer) on this build's held-out files."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer: Any = AutoTokenizer.from_pretrained(path)
+    model: Any = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    model = model.to(device).eval()
+    eos = tokenizer.eos_token_id
+    texts = [f.text for f in held]
+    stream = encode_stream(texts, tokenizer, eos if isinstance(eos, int) else None)
+    out: dict[str, Any] = {"path": str(path), "params": _params(model)}
+    out.update(heldout_metrics(model, stream, sum(len(t) for t in texts), seq_len=p.target_seq_len))
+    log.info("compare target: %s", out)
+    return out
 
 
 def held_prompts(held: list[SourceFile], tokenizer: Any, p: Preset) -> dict[str, Any]:
@@ -351,18 +508,21 @@ def held_prompts(held: list[SourceFile], tokenizer: Any, p: Preset) -> dict[str,
     return {"prompt_tokens": p.eval_prompt_tokens, "new_tokens": p.eval_new_tokens, "prompts": prompts}
 
 
-def run_eval(target: Any, drafter_dir: Path, prompts: dict[str, Any], p: Preset, device: torch.device,
+def run_eval(target: Any, drafter_dir: Path, prompts: dict[str, Any], p: Preset, tokenizer: Any,
              eos_id: int) -> dict[str, Any]:
-    """tau greedy / T=1 and the speed comparison; the torch backend if the default one fails."""
+    """tau greedy / T=1 (argmax and sampled drafts), the loop check, the speed comparison, and
+    the default prompt's continuation; the torch backend if the default one fails."""
     from blockdraft.checkpoint import load_drafter
+    from blockdraft.engine.generate import generate
 
+    device = next(target.parameters()).device
     drafter = load_drafter(drafter_dir, device=device, dtype=next(target.parameters()).dtype)
     ids = [q["ids"] for q in prompts["prompts"]]
     result: dict[str, Any] = {}
     for backend in ("auto", "torch"):
         try:
             rep: EvalReport = evaluate_drafter(target, drafter, ids, max_new_tokens=p.eval_new_tokens,
-                                               stop_token_ids=[eos_id], backend=backend)
+                                               stop_token_ids=[eos_id], backend=backend, sampled_drafts=True)
         except Exception as exc:  # noqa: BLE001 - recorded, then the plain-torch backend is tried
             log.exception("evaluation with backend %s failed", backend)
             result[f"error_{backend}"] = f"{type(exc).__name__}: {exc}"
@@ -372,68 +532,12 @@ def run_eval(target: Any, drafter_dir: Path, prompts: dict[str, Any], p: Preset,
         for line in rep.lines():
             log.info("%s", line)
         break
+    prompt = list(tokenizer(DEFAULT_PROMPT, add_special_tokens=False)["input_ids"])
+    res = generate(target, drafter, [prompt], max_new_tokens=p.eval_new_tokens, stop_token_ids=[eos_id])
+    result["default_prompt"] = {"prompt": DEFAULT_PROMPT, "text": tokenizer.decode(prompt + res.tokens[0]),
+                                "distinct_4gram": distinct_ngram_ratio(res.tokens[0]),
+                                "tau": res.stats.mean_tau}
     return result
-
-
-def write_model_card(pair: Path, report: dict[str, Any]) -> None:
-    """MODEL_CARD.md from the build report."""
-    c, tg = report["corpus"], report["target"]
-    lines = [
-        "# blockdraft built-in pair: a small Python code model and its DFlash drafters",
-        "",
-        "Made from scratch, offline, by "
-        f"`{report['command']}` on {report['device_name']} ({report['device']}), "
-        f"Python {report['python']}, torch {report['torch']}; total {report['total_seconds']:.0f} s.",
-        "",
-        "## Data",
-        f"- Python source of the build machine's interpreter (standard library first, then site-packages): "
-        f"{c['files']} files after de-duplication by content, {c['chars'] / 1e6:.1f} M characters.",
-        f"- Held out by content hash (whole files): {c['heldout_files']} files ({c['heldout_tokens']} tokens); "
-        f"training: {c['train_files']} files, {c['train_tokens'] / 1e6:.2f} M tokens.",
-        f"- Tokenizer: byte-level BPE (`tokenizers`), vocabulary {c['vocab']}, trained on "
-        f"{c['tokenizer_chars'] / 1e6:.1f} M characters; `<|endoftext|>` = eos, `<|mask|>` = the drafters' MASK.",
-        "",
-        "## Target (`target/`)",
-        f"- Qwen3 architecture, {tg['config']['layers']} layers, hidden {tg['config']['hidden']}, "
-        f"{tg['config']['heads']} heads ({tg['config']['kv_heads']} K/V), MLP {tg['config']['intermediate']}, "
-        f"tied embeddings: {tg['params'] / 1e6:.2f} M parameters, {tg['mb']:.1f} MB in bf16.",
-        f"- Trained {tg['steps']} steps ({tg['tokens_seen'] / 1e6:.1f} M tokens seen) in {tg['seconds']:.0f} s "
-        f"({tg['s_per_1m_tokens']:.2f} s per 1M tokens); final train loss {tg['final_loss']:.3f}, "
-        f"held-out loss {tg['heldout_loss']:.3f}.",
-        "",
-        "## Drafters",
-    ]
-    for name, d in report.get("drafters", {}).items():
-        if "skipped" in d:
-            lines.append(f"- `drafter-{name}`: not trained ({d['skipped']}).")
-            continue
-        lines.append(
-            f"- `drafter-{name}/`: DFlash, B = {d['block_size']}, {d['layers']} layers, target layers "
-            f"{d['target_layer_ids']}, {d['mb']:.1f} MB in bf16; {d['steps']} steps in {d['seconds']:.0f} s "
-            f"({d['s_per_1m_context_tokens']:.2f} s per 1M context tokens), final loss {d['final_loss']:.3f}."
-        )
-        ev = d.get("eval", {})
-        if "tau" in ev:
-            taus = ", ".join(f"{k} tau = {v:.2f}" for k, v in ev["tau"].items())
-            lines.append(
-                f"  Held-out ({ev['num_prompts']} prompts x {ev['max_new_tokens']} new tokens, "
-                f"{ev['device']}, {ev['dtype']}, backend {ev['backend']}): {taus}."
-            )
-            if ev.get("target_tokens_per_s") is not None:
-                lines.append(
-                    f"  Greedy: {ev['tokens_per_s']['greedy']:.1f} tok/s vs target-only "
-                    f"{ev['target_tokens_per_s']:.1f} tok/s (speed-up {ev['speedup']:.2f}x); output identical "
-                    f"to target-only decoding on {ev['identical']}/{ev['num_prompts']} prompts ({ev['dtype']})."
-                )
-        else:
-            lines.append(f"  Evaluation failed: {ev}")
-    lines += [
-        "",
-        "Full numbers: `build_report.json`. Held-out prompts (token ids and text): `heldout_prompts.json`.",
-        "Training recipe: see `docs/training.md` in the repository.",
-        "",
-    ]
-    (pair / "MODEL_CARD.md").write_text("\n".join(lines), encoding="utf-8")
 
 
 if __name__ == "__main__":

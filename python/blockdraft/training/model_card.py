@@ -1,0 +1,127 @@
+"""MODEL_CARD.md of a built pair, written from its build report (``build_report.json``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+
+def _metrics(m: dict[str, Any]) -> str:
+    return (f"loss {m['loss']:.3f} nats/token (perplexity {m['perplexity']:.2f}), next-token accuracy "
+            f"{100 * m['accuracy']:.1f} %, {m['bits_per_char']:.3f} bits/character")
+
+
+def _corpus_lines(c: dict[str, Any]) -> list[str]:
+    names = ", ".join(f"{x['distribution']} {x['version']} ({x['licence']})".replace(" ()", "")
+                      for x in c.get("licences", []))
+    return [
+        "## Data",
+        f"- Python source: the build interpreter's standard library, then {c.get('site', 'site-packages')}; "
+        f"{c['files']} files after de-duplication by content, {c['chars'] / 1e6:.1f} M characters.",
+        "- Only permissively licensed source (licence read from each distribution's metadata, "
+        "`blockdraft.training.licences`). Distributions and licences: " + (names or "none") + ".",
+        f"- Held out by content hash (whole files): {c['heldout_files']} files ({c['heldout_tokens']} tokens); "
+        f"training: {c['train_files']} files, {c['train_tokens'] / 1e6:.2f} M tokens.",
+        f"- Tokenizer: byte-level BPE (`tokenizers`), vocabulary {c['vocab']}, trained on "
+        f"{c['tokenizer_chars'] / 1e6:.1f} M characters; `<|endoftext|>` = eos, `<|mask|>` = the drafters' MASK.",
+        "",
+    ]
+
+
+def _target_lines(report: dict[str, Any]) -> list[str]:
+    tg = report["target"]
+    lines = ["## Target (`target/`)"]
+    if "config" in tg:
+        cfg = tg["config"]
+        lines.append(
+            f"- Qwen3 architecture, {cfg['layers']} layers, hidden {cfg['hidden']}, {cfg['heads']} heads "
+            f"({cfg['kv_heads']} K/V), MLP {cfg['intermediate']}, tied embeddings: {tg['params'] / 1e6:.2f} M "
+            f"parameters, {tg['mb']:.1f} MB in bf16.")
+    if "steps" in tg:
+        lines.append(
+            f"- Trained {tg['steps']} steps ({tg['tokens_seen'] / 1e6:.1f} M tokens seen) in {tg['seconds']:.0f} s "
+            f"({tg['s_per_1m_tokens']:.2f} s per 1M tokens); final train loss {tg['final_loss']:.3f}.")
+    if "heldout" in tg:
+        lines.append(f"- Held-out files: {_metrics(tg['heldout'])}.")
+    other = report.get("compare_target")
+    if other:
+        lines.append(f"- The earlier built-in target ({other['params'] / 1e6:.2f} M parameters, its own tokenizer) "
+                     f"on the same held-out files: {_metrics(other)}.")
+    if "reused_from" in tg:
+        lines.append(f"- Reused from an earlier build ({tg['reused_from']}).")
+    return lines + [""]
+
+
+def _drafter_lines(name: str, d: dict[str, Any]) -> list[str]:
+    if "skipped" in d:
+        return [f"- `drafter-{name}`: not trained ({d['skipped']})."]
+    cfg = d.get("train_config", {})
+    extra = ""
+    if cfg.get("dflash2"):
+        extra += ", " + ", ".join(f"{k} {v}" for k, v in cfg["dflash2"].items())
+    if cfg.get("distill_weight"):
+        extra += f", distillation weight {cfg['distill_weight']:g}"
+    lines = [
+        f"- `drafter-{name}/`: {d.get('architecture', 'DFlash')}, B = {d['block_size']}, {d['layers']} layers, "
+        f"target layers {d['target_layer_ids']}{extra}, {d['mb']:.1f} MB in bf16; {d['steps']} steps in "
+        f"{d['seconds']:.0f} s ({d['s_per_1m_context_tokens']:.2f} s per 1M context tokens), final loss "
+        f"{d['final_loss']:.3f}."
+    ]
+    evals = [d[k] for k in sorted(d) if k.startswith("eval")]
+    if not evals:
+        return lines + ["  Not measured (built with --skip-eval)."]
+    for ev in evals:
+        lines += _eval_lines(ev)
+    return lines
+
+
+def _eval_lines(ev: dict[str, Any]) -> list[str]:
+    if "tau" not in ev:
+        return [f"  Evaluation failed: {ev}"]
+    taus = ", ".join(f"{k.replace(' sampled', ' (sampled drafts)')} tau = {v:.2f}" for k, v in ev["tau"].items())
+    lines = [f"  Held-out ({ev['num_prompts']} prompts x {ev['max_new_tokens']} new tokens, {ev['device']}, "
+             f"{ev['dtype']}, backend {ev['backend']}): {taus}; distinct 4-gram ratio of the greedy "
+             f"continuations {ev['distinct_4gram']:.2f}."]
+    if ev.get("target_tokens_per_s") is not None:
+        runtime = ""
+        if ev.get("runtime_speedup") is not None:
+            runtime = (f", {ev['runtime_speedup']:.2f}x target-only decoding on the same runtime "
+                       f"({ev['runtime_tokens_per_s']:.1f} tok/s)")
+        lines.append(
+            f"  Greedy: {ev['tokens_per_s']['greedy']:.1f} tok/s vs Hugging Face target-only "
+            f"{ev['target_tokens_per_s']:.1f} tok/s ({ev['speedup']:.2f}x){runtime}; output identical to "
+            f"target-only decoding on {ev['identical']}/{ev['num_prompts']} prompts.")
+    default = ev.get("default_prompt")
+    if default:
+        lines.append(f"  Default prompt `{default['prompt']}`: tau {default['tau']:.2f}, distinct 4-gram ratio "
+                     f"{default['distinct_4gram']:.2f}.")
+    return lines
+
+
+def write_model_card(pair: Path, report: dict[str, Any]) -> None:
+    """``pair/MODEL_CARD.md`` from ``report``."""
+    lines = [
+        "# blockdraft built-in pair: a small Python code model and its DFlash drafters",
+        "",
+        f"Made from scratch, offline, by `{report['command']}` on {report['device_name']} ({report['device']}), "
+        f"Python {report['python']}, torch {report['torch']}; total {report['total_seconds']:.0f} s.",
+        "",
+        *_corpus_lines(report["corpus"]),
+        *_target_lines(report),
+        "## Drafters",
+    ]
+    for name, d in report.get("drafters", {}).items():
+        lines += _drafter_lines(name, d)
+    notes = report.get("notes", [])
+    if notes:
+        lines += ["", "## How it was made", "", *notes]
+    lines += [
+        "",
+        "Full numbers: `build_report.json`. Held-out prompts (token ids and text): `heldout_prompts.json`.",
+        "Training recipe: see `docs/training.md` in the repository.",
+        "",
+    ]
+    (pair / "MODEL_CARD.md").write_text("\n".join(lines), encoding="utf-8")
+
+
+__all__ = ["write_model_card"]
