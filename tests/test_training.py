@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 from tinypair import tiny_target
+from training_support import assert_matches_reference_and_target
 
 import blockdraft
 from blockdraft.training.data import sample_windows, step_generator
@@ -187,22 +188,8 @@ def test_training_learns_and_the_checkpoint_loads_in_blockdraft_and_dflash(tmp_p
     ref = DFlashDraftModel.from_pretrained(str(res.drafter_dir), dtype=torch.float32).eval()
     assert ref.block_size == 4 and ref.mask_token_id == MASK
     assert list(ref.target_layer_ids) == list(mine.config.target_layer_ids)
-    c = mine.config
-    ctx = torch.randn(1, 9, c.num_context_layers * c.hidden_size)
-    emb = torch.randn(1, 4, c.hidden_size)
-    pos = torch.arange(0, 13)[None]
-    with torch.no_grad():
-        want = ref(position_ids=pos, noise_embedding=emb, target_hidden=ctx)[0]
-        got = mine.reference_forward(ctx[0], pos[0, :9], emb[0], pos[0, 9:])
-    assert torch.allclose(got, want, rtol=1e-4, atol=1e-4)
-
     # The speculative loop with the trained drafter reproduces the target's greedy output.
-    prompt = _stream(seed=9)[:10].tolist()
-    out = blockdraft.generate(target, mine, [prompt], max_new_tokens=20)
-    with torch.no_grad():
-        ref_out = target.generate(torch.tensor([prompt]), max_new_tokens=20, do_sample=False,
-                                  pad_token_id=0)[0, 10:].tolist()
-    assert out.tokens[0] == ref_out
+    assert_matches_reference_and_target(mine, ref, target, _stream(seed=9)[:10].tolist())
 
 
 def test_windows_and_anchors_depend_only_on_seed_and_step() -> None:

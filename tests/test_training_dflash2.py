@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from tinypair import tiny_target
+from training_support import assert_matches_reference_and_target
 
 import blockdraft
 from blockdraft.models import DFlash2Drafter
@@ -196,18 +197,5 @@ def test_dflash2_training_learns_and_loads_in_blockdraft_and_dflash(tmp_path: Pa
     trained = mine.state_dict()
     assert trained["candidate_selector.successor_codebook"].abs().sum() > 0  # the selector learned
     ref = DFlash2DraftModel.from_pretrained(str(res.drafter_dir), dtype=torch.float32).eval()
-    c = mine.config
-    ctx = torch.randn(1, 9, c.num_context_layers * c.hidden_size)
-    emb = torch.randn(1, 4, c.hidden_size)
-    pos = torch.arange(0, 13)[None]
-    with torch.no_grad():
-        want = ref(position_ids=pos, noise_embedding=emb, target_hidden=ctx)[0]
-        got = mine.reference_forward(ctx[0], pos[0, :9], emb[0], pos[0, 9:])
-    assert torch.allclose(got, want, rtol=1e-4, atol=1e-4)
-
-    prompt = _stream(seed=9)[:10].tolist()
-    out = blockdraft.generate(target, mine, [prompt], max_new_tokens=20)
-    with torch.no_grad():
-        ref_out = target.generate(torch.tensor([prompt]), max_new_tokens=20, do_sample=False,
-                                  pad_token_id=0)[0, 10:].tolist()
-    assert out.tokens[0] == ref_out
+    # The speculative loop with the trained drafter reproduces the target's greedy output.
+    assert_matches_reference_and_target(mine, ref, target, _stream(seed=9)[:10].tolist())
