@@ -8,7 +8,7 @@ yardstick beside them (the median time of one fp32 ``[1, 256] x [256, 1536]`` GE
 gate/up shape of the first built-in target, kept fixed so that records of every pair compare). Prints a table and writes ``builtin_pair.json`` under the
 given directory (or ``$OUT``).
 
-    python benchmarks/builtin_pair.py [OUT_DIR] [--device cpu|cuda] [--prompts N] [--new N]
+    python benchmarks/builtin_pair.py [OUT_DIR] [--device cpu|cuda] [--prompts N] [--new N] [--block-size 8|16]
 """
 
 from __future__ import annotations
@@ -55,9 +55,11 @@ def main() -> None:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--new", type=int, default=128)
+    ap.add_argument("--block-size", type=int, default=pretrained.DEFAULT_BLOCK_SIZE, choices=(8, 16),
+                    help="which shipped drafter (default: the built-in default)")
     args = ap.parse_args()
     dev = torch.device(args.device)
-    target, drafter, _ = pretrained.builtin_pair(device=dev, dtype=torch.float32)
+    target, drafter, _ = pretrained.builtin_pair(device=dev, dtype=torch.float32, block_size=args.block_size)
     prompts = pretrained.heldout_prompts()[: args.prompts]
     n = args.new
     longest = max(len(p) for p in prompts) + n
@@ -66,7 +68,7 @@ def main() -> None:
                                           max_batch=len(prompts))
     runtime = engine.runtime
     assert runtime is not None
-    rec: dict[str, Any] = {"device": str(dev), "prompts": len(prompts), "new_tokens": n,
+    rec: dict[str, Any] = {"device": str(dev), "block_size": args.block_size, "prompts": len(prompts), "new_tokens": n,
                            "host": platform.processor() or platform.machine(),
                            "cpus": os.cpu_count(), "torch": torch.__version__}
     if dev.type == "cuda":
@@ -113,7 +115,7 @@ def main() -> None:
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "builtin_pair.json").write_text(json.dumps(rec, indent=1))
-    print(f"built-in pair on {rec.get('gpu', rec['host'])} ({dev}), {len(prompts)} prompts x {n}:")
+    print(f"built-in pair (B = {args.block_size}) on {rec.get('gpu', rec['host'])} ({dev}), {len(prompts)} prompts x {n}:")
     for key in ("yardstick_gemv_us", "speculative_tok_s", "tau", "runtime_decode_tok_s", "hf_generate_tok_s",
                 "speedup_vs_runtime_decode", "speedup_vs_hf_generate", "batched_tok_s",
                 "batched_vs_one_at_a_time", "identical_to_hf", "decode_identical_to_hf",

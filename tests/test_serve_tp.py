@@ -219,8 +219,11 @@ def test_killed_rank_ends_the_command_with_one_line(start: Any) -> None:
 
 @pytest.mark.parametrize("flags, words", [
     (["--tp", "0"], "--tp must be >= 1"),
-    (["--tp", "3"], "tensor parallelism 3 does not split Qwen3ForCausalLM: num_attention_heads=4 "
-                    "and num_key_value_heads=2 are not divisible by 3"),
+    # The built-in target: 6 heads, 2 K/V heads.
+    (["--tp", "3"], "tensor parallelism 3 does not split Qwen3ForCausalLM: num_key_value_heads=2 "
+                    "is not divisible by 3"),
+    (["--tp", "4"], "tensor parallelism 4 does not split Qwen3ForCausalLM: num_attention_heads=6 "
+                    "and num_key_value_heads=2 are not divisible by 4"),
     (["--tp", "2", "--tp-timeout", "0"], "--tp-timeout must be > 0 seconds"),
 ])
 def test_bad_tp_flags_are_one_line(flags: list[str], words: str,

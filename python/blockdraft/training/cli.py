@@ -144,9 +144,10 @@ def _eval(args: argparse.Namespace) -> int:
     if (args.target is None) != (args.drafter is None):
         raise CliError("give both --target DIR and --drafter DIR (or neither for the built-in pair)")
     prompts: list[list[int]] | None = None
+    block = args.block_size if args.block_size is not None else pretrained.DEFAULT_BLOCK_SIZE
     if args.target is None:
-        if not pretrained.available(args.block_size):
-            raise CliError(f"the built-in pair has no B={args.block_size} drafter installed "
+        if not pretrained.available(block):
+            raise CliError(f"the built-in pair has no B={block} drafter installed "
                            "(--block-size 8 or 16; or pass --target/--drafter)")
         limit = max_positions(read_model_config("the built-in target", pretrained.TARGET_DIR))
         tokenizer = pretrained.load_tokenizer()
@@ -166,7 +167,7 @@ def _eval(args: argparse.Namespace) -> int:
     check_lengths(max(len(p) for p in prompts), args.max_new_tokens, limit, what="the longest prompt")
     if args.target is None:
         quiet_transformers()
-        target, drafter, _ = pretrained.builtin_pair(device=device, dtype=dtype, block_size=args.block_size)
+        target, drafter, _ = pretrained.builtin_pair(device=device, dtype=dtype, block_size=block)
     else:
         target = load_target_model("--target", args.target, device, dtype)
         drafter = load_drafter_dir(args.drafter, device, dtype)
@@ -221,7 +222,8 @@ def add_training_commands(sub: Any) -> None:
     ev = sub.add_parser("eval-drafter", help="tau (greedy, T=1) and speed on held-out texts")
     ev.add_argument("--target", default=None, help="target directory (default: the built-in pair)")
     ev.add_argument("--drafter", default=None, help="drafter directory")
-    ev.add_argument("--block-size", type=int, default=8, help="built-in drafter to use (8 or 16)")
+    ev.add_argument("--block-size", type=int, default=None,
+                    help="built-in drafter to use: 8 or 16 (default: the built-in default, 16)")
     ev.add_argument("--texts", default=None, help="held-out texts: a directory or JSONL")
     ev.add_argument("--num-prompts", type=int, default=8)
     ev.add_argument("--prompt-tokens", type=int, default=64)

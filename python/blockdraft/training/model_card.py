@@ -82,6 +82,8 @@ def _eval_lines(ev: dict[str, Any]) -> list[str]:
     lines = [f"  Held-out ({ev['num_prompts']} prompts x {ev['max_new_tokens']} new tokens, {ev['device']}, "
              f"{ev['dtype']}, backend {ev['backend']}): {taus}; distinct 4-gram ratio of the greedy "
              f"continuations {ev['distinct_4gram']:.2f}."]
+    if ev.get("target_tokens_per_s") is None and ev.get("identical") is not None:
+        lines.append(f"  Output identical to target-only decoding on {ev['identical']}/{ev['num_prompts']} prompts.")
     if ev.get("target_tokens_per_s") is not None:
         runtime = ""
         if ev.get("runtime_speedup") is not None:
@@ -91,6 +93,8 @@ def _eval_lines(ev: dict[str, Any]) -> list[str]:
             f"  Greedy: {ev['tokens_per_s']['greedy']:.1f} tok/s vs Hugging Face target-only "
             f"{ev['target_tokens_per_s']:.1f} tok/s ({ev['speedup']:.2f}x){runtime}; output identical to "
             f"target-only decoding on {ev['identical']}/{ev['num_prompts']} prompts.")
+    if ev.get("speed_note"):
+        lines.append(f"  Speed {ev['speed_note']}.")
     default = ev.get("default_prompt")
     if default:
         lines.append(f"  Default prompt `{default['prompt']}`: tau {default['tau']:.2f}, distinct 4-gram ratio "
@@ -103,8 +107,9 @@ def write_model_card(pair: Path, report: dict[str, Any]) -> None:
     lines = [
         "# blockdraft built-in pair: a small Python code model and its DFlash drafters",
         "",
-        f"Made from scratch, offline, by `{report['command']}` on {report['device_name']} ({report['device']}), "
-        f"Python {report['python']}, torch {report['torch']}; total {report['total_seconds']:.0f} s.",
+        f"Made from scratch, offline, on {report['device_name']} ({report['device']}), Python {report['python']}, "
+        f"torch {report['torch']}" + (" (see \"How it was made\")." if report.get("notes") else
+                                      f", by `{report['command']}` in {report['total_seconds']:.0f} s."),
         "",
         *_corpus_lines(report["corpus"]),
         *_target_lines(report),
