@@ -124,3 +124,28 @@ def test_serve_takes_debug_before_or_after() -> None:
     assert parser.parse_args(["serve"]).debug is False
     assert parser.parse_args(["--debug", "serve"]).debug is True
     assert parser.parse_args(["serve", "--port", "9000", "--debug"]).debug is True
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_the_builtin_pair_is_served_in_fp32_on_every_device(device: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """As the main job: greedy answers from the built-in pair are exactly its target's, which
+    needs fp32 also on CUDA (checked without one: the loader's choice is what is asserted)."""
+    import argparse
+
+    import torch
+
+    from blockdraft import pretrained
+    from blockdraft.cli.serve import _pair
+
+    seen: dict[str, Any] = {}
+
+    def fake_builtin_pair(**kwargs: Any) -> tuple[Any, Any, Any]:
+        seen.update(kwargs)
+        return None, None, None
+
+    monkeypatch.setattr(pretrained, "builtin_pair", fake_builtin_pair)
+    pair = _pair(argparse.Namespace(target=None, drafter=None))
+    assert "B=16 drafter, fp32" in pair.description
+    pair.load(torch.device(device))
+    assert seen["device"] == torch.device(device)
+    assert seen.get("dtype", torch.float32) == torch.float32

@@ -94,12 +94,14 @@ def _pair(args: argparse.Namespace) -> _Pair:
 
         def builtin(device: Any) -> tuple[Any, Any, Any]:
             quiet_transformers()
-            return pretrained.builtin_pair(device=device, dtype=model_dtype(device))
+            # builtin_pair's default: fp32 on every device, as the main job (the pair is small,
+            # and fp32 keeps greedy answers exactly the target's own)
+            return pretrained.builtin_pair(device=device)
 
         raw = read_model_config("the built-in target", pretrained.TARGET_DIR)
         return _Pair(BUILTIN_MODEL_NAME, max_positions(raw),
-                     "built-in trained pair (Python code model + B=8 DFlash drafter)", True, builtin,
-                     raw)
+                     f"built-in trained pair (Python code model + B={pretrained.DEFAULT_BLOCK_SIZE} drafter, fp32)",
+                     True, builtin, raw)
     target_dir, drafter_dir = args.target, args.drafter
     raw = check_pair_dirs(target_dir, drafter_dir)
 

@@ -167,7 +167,9 @@ def _eval(args: argparse.Namespace) -> int:
     check_lengths(max(len(p) for p in prompts), args.max_new_tokens, limit, what="the longest prompt")
     if args.target is None:
         quiet_transformers()
-        target, drafter, _ = pretrained.builtin_pair(device=device, dtype=dtype, block_size=block)
+        # builtin_pair's default dtype: fp32 on every device (the pair is small; fp32 makes the
+        # engine's output exactly the target's)
+        target, drafter, _ = pretrained.builtin_pair(device=device, block_size=block)
     else:
         target = load_target_model("--target", args.target, device, dtype)
         drafter = load_drafter_dir(args.drafter, device, dtype)
