@@ -95,7 +95,7 @@ def test_each_block_equals_the_inference_forward_and_ignores_the_rest() -> None:
     drafter = new_drafter(raw, seed=1)
     tokens = _stream()[:16][None]
     anchors = torch.tensor([[2, 6, 11]])
-    ctx, labels = target_features(target, tokens, drafter.config.target_layer_ids, "target")
+    ctx, labels, _ = target_features(target, tokens, drafter.config.target_layer_ids, "target")
     emb, head = target.get_input_embeddings().weight, target.lm_head.weight
     b = 4
     w = loss_weights(b)
@@ -125,13 +125,13 @@ def test_each_block_equals_the_inference_forward_and_ignores_the_rest() -> None:
 def test_labels_are_target_greedy_choices_or_corpus_tokens() -> None:
     target = tiny_target(vocab=VOCAB)
     tokens = _stream()[:12][None]
-    ctx, labels = target_features(target, tokens, (0, 2), "target")
+    ctx, labels, _ = target_features(target, tokens, (0, 2), "target")
     with torch.no_grad():
         out = target(input_ids=tokens, output_hidden_states=True)
     assert torch.equal(labels[0, 1:], out.logits[0, :-1].argmax(-1))
     assert int(labels[0, 0]) == -100
     assert torch.equal(ctx, torch.cat([out.hidden_states[1], out.hidden_states[3]], dim=-1))
-    _, corpus = target_features(target, tokens, (0, 2), "corpus")
+    _, corpus, _ = target_features(target, tokens, (0, 2), "corpus")
     assert torch.equal(corpus, tokens)
 
 

@@ -25,7 +25,6 @@ from blockdraft.training.recipe import (
     loss_weights,
     new_drafter,
     target_features,
-    target_pass,
     train_drafter,
 )
 from blockdraft.training.selector import selector_loss, teacher_predecessors
@@ -98,7 +97,7 @@ def test_dflash2_training_forward_equals_inference_and_picks_are_the_selector_wa
     b = 4
     tokens = _stream()[:18][None]
     anchors = torch.tensor([[2, 7, 12]])
-    ctx, labels = target_features(target, tokens, drafter.config.target_layer_ids, "target")
+    ctx, labels, _ = target_features(target, tokens, drafter.config.target_layer_ids, "target")
     emb, head = target.get_input_embeddings().weight, target.lm_head.weight
     w = loss_weights(b)
     for j in range(anchors.shape[1]):
@@ -157,7 +156,8 @@ def test_distillation_term_is_the_cross_entropy_against_the_target_softmax() -> 
     drafter = new_drafter(raw, seed=2)
     tokens = _stream()[:16][None]
     anchors = torch.tensor([[3, 9]])
-    ctx, labels, soft = target_pass(target, tokens, drafter.config.target_layer_ids, "target", keep_logits=True)
+    ctx, labels, soft = target_features(target, tokens, drafter.config.target_layer_ids, "target",
+                                         keep_logits=True)
     assert soft is not None
     emb, head = target.get_input_embeddings().weight, target.lm_head.weight
     w = loss_weights(4)

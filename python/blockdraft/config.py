@@ -23,6 +23,9 @@ logger = logging.getLogger(__name__)
 DFLASH_ARCH = "DFlashDraftModel"
 DFLASH2_ARCH = "DFlash2DraftModel"
 SUPPORTED_ARCHITECTURES = (DFLASH_ARCH, DFLASH2_ARCH)
+DFLASH2_FIELDS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+"""DFlash2's extra ``dflash_config`` sizes: convolution taps and group width, selector rank
+and candidates K."""
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 SUPPORTED_ACTIVATIONS = ("silu",)
 FULL_ATTENTION = "full_attention"
@@ -411,7 +414,7 @@ def _parse(raw: Mapping[str, Any]) -> DrafterConfig:
     if architecture != DFLASH2_ARCH:
         return config
     fields: dict[str, int] = {}
-    for name in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"):
+    for name in DFLASH2_FIELDS:
         value = r.optional_draft_int(name, minimum=1)
         if value is None:
             raise CheckpointError(f"DFlash2 config field '{name}' is missing")

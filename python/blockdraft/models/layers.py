@@ -163,6 +163,20 @@ class CandidateSelector(nn.Module):
         self.predecessor_codebook = nn.Parameter(torch.zeros(vocab, rank, device=device, dtype=dtype))
         self.successor_codebook = nn.Parameter(torch.zeros(vocab, rank, device=device, dtype=dtype))
 
+    def pair_scores(self, projected: Tensor, prev: Tensor, candidates: Tensor) -> Tensor:
+        """The pairwise part of each candidate's score, ``sum_r Pred[prev, r] * h_r * Succ[c, r]``.
+
+        Args:
+            projected: [..., R] ``hidden_projection`` of the rows.
+            prev: [...] the token before each row.
+            candidates: [..., K] the rows' candidates.
+        Returns:
+            [..., K] in the codebooks' dtype.
+        """
+        pred = F.embedding(prev, self.predecessor_codebook) * projected
+        succ = F.embedding(candidates, self.successor_codebook)
+        return torch.einsum("...r,...kr->...k", pred.to(succ.dtype), succ)
+
     def select(
         self,
         hidden: Tensor,
@@ -189,9 +203,7 @@ class CandidateSelector(nn.Module):
         tokens: list[Tensor] = []
         q_rows: list[Tensor] = []
         for t in range(hidden.shape[1]):
-            pred = F.embedding(prev, self.predecessor_codebook) * projected[:, t]
-            succ = F.embedding(candidates[:, t], self.successor_codebook)
-            scores = unary[:, t] + torch.einsum("nr,nkr->nk", pred, succ)
+            scores = unary[:, t] + self.pair_scores(projected[:, t], prev, candidates[:, t])
             if temperature > 0:
                 q = torch.softmax(scores.to(torch.float32) / temperature, dim=-1)
                 index = sample_rows(q, generator)

@@ -49,7 +49,7 @@ def _temperatures(text: str) -> list[float]:
 
 def _dflash2_sizes(text: str | None) -> dict[str, int] | None:
     """``--dflash2 K,G,R,C`` -> the DFlash2 sizes (``None`` when the flag is absent)."""
-    from blockdraft.training.recipe import DFLASH2_FIELDS
+    from blockdraft.config import DFLASH2_FIELDS
 
     if text is None:
         return None

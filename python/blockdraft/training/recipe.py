@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 from torch import Tensor
 
-from blockdraft.config import DFLASH2_ARCH, DFLASH_ARCH, DrafterConfig, default_target_layer_ids
+from blockdraft.config import DFLASH2_ARCH, DFLASH2_FIELDS, DFLASH_ARCH, DrafterConfig, default_target_layer_ids
 from blockdraft.models import DFlash2Drafter, DFlashDrafter
 from blockdraft.training.data import sample_windows, step_generator
 from blockdraft.training.selector import init_dflash2_extras, selector_loss, teacher_predecessors
@@ -202,22 +202,15 @@ def block_loss(
 
 
 def target_features(
-    target: Any, tokens: Tensor, layer_ids: tuple[int, ...], label_mode: LabelMode
-) -> tuple[Tensor, Tensor]:
-    """One frozen target pass: (ctx rows [n, T, k*H], labels [n, T]).
+    target: Any, tokens: Tensor, layer_ids: tuple[int, ...], label_mode: LabelMode, *, keep_logits: bool = False
+) -> tuple[Tensor, Tensor, Tensor | None]:
+    """One frozen target pass: (ctx rows [n, T, k*H], labels [n, T], logits [n, T, V] or None).
 
     Layer id ``i`` is ``hidden_states[i + 1]``. With ``label_mode="target"`` the label of
     position ``p`` is the target's greedy choice after ``tokens[:, :p]``; with ``"corpus"`` it is
-    ``tokens[:, p]``. Position 0 has no label from the target (``-100``).
+    ``tokens[:, p]``. Position 0 has no label from the target (``-100``). The logits come back
+    only with ``keep_logits`` (the distillation term needs them).
     """
-    ctx, labels, _ = target_pass(target, tokens, layer_ids, label_mode, keep_logits=False)
-    return ctx, labels
-
-
-def target_pass(
-    target: Any, tokens: Tensor, layer_ids: tuple[int, ...], label_mode: LabelMode, *, keep_logits: bool
-) -> tuple[Tensor, Tensor, Tensor | None]:
-    """:func:`target_features` plus, with ``keep_logits``, the target's logits [n, T, V]."""
     with torch.no_grad():
         out = target(
             input_ids=tokens,
@@ -301,9 +294,6 @@ def drafter_config_dict(
     return raw
 
 
-DFLASH2_FIELDS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
-
-
 def new_drafter(raw_config: dict[str, Any], seed: int) -> DFlashDrafter:
     """A freshly initialised fp32 drafter on the CPU (linear weights ~ N(0, 0.02), norms at 1).
 
@@ -317,7 +307,7 @@ def new_drafter(raw_config: dict[str, Any], seed: int) -> DFlashDrafter:
     for module in drafter.modules():
         if isinstance(module, torch.nn.Linear):
             torch.nn.init.normal_(module.weight, std=0.02)
-    if config.is_dflash2:
+    if isinstance(drafter, DFlash2Drafter):
         init_dflash2_extras(drafter, seed)
     return drafter
 
@@ -604,8 +594,8 @@ def train_drafter(
             tokens, anchors = tokens.to(device), anchors.to(device)
             for group in opt.param_groups:
                 group["lr"] = lr_at(step, total, cfg)
-            ctx, labels, soft = target_pass(target, tokens, layer_ids, cfg.label_mode,
-                                            keep_logits=cfg.distill_weight > 0)
+            ctx, labels, soft = target_features(target, tokens, layer_ids, cfg.label_mode,
+                                                keep_logits=cfg.distill_weight > 0)
             with torch.autocast(device_type="cuda", dtype=torch.bfloat16, enabled=use_amp):
                 loss, correct = block_loss(
                     drafter, ctx, tokens, labels, anchors, embed_weight, head_weight, weights,

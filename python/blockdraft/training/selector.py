@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from blockdraft.models import DFlash2Drafter
 from blockdraft.models.layers import CandidateSelector
 
 
@@ -56,10 +57,7 @@ def selector_scores(
     """
     candidates = torch.topk(logits.detach(), selector.top_k, dim=-1, sorted=False).indices
     unary = logits.gather(-1, candidates)
-    projected = selector.hidden_projection(hidden)
-    pred = F.embedding(prev, selector.predecessor_codebook) * projected
-    succ = F.embedding(candidates, selector.successor_codebook)
-    pair = torch.einsum("...r,...kr->...k", pred.to(succ.dtype), succ)
+    pair = selector.pair_scores(selector.hidden_projection(hidden), prev, candidates)
     return unary + pair.to(unary.dtype), candidates
 
 
@@ -91,7 +89,7 @@ def selector_loss(
     return loss, picks
 
 
-def init_dflash2_extras(drafter: torch.nn.Module, seed: int) -> None:
+def init_dflash2_extras(drafter: DFlash2Drafter, seed: int) -> None:
     """Start a fresh DFlash2 drafter as its DFlash part.
 
     Each convolution passes its input through unchanged (static tap 0 is one, every other tap
@@ -100,15 +98,17 @@ def init_dflash2_extras(drafter: torch.nn.Module, seed: int) -> None:
     gets a gradient from the first step.
     """
     gen = torch.Generator().manual_seed(seed + 7919)
+    convs = [conv for i in range(drafter.config.num_layers)
+             for conv in (drafter.layer(i).attention_conv, drafter.layer(i).mlp_conv) if conv is not None]
+    selector = drafter.candidate_selector
     with torch.no_grad():
-        for name, param in drafter.named_parameters():
-            if name.endswith("base_kernel"):
-                param.zero_()
-                param[:, 0, :] = 1.0
-            elif name.endswith("kernel_projection.weight") or name.endswith("successor_codebook"):
-                param.zero_()
-            elif name.endswith("predecessor_codebook"):
-                param.copy_(torch.randn(param.shape, generator=gen).to(param.dtype))
+        for conv in convs:
+            conv.base_kernel.zero_()
+            conv.base_kernel[:, 0, :] = 1.0
+            conv.kernel_projection.weight.zero_()
+        selector.successor_codebook.zero_()
+        pred = selector.predecessor_codebook
+        pred.copy_(torch.randn(pred.shape, generator=gen).to(pred.dtype))
 
 
 __all__ = ["init_dflash2_extras", "selector_loss", "selector_scores", "teacher_predecessors"]
