@@ -97,8 +97,8 @@ def sample_rows(probs: Tensor, generator: torch.Generator | None) -> Tensor:
 
 
 def draw(probs: Tensor, generator: torch.Generator | None) -> int:
-    """One id drawn from ``probs [V]``."""
-    return int(torch.multinomial(probs, 1, generator=generator)[0])
+    """One id drawn from ``probs [V]`` (:func:`sample_rows` of one row)."""
+    return int(sample_rows(probs[None], generator)[0])
 
 
 def accept_draft(

@@ -249,7 +249,7 @@ def evaluate_drafter(
     engine.generate([prompts[0]], max_new_tokens=min(16, max_new_tokens), stop_token_ids=stops)
     greedy_out: list[list[int]] = []
 
-    def run_engine(temp: float, eng: SpeculativeEngine = engine) -> tuple[list[int], int, float, list[list[int]]]:
+    def run_engine(temp: float, eng: SpeculativeEngine) -> tuple[list[int], int, float, list[list[int]]]:
         """(acceptance lengths, new tokens, seconds, outputs) over every prompt."""
         # The engine samples from rows it has moved to the CPU.
         gen = torch.Generator().manual_seed(seed) if temp > 0 else None
@@ -274,22 +274,20 @@ def evaluate_drafter(
         sync(device)
         return outs, time.perf_counter() - t0
 
-    for temp in temperatures:
-        key = "greedy" if temp == 0 else f"T={temp:g}"
-        steps, tokens, elapsed, outs = run_engine(temp)
-        if temp == 0:
+    # (key, temperature, engine): argmax drafts at every temperature, then, when asked, drafts
+    # sampled from the drafter at each temperature > 0 (an engine of their own).
+    passes = [("greedy" if t == 0 else f"T={t:g}", t, engine) for t in temperatures]
+    if sampled_drafts and any(t > 0 for t in temperatures):
+        sampler = make_engine(True)
+        passes += [(f"T={t:g} sampled", t, sampler) for t in temperatures if t > 0]
+    for key, temp, eng in passes:
+        steps, tokens, elapsed, outs = run_engine(temp, eng)
+        if key == "greedy":
             greedy_out = outs
             report.distinct_4gram = statistics.fmean(distinct_ngram_ratio(o) for o in outs)
         report.tau[key] = sum(steps) / max(1, len(steps))
         report.tokens_per_s[key] = tokens / elapsed if elapsed > 0 else 0.0
         log.debug("%s pass: tau %.2f, %.1f tok/s", key, report.tau[key], report.tokens_per_s[key])
-    if sampled_drafts and any(t > 0 for t in temperatures):
-        sampler = make_engine(True)
-        for temp in (t for t in temperatures if t > 0):
-            key = f"T={temp:g} sampled"
-            steps, tokens, elapsed, _ = run_engine(temp, sampler)
-            report.tau[key] = sum(steps) / max(1, len(steps))
-            report.tokens_per_s[key] = tokens / elapsed if elapsed > 0 else 0.0
     if compare_target:
         target_only_greedy(target, prompts[0], min(16, max_new_tokens), stops)
         runtime = engine.runtime
@@ -301,7 +299,7 @@ def evaluate_drafter(
         for r in range(repeats):
             # A fresh engine run each round (the first greedy pass above also paid first-use
             # costs: graph captures, kernel compiles for new shapes).
-            _, tokens, elapsed, _ = run_engine(0.0)
+            _, tokens, elapsed, _ = run_engine(0.0, engine)
             engine_rate = tokens / elapsed if elapsed > 0 else 0.0
             ref, elapsed = run_target()
             target_rate = sum(len(x) for x in ref) / elapsed if elapsed > 0 else 0.0
