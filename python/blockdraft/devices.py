@@ -1,5 +1,5 @@
 """What the library asks of a device: the memory it has free now (what the paged K/V pools size
-themselves against) and waiting for its queued work."""
+themselves against), the dtype models run in there by default, and waiting for its queued work."""
 
 from __future__ import annotations
 
@@ -23,10 +23,15 @@ def free_bytes(device: torch.device) -> int:
         return UNKNOWN_HOST_FREE
 
 
+def default_dtype(device: torch.device) -> torch.dtype:
+    """bf16 on CUDA, fp32 elsewhere (CPUs compute bf16 slowly and less exactly)."""
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
 def sync(device: torch.device) -> None:
     """Wait for the device's queued work (a no-op off CUDA, where every call is synchronous)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
 
-__all__ = ["UNKNOWN_HOST_FREE", "free_bytes", "sync"]
+__all__ = ["UNKNOWN_HOST_FREE", "default_dtype", "free_bytes", "sync"]

@@ -88,10 +88,10 @@ def pick_device(name: str | None) -> Any:
 
 
 def model_dtype(device: Any) -> Any:
-    """bf16 on CUDA, fp32 elsewhere (CPUs compute bf16 slowly and less exactly)."""
-    import torch
+    """The dtype a ``--target``/``--drafter`` pair runs in: :func:`blockdraft.devices.default_dtype`."""
+    from blockdraft.devices import default_dtype
 
-    return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return default_dtype(device)
 
 
 def quiet_transformers() -> None:

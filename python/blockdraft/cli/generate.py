@@ -145,7 +145,7 @@ def pair_source(target: str | None, drafter: str | None) -> PairSource:
             # exactly the target's own greedy output
             raw = read_model_config("the built-in target", pretrained.TARGET_DIR)
             return PairSource(
-                f"built-in trained pair (Python code model + B={pretrained.DEFAULT_BLOCK_SIZE} drafter, fp32)",
+                f"built-in trained pair ({pretrained.SUMMARY})",
                 max_positions(raw),
                 pretrained.load_tokenizer,
                 builtin,

@@ -100,7 +100,7 @@ def _pair(args: argparse.Namespace) -> _Pair:
 
         raw = read_model_config("the built-in target", pretrained.TARGET_DIR)
         return _Pair(BUILTIN_MODEL_NAME, max_positions(raw),
-                     f"built-in trained pair (Python code model + B={pretrained.DEFAULT_BLOCK_SIZE} drafter, fp32)",
+                     f"built-in trained pair ({pretrained.SUMMARY})",
                      True, builtin, raw)
     target_dir, drafter_dir = args.target, args.drafter
     raw = check_pair_dirs(target_dir, drafter_dir)

@@ -29,6 +29,8 @@ log = logging.getLogger(__name__)
 ROOT = Path(__file__).resolve().parent
 TARGET_DIR = ROOT / "target"
 DEFAULT_BLOCK_SIZE = 16
+SUMMARY = f"Python code model + B={DEFAULT_BLOCK_SIZE} drafter, fp32"
+"""What the built-in pair is, for the CLI's one-line descriptions."""
 DEFAULT_PROMPT = "def fibonacci(n):"
 """The prompt ``blockdraft generate`` continues when given none."""
 

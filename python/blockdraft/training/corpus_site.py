@@ -22,6 +22,8 @@ import sys
 import tarfile
 from pathlib import Path
 
+from blockdraft.training.data import may_fit
+
 log = logging.getLogger(__name__)
 
 PACKAGES_FILE = Path(__file__).with_name("corpus_packages.txt")
@@ -61,12 +63,12 @@ def install(dest: Path, packages: list[str] | None = None) -> None:
         raise RuntimeError(f"pip install into {dest} failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
 
 
-def pack(dest: Path, archive: Path, *, min_chars: int = 200, max_chars: int = 100_000) -> int:
+def pack(dest: Path, archive: Path) -> int:
     """Write ``dest``'s usable ``.py`` files and its ``*.dist-info`` folders to ``archive``
     (xz-compressed tar, paths relative to ``dest``); returns the number of files packed.
 
     A ``.py`` file is usable when its size could pass the corpus's length filter
-    (:func:`~blockdraft.training.data.collect_python_sources`).
+    (:func:`~blockdraft.training.data.may_fit`).
     """
     files = []
     for path in sorted(dest.rglob("*")):
@@ -74,7 +76,7 @@ def pack(dest: Path, archive: Path, *, min_chars: int = 200, max_chars: int = 10
             continue
         rel = path.relative_to(dest)
         in_metadata = any(part.endswith(".dist-info") for part in rel.parts)
-        if in_metadata or (path.suffix == ".py" and min_chars <= path.stat().st_size <= 4 * max_chars):
+        if in_metadata or (path.suffix == ".py" and may_fit(path.stat().st_size)):
             files.append(rel)
     with tarfile.open(archive, "w:xz") as tar:
         for rel in files:

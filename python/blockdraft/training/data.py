@@ -27,6 +27,10 @@ log = logging.getLogger(__name__)
 
 EOS_TOKEN = "<|endoftext|>"
 MASK_TOKEN = "<|mask|>"
+MIN_FILE_CHARS = 200
+"""Shorter source files are left out of a Python corpus."""
+MAX_FILE_CHARS = 100_000
+"""Longer source files (generated tables) are left out of a Python corpus."""
 TEXT_SUFFIXES = (".txt", ".md", ".py", ".rst", ".c", ".h", ".rs", ".js", ".ts", ".java", ".go", ".json")
 
 
@@ -115,12 +119,18 @@ def python_source_roots() -> list[Path]:
     return roots
 
 
+def may_fit(size_bytes: int, min_chars: int = MIN_FILE_CHARS, max_chars: int = MAX_FILE_CHARS) -> bool:
+    """Whether a UTF-8 file of ``size_bytes`` can hold between ``min_chars`` and ``max_chars``
+    characters (a character takes one to four bytes), so that it is worth reading."""
+    return min_chars <= size_bytes <= 4 * max_chars
+
+
 def collect_python_sources(
     roots: Sequence[Path] | None = None,
     *,
     max_chars: int,
-    min_file_chars: int = 200,
-    max_file_chars: int = 100_000,
+    min_file_chars: int = MIN_FILE_CHARS,
+    max_file_chars: int = MAX_FILE_CHARS,
     keep: Callable[[Path], bool] | None = None,
 ) -> list[SourceFile]:
     """``.py`` files under ``roots`` (default :func:`python_source_roots`), deduplicated by content.
@@ -146,8 +156,7 @@ def collect_python_sources(
             if keep is not None and not keep(file):
                 continue
             try:
-                size = file.stat().st_size
-                if size < min_file_chars or size > max_file_chars * 4:
+                if not may_fit(file.stat().st_size, min_file_chars, max_file_chars):
                     continue
                 text = file.read_text(encoding="utf-8")
             except (UnicodeDecodeError, OSError):

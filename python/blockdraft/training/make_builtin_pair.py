@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from blockdraft.devices import sync
+from blockdraft.devices import default_dtype, sync
 from blockdraft.training.data import (
     EOS_TOKEN,
     MASK_TOKEN,
@@ -200,6 +200,19 @@ def train_target(model: Any, stream: torch.Tensor, p: Preset, device: torch.devi
             "s_per_1m_tokens": seconds / tokens_seen * 1e6}
 
 
+def load_target(path: Path, device: torch.device, dtype: torch.dtype) -> Any:
+    """A saved causal LM in ``dtype`` on ``device``, in eval mode."""
+    from transformers import AutoModelForCausalLM
+
+    model: Any = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    return model.to(device).eval()
+
+
+def write_report(pair: Path, report: dict[str, Any]) -> None:
+    """``pair/build_report.json``."""
+    (pair / "build_report.json").write_text(json.dumps(report, indent=2, default=str) + "\n", encoding="utf-8")
+
+
 def _params(module: Any) -> int:
     return sum(q.numel() for q in module.parameters())
 
@@ -293,9 +306,6 @@ def build(args: argparse.Namespace, argv: list[str] | None) -> int:
                               "command": "python -m blockdraft.training.make_builtin_pair " + " ".join(
                                   argv if argv is not None else sys.argv[1:])}
 
-    def save_report() -> None:
-        (pair / "build_report.json").write_text(json.dumps(report, indent=2, default=str) + "\n", encoding="utf-8")
-
     def left() -> float:
         return math.inf if args.deadline_s <= 0 else args.deadline_s - (time.perf_counter() - start)
 
@@ -305,7 +315,7 @@ def build(args: argparse.Namespace, argv: list[str] | None) -> int:
         with tarfile.open(args.corpus_archive, "r:xz") as tar:
             tar.extractall(site, filter="data")
     corpus = build_corpus(p, site, args.reuse_target, report)
-    save_report()
+    write_report(pair, report)
     tokenizer, held_files = corpus.tokenizer, corpus.held_files
 
     # ---- target
@@ -321,16 +331,12 @@ def build(args: argparse.Namespace, argv: list[str] | None) -> int:
                 report["compare_target"] = before["compare_target"]
     else:
         train_and_save_target(p, args.seed, corpus, device, target_dir, report)
-    save_report()
+    write_report(pair, report)
     if args.compare_target is not None:
         report["compare_target"] = measure_other_target(args.compare_target, held_files, p, device)
-        save_report()
+        write_report(pair, report)
 
-    from transformers import AutoModelForCausalLM
-
-    run_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    loaded: Any = AutoModelForCausalLM.from_pretrained(target_dir, dtype=run_dtype)
-    target = loaded.to(device).eval()
+    target = load_target(target_dir, device, default_dtype(device))
 
     prompts = held_prompts(held_files, tokenizer, p)
     (pair / "heldout_prompts.json").write_text(json.dumps(prompts, indent=1) + "\n", encoding="utf-8")
@@ -364,12 +370,12 @@ def build(args: argparse.Namespace, argv: list[str] | None) -> int:
             "train_config": dataclasses.asdict(cfg),
         }
         report["drafters"][spec.name] = entry
-        save_report()
+        write_report(pair, report)
         if not args.skip_eval:
             entry["eval"] = run_eval(target, dest, prompts, p, tokenizer, corpus.eos_id)
-            save_report()
+            write_report(pair, report)
     report["total_seconds"] = time.perf_counter() - start
-    save_report()
+    write_report(pair, report)
     write_model_card(pair, report)
     log.info("pair written to %s (%.1f MB) in %.0f s", pair, _dir_mb(pair), report["total_seconds"])
     return 0
@@ -381,17 +387,16 @@ def evaluate_pair(pair: Path, device_name: str | None, dtype: str = "auto") -> i
     The measurements go to each drafter's ``eval`` entry; a run in another dtype or on another
     device than the build's also goes to ``eval_<device type>_<dtype>`` so both are kept.
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     report = json.loads((pair / "build_report.json").read_text(encoding="utf-8"))
     p = PRESETS[report["preset"]]
     prompts = json.loads((pair / "heldout_prompts.json").read_text(encoding="utf-8"))
     device = torch.device(device_name or ("cuda" if torch.cuda.is_available() else "cpu"))
     tokenizer: Any = AutoTokenizer.from_pretrained(pair / "target")
-    auto = torch.bfloat16 if device.type == "cuda" else torch.float32
+    auto = default_dtype(device)
     run_dtype = auto if dtype == "auto" else getattr(torch, dtype)
-    loaded: Any = AutoModelForCausalLM.from_pretrained(pair / "target", dtype=run_dtype)
-    target = loaded.to(device).eval()
+    target = load_target(pair / "target", device, run_dtype)
     eos_id = int(tokenizer.convert_tokens_to_ids(EOS_TOKEN))
     key = "eval" if run_dtype == auto and device.type == torch.device(report["device"]).type else (
         f"eval_{device.type}_{str(run_dtype).removeprefix('torch.')}")
@@ -399,10 +404,9 @@ def evaluate_pair(pair: Path, device_name: str | None, dtype: str = "auto") -> i
     for name, entry in report.get("drafters", {}).items():
         if "skipped" not in entry and (pair / f"drafter-{name}").is_dir():
             entry[key] = run_eval(target, pair / f"drafter-{name}", prompts, p, tokenizer, eos_id)
-            (pair / "build_report.json").write_text(json.dumps(report, indent=2, default=str) + "\n",
-                                                    encoding="utf-8")
+            write_report(pair, report)
     report["eval_seconds"] = time.perf_counter() - t0
-    (pair / "build_report.json").write_text(json.dumps(report, indent=2, default=str) + "\n", encoding="utf-8")
+    write_report(pair, report)
     write_model_card(pair, report)
     return 0
 
@@ -481,11 +485,10 @@ def train_and_save_target(p: Preset, seed: int, corpus: Corpus, device: torch.de
 
 def measure_other_target(path: Path, held: list[SourceFile], p: Preset, device: torch.device) -> dict[str, Any]:
     """:func:`heldout_metrics` of another target (its own tokenizer) on this build's held-out files."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     tokenizer: Any = AutoTokenizer.from_pretrained(path)
-    model: Any = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    model = model.to(device).eval()
+    model = load_target(path, device, torch.float32)
     eos = tokenizer.eos_token_id
     texts = [f.text for f in held]
     stream = encode_stream(texts, tokenizer, eos if isinstance(eos, int) else None)

@@ -12,7 +12,7 @@ def _metrics(m: dict[str, Any]) -> str:
 
 
 def _corpus_lines(c: dict[str, Any]) -> list[str]:
-    names = ", ".join(f"{x['distribution']} {x['version']} ({x['licence']})".replace(" ()", "")
+    names = ", ".join(" ".join(filter(None, (x["distribution"], x["version"]))) + f" ({x['licence']})"
                       for x in c.get("licences", []))
     return [
         "## Data",
