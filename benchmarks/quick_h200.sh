@@ -7,12 +7,9 @@
 # $OUT/quick.md (default: a new directory under ${TMPDIR:-/tmp}/blockdraft-bench, outside the
 # checkout). Needs blockdraft importable (wheel or `maturin develop`).
 set -euo pipefail
-root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-cd "$root"
-OUT="${OUT:-${TMPDIR:-/tmp}/blockdraft-bench/quick-$(date +%Y%m%d-%H%M%S)-$$}"
-mkdir -p "$OUT"
+source "$(dirname "${BASH_SOURCE[0]}")/common.sh" quick
 export PYTHONUNBUFFERED=1 OUT REPS="${REPS:-20}"
-"${PYTHON:-python3}" - <<'PY'
+"$py" - <<'PY'
 import json, logging, os, time
 from pathlib import Path
 

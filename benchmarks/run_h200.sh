@@ -7,11 +7,7 @@
 # dflash==0.1.0 for the reference columns. REPS / LOOP_REPS / E2E_STEPS / E2E_REPEATS / SHAPE
 # override sizes.
 set -uo pipefail
-root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-cd "$root"
-OUT="${OUT:-${TMPDIR:-/tmp}/blockdraft-bench/run-$(date +%Y%m%d-%H%M%S)-$$}"
-mkdir -p "$OUT"
-py="${PYTHON:-python3}"
+source "$(dirname "${BASH_SOURCE[0]}")/common.sh" run
 export PYTHONUNBUFFERED=1
 {
   nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv,noheader

@@ -9,11 +9,7 @@
 # directory under ${TMPDIR:-/tmp}/blockdraft-bench). Without serve flags it serves the
 # built-in pair. Needs httpx and the `serve` extra.
 set -uo pipefail
-root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-cd "$root"
-OUT="${OUT:-${TMPDIR:-/tmp}/blockdraft-bench/serve-$(date +%Y%m%d-%H%M%S)-$$}"
-mkdir -p "$OUT"
-py="${PYTHON:-python3}"
+source "$(dirname "${BASH_SOURCE[0]}")/common.sh" serve
 port="${PORT:-8011}"
 url="http://127.0.0.1:$port"
 "$py" -m blockdraft.cli serve --port "$port" --max-active "${MAX_ACTIVE:-32}" "$@" >"$OUT/serve.log" 2>&1 &
