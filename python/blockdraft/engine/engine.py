@@ -53,6 +53,7 @@ from blockdraft.engine.targets import (
 )
 from blockdraft.parallel.group import TPGroup
 from blockdraft.proposer import DFlashProposer
+from blockdraft.proposer.proposer import agreed_pool_size
 from blockdraft.results import GenerationResult, GenerationStats
 from blockdraft.runtime import TargetRuntime
 from blockdraft.runtime.decode import check_prompts
@@ -167,9 +168,7 @@ class SpeculativeEngine:
         if proposer is not None and parallel:
             assert tp is not None
             # Admission reads the pool: every rank's must be the same size.
-            sizes = [int(n) for n in tp.gather(proposer.pool.num_blocks)]
-            if len(set(sizes)) > 1:
-                raise ConfigError(f"tensor-parallel ranks have drafter pools of different sizes: {sizes}")
+            agreed_pool_size(tp, proposer.pool.num_blocks, sized=False)
         self.block_size = self.proposer.block_size
         self.target: TargetBackend
         if which == "blockdraft":

@@ -148,7 +148,7 @@ class DFlashProposer:
                     fraction=pool_memory_fraction, device=self.device,
                 )
             if tp is not None and tp.size > 1:
-                num_blocks = _agreed_blocks(tp, num_blocks, sized)
+                num_blocks = agreed_pool_size(tp, num_blocks, sized=sized)
             pool = BlockPool(num_blocks, page_size)
         self.pool = pool
         self.cache = DrafterCache(pool, spec, self.dtype, self.device)
@@ -624,13 +624,17 @@ class DFlashProposer:
         return t[:rows].to(self.device).contiguous()
 
 
-def _agreed_blocks(tp: TPGroup, num_blocks: int, sized: bool) -> int:
-    """The drafter pool size of every rank: the smallest one found in free memory, or the
-    given one when every rank was given the same."""
+def agreed_pool_size(tp: TPGroup, num_blocks: int, *, sized: bool) -> int:
+    """The drafter pool size of every rank of ``tp``: the smallest one found in free memory
+    (``sized``), or the given one when every rank was given the same.
+
+    Raises:
+        ConfigError: sizes that were given (not ``sized``) differ between ranks.
+    """
     sizes = [int(n) for n in tp.gather(num_blocks)]
     if not sized and len(set(sizes)) > 1:
         raise ConfigError(f"tensor-parallel ranks have drafter pools of different sizes: {sizes}")
     return min(sizes)
 
 
-__all__ = ["DFlashProposer"]
+__all__ = ["DFlashProposer", "agreed_pool_size"]
