@@ -170,6 +170,27 @@ def test_resume_equals_uninterrupted(tmp_path: Path) -> None:
         train_drafter(target, stream, _cfg(steps=8, lr=1e-2), tmp_path / "broken", resume=True, progress=False)
 
 
+def test_training_continues_from_a_saved_drafter(tmp_path: Path) -> None:
+    """init_from starts from a saved drafter's weights: at learning rate 0 the result is that
+    drafter; with learning, it moves on from there (not from a fresh start)."""
+    target, stream = tiny_target(vocab=VOCAB), _stream()
+    first = train_drafter(target, stream, _cfg(), tmp_path / "first", progress=False)
+    saved = str(first.drafter_dir)
+    train_drafter(target, stream, _cfg(lr=0.0, init_from=saved), tmp_path / "frozen", progress=False)
+    a, b = _weights(tmp_path / "first"), _weights(tmp_path / "frozen")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    train_drafter(target, stream, _cfg(seed=1, init_from=saved), tmp_path / "more", progress=False)
+    train_drafter(target, stream, _cfg(seed=1), tmp_path / "fresh", progress=False)
+    more, fresh = _weights(tmp_path / "more"), _weights(tmp_path / "fresh")
+    dist = sum(float((more[k] - a[k]).norm()) for k in a)
+    assert dist > 0 and dist < sum(float((fresh[k] - a[k]).norm()) for k in a)
+    with pytest.raises(ValueError, match="block_size"):
+        train_drafter(target, stream, _cfg(block_size=6, init_from=saved), tmp_path / "b6", progress=False)
+    with pytest.raises(ValueError, match="exclude each other"):
+        train_drafter(target, stream, _cfg(init_from=saved, init_from_target=True), tmp_path / "x",
+                      progress=False)
+
+
 def test_training_learns_and_the_checkpoint_loads_in_blockdraft_and_dflash(tmp_path: Path) -> None:
     from dflash.model import DFlashDraftModel
 
@@ -210,7 +231,7 @@ def test_cli_train_drafter_adds_a_mask_token_and_resumes(tmp_path: Path, capsys:
     tiny_target(vocab=VOCAB).save_pretrained(tdir)
     tok = Tokenizer(models.WordLevel(vocab={f"w{i}": i for i in range(VOCAB)}, unk_token="w0"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="w0").save_pretrained(tdir)
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="w0", eos_token="w63").save_pretrained(tdir)
     corpus = tmp_path / "corpus.jsonl"
     corpus.write_text("".join(json.dumps({"text": " ".join(f"w{(s + i) % 60}" for i in range(40))}) + "\n"
                               for s in range(10)))
@@ -226,3 +247,13 @@ def test_cli_train_drafter_adds_a_mask_token_and_resumes(tmp_path: Path, capsys:
     # Resuming against the grown target (now with its mask token) continues the saved run.
     resume = [a if a != str(tdir) else str(out / "target") for a in args] + ["--resume"]
     assert main(resume) == 0
+    # On the target's own rollouts, continued from the drafter just trained.
+    grown_args = [a if a != str(tdir) else str(out / "target") for a in args]
+    roll = [*grown_args[: grown_args.index("--out") + 1], str(tmp_path / "roll"),
+            *grown_args[grown_args.index("--out") + 2 :], "--rollouts", "6", "--rollout-prompt-tokens", "4",
+            "--rollout-tokens", "12", "--init-from", str(out / "drafter")]
+    capsys.readouterr()
+    assert main(roll) == 0
+    assert "rollouts: 6 continuations by the target, 102 tokens" in capsys.readouterr().out
+    assert main([*roll, "--rollout-tokens", "0"]) == 2
+    assert "--rollout-tokens must be >= 1" in capsys.readouterr().err

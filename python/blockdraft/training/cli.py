@@ -114,6 +114,9 @@ def _train(args: argparse.Namespace) -> int:
     eos = getattr(tokenizer, "eos_token_id", None)
     stream = encode_stream(texts, tokenizer, eos if isinstance(eos, int) else None)
     print(f"corpus: {len(texts)} documents, {stream.numel()} tokens")
+    if args.rollouts > 0:
+        stream = _rollouts(args, target, stream, eos)
+        print(f"rollouts: {args.rollouts} continuations by the target, {stream.numel()} tokens")
     cfg = DrafterTrainConfig(
         num_layers=args.layers, block_size=args.block_size, mask_token_id=mask,
         target_layer_ids=layer_ids, intermediate_size=args.intermediate_size,
@@ -122,6 +125,7 @@ def _train(args: argparse.Namespace) -> int:
         gamma=args.gamma, seed=args.seed, save_every=args.save_every, save_dtype=args.save_dtype,
         log_every=args.log_every, distill_weight=args.distill_weight,
         dflash2=_dflash2_sizes(args.dflash2), selector_weight=args.selector_weight,
+        init_from=args.init_from,
     )
     res = train_drafter(target, stream, cfg, out, resume=args.resume, progress=not args.no_progress)
     print(f"drafter: {res.drafter_dir} ({res.steps} steps, {res.seconds:.0f} s, "
@@ -129,6 +133,25 @@ def _train(args: argparse.Namespace) -> int:
     if grown is not None:
         print(f"target with the added mask token: {grown}")
     return 0
+
+
+def _rollouts(args: argparse.Namespace, target: Any, stream: Any, eos: Any) -> Any:
+    """``--rollouts``: the target's own continuations of corpus prompts, as the training stream."""
+    from blockdraft.training.rollouts import rollout_stream
+
+    for flag, value in (("--rollout-prompt-tokens", args.rollout_prompt_tokens),
+                        ("--rollout-tokens", args.rollout_tokens)):
+        require_min(flag, value)
+    require_min("--rollout-batch", args.rollout_batch, 0)
+    require_temperature("--rollout-temperature", args.rollout_temperature)
+    if not isinstance(eos, int):
+        raise CliError("--rollouts needs a tokenizer with an eos token (it ends each rollout)")
+    try:
+        return rollout_stream(target, stream, eos, num=args.rollouts, prompt_len=args.rollout_prompt_tokens,
+                              new_tokens=args.rollout_tokens, temperature=args.rollout_temperature,
+                              seed=args.seed, batch=args.rollout_batch)
+    except ValueError as exc:
+        raise CliError(f"--rollouts: {error_line(exc)}") from exc
 
 
 def _eval(args: argparse.Namespace) -> int:
@@ -212,6 +235,16 @@ def add_training_commands(sub: Any) -> None:
                     help="train a DFlash2 drafter: conv kernel K, conv group G, selector rank R, top-K C "
                          "(e.g. 3,32,32,8)")
     tr.add_argument("--selector-weight", type=float, default=1.0, help="DFlash2: weight of the selector loss")
+    tr.add_argument("--rollouts", type=int, default=0,
+                    help="train on this many continuations written by the target itself (prompts from the "
+                         "corpus) instead of on the corpus; 0: the corpus")
+    tr.add_argument("--rollout-prompt-tokens", type=int, default=64, help="corpus tokens that start a rollout")
+    tr.add_argument("--rollout-tokens", type=int, default=256, help="tokens the target writes per rollout")
+    tr.add_argument("--rollout-temperature", type=float, default=0.0,
+                    help="0: greedy rollouts; 1: sampled (for drafters that sample their drafts)")
+    tr.add_argument("--rollout-batch", type=int, default=256, help="rollouts written at once (0: all)")
+    tr.add_argument("--init-from", default=None, metavar="DIR",
+                    help="start from this saved drafter of the same shape (continued training)")
     tr.add_argument("--seed", type=int, default=0)
     tr.add_argument("--save-every", type=int, default=500, help="checkpoint interval in steps (0: end only)")
     tr.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --out")

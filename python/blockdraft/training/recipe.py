@@ -358,6 +358,25 @@ def init_from_target(drafter: DFlashDrafter, target: Any) -> list[int]:
     return chosen
 
 
+def init_from_drafter(drafter: DFlashDrafter, path: Path) -> None:
+    """Start ``drafter`` from the weights of the saved drafter at ``path`` (continued training).
+
+    Raises:
+        ValueError: the saved drafter's config differs from ``drafter``'s (the fields that
+            differ are named).
+        blockdraft.CheckpointError: ``path`` is not a readable drafter checkpoint.
+    """
+    from blockdraft.checkpoint import load_drafter
+
+    saved = load_drafter(path, device="cpu", dtype=torch.float32)
+    mine, theirs = asdict(drafter.config), asdict(saved.config)
+    differ = sorted(k for k in mine if k != "dtype" and mine[k] != theirs.get(k))
+    if differ:
+        raise ValueError(f"cannot start from {path}: its config differs in {', '.join(differ)}")
+    with torch.no_grad():
+        drafter.load_state_dict(saved.state_dict())
+
+
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -398,6 +417,8 @@ class DrafterTrainConfig:
             weight of its selector objective.
         init_from_target: start the drafter's layers as copies of the target's last layers
             (:func:`init_from_target`) instead of random weights.
+        init_from: start from the weights of this saved drafter instead (continued training;
+            :func:`init_from_drafter`); excludes ``init_from_target``.
         save_every: steps between checkpoints (0: only at the end); keep: checkpoints kept.
         save_dtype: dtype of the exported drafter.
     """
@@ -424,6 +445,7 @@ class DrafterTrainConfig:
     dflash2: dict[str, int] | None = None
     selector_weight: float = 1.0
     init_from_target: bool = False
+    init_from: str | None = None
     seed: int = 0
     save_every: int = 0
     keep: int = 2
@@ -431,14 +453,19 @@ class DrafterTrainConfig:
     log_every: int = 50
 
 
+def cosine_lr(step: int, total: int, lr: float, warmup_steps: int, min_lr_ratio: float) -> float:
+    """Learning rate of (0-based) ``step`` out of ``total``: linear warm-up over ``warmup_steps``,
+    then cosine decay from ``lr`` to ``min_lr_ratio * lr`` at ``total``."""
+    if step < warmup_steps:
+        return lr * (step + 1) / warmup_steps
+    span = max(1, total - warmup_steps)
+    progress = min(1.0, (step - warmup_steps) / span)
+    return lr * (min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
 def lr_at(step: int, total: int, cfg: DrafterTrainConfig) -> float:
     """Learning rate of (0-based) ``step`` out of ``total``."""
-    if step < cfg.warmup_steps:
-        return cfg.lr * (step + 1) / cfg.warmup_steps
-    span = max(1, total - cfg.warmup_steps)
-    progress = min(1.0, (step - cfg.warmup_steps) / span)
-    floor = cfg.min_lr_ratio
-    return cfg.lr * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress)))
+    return cosine_lr(step, total, cfg.lr, cfg.warmup_steps, cfg.min_lr_ratio)
 
 
 @dataclass
@@ -542,9 +569,13 @@ def train_drafter(
         dflash2=cfg.dflash2,
     )
     layer_ids = tuple(raw["dflash_config"]["target_layer_ids"])
+    if cfg.init_from_target and cfg.init_from:
+        raise ValueError("init_from_target and init_from exclude each other")
     drafter = new_drafter(raw, cfg.seed)
     if cfg.init_from_target:
         init_from_target(drafter, target)
+    elif cfg.init_from:
+        init_from_drafter(drafter, Path(cfg.init_from))
     drafter = drafter.to(device)
     drafter.train()
     decay = [p for p in drafter.parameters() if p.dim() > 1]
