@@ -119,7 +119,21 @@ def test_tiny_build_end_to_end(tmp_path: Path) -> None:
         assert set(ev["tau"]) == {"greedy", "T=1", "T=1 sampled"} and ev["tau"]["greedy"] >= 1.0
         assert 0.0 < ev["distinct_4gram"] <= 1.0 and ev["default_prompt"]["text"].startswith("def fibonacci")
     assert {"loss", "perplexity", "accuracy", "bits_per_char"} <= set(report["target"]["heldout"])
+    # The target was fine-tuned against loops, measured before and after; the drafters trained
+    # on its greedy rollouts (prompt 8 + 24 new tokens + eos, 48 of them).
+    tuning = report["target"]["tuning"]
+    assert tuning["steps"] == 6 and set(tuning["before"]) == {"heldout", "distinct_4gram"}
+    assert 0.0 < report["target"]["distinct_4gram"]["heldout"] <= 1.0
+    assert report["rollouts"]["greedy"]["tokens"] == 48 * (8 + 24 + 1) and "sampled" not in report["rollouts"]
+    assert all(d["data"] == ["greedy rollouts"] for d in report["drafters"].values())
     card = (pair / "MODEL_CARD.md").read_text()
     assert "DFlash2, B = 4" in card and "Python standard library" in card and "distinct 4-gram" in card
+    assert "unlikelihood" in card and "trained on greedy rollouts" in card
     assert json.loads((pair / "drafter-b4-dflash2" / "config.json").read_text())["architectures"] == [
         "DFlash2DraftModel"]
+    # Measured again, greedy only: the evaluation takes its temperatures.
+    assert main(["--out", str(tmp_path / "again"), "--evaluate", str(pair), "--device", "cpu",
+                 "--eval-temperatures", "0"]) == 0
+    again = json.loads((pair / "build_report.json").read_text())
+    for d in again["drafters"].values():
+        assert set(d["eval"]["tau"]) == {"greedy"} and d["eval"]["identical"] == d["eval"]["num_prompts"]

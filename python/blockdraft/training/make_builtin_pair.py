@@ -7,11 +7,14 @@
 Steps: collect Python source (the interpreter's standard library, then the permissively
 licensed packages under ``--corpus-site``, default the interpreter's own site-packages),
 deduplicated, holding out whole files (by content hash) for evaluation; train a byte-level BPE
-tokenizer; train a small Qwen3 causal LM from scratch (the target) and measure it on the
-held-out files; train the drafters (``--drafters``: DFlash or DFlash2, any block sizes) against
-it with the recipe (:mod:`blockdraft.training.recipe`), each with the same time budget; measure
-tau on held-out prompts with the speculative engine; write everything (bf16) with a model card
-under ``DIR/pair`` (the layout of ``blockdraft/pretrained``).
+tokenizer; train a small Qwen3 causal LM from scratch (the target), tune it against greedy
+loops (:mod:`blockdraft.training.unlikelihood`) and measure it on the held-out files
+(:mod:`blockdraft.training.pair_target`); let it write the rollouts its drafters train on
+(:mod:`blockdraft.training.rollouts`); train the drafters (``--drafters``: DFlash or DFlash2, any
+block sizes) with the recipe (:mod:`blockdraft.training.recipe`), each with the same time
+budget; measure tau on held-out prompts with the speculative engine; write everything (bf16)
+with a model card under ``DIR/pair`` (the layout of ``blockdraft/pretrained``). Presets:
+:mod:`blockdraft.training.pair_presets`.
 
 Stages run against one wall-clock deadline (``--deadline-s``) so a run on a rented GPU ends in
 time: the target and each drafter get fixed time budgets (steps are fitted after a short
@@ -30,195 +33,35 @@ import shutil
 import sys
 import tarfile
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from blockdraft.devices import default_dtype, sync
-from blockdraft.training.data import (
-    EOS_TOKEN,
-    MASK_TOKEN,
-    SourceFile,
-    encode_stream,
-    sample_windows,
-    split_heldout,
-    step_generator,
-    train_bpe_tokenizer,
-)
 from blockdraft.pretrained import DEFAULT_PROMPT
+from blockdraft.training.data import EOS_TOKEN, SourceFile
 from blockdraft.training.evaluate import EvalReport, distinct_ngram_ratio, evaluate_drafter, heldout_metrics
-from blockdraft.training.licences import permissive_python_sources
 from blockdraft.training.model_card import write_model_card
-from blockdraft.training.recipe import BudgetCalibrator, DrafterTrainConfig, train_drafter
+from blockdraft.training.pair_presets import PRESETS, DrafterSpec, Preset, rollout_kinds
+from blockdraft.training.pair_target import (
+    Corpus,
+    build_corpus,
+    dir_mb,
+    load_target,
+    measure_other_target,
+    train_and_save_target,
+    tune_and_save_target,
+)
+from blockdraft.training.recipe import DrafterTrainConfig, train_drafter
+from blockdraft.training.rollouts import rollout_stream
 
 log = logging.getLogger("blockdraft.make_builtin_pair")
-
-
-@dataclass
-class Preset:
-    """Sizes and budgets of one build."""
-
-    corpus_chars: int
-    tokenizer_chars: int
-    vocab: int
-    hidden: int
-    layers: int
-    heads: int
-    kv_heads: int
-    intermediate: int
-    max_positions: int
-    target_seq_len: int
-    target_batch: int
-    target_steps: int
-    target_lr: float
-    target_budget_s: float
-    drafter_layers: int
-    target_layer_ids: list[int]
-    drafter: dict[str, Any]
-    drafter_budget_s: float
-    drafters: list[str]
-    eval_prompts: int
-    eval_prompt_tokens: int
-    eval_new_tokens: int
-    heldout_every: int = 40
-    test_prompts: int = 4
-    per_block: dict[int, dict[str, Any]] = field(default_factory=dict)
-    dflash2: dict[str, int] = field(default_factory=lambda: dict(
-        conv_kernel_size=3, conv_group_size=32, selector_rank=32, selector_top_k=8))
-
-
-PRESETS: dict[str, Preset] = {
-    "h200": Preset(
-        corpus_chars=150_000_000, tokenizer_chars=10_000_000, vocab=8192,
-        hidden=384, layers=8, heads=6, kv_heads=2, intermediate=1152, max_positions=2048,
-        target_seq_len=512, target_batch=96, target_steps=20000, target_lr=1.5e-3, target_budget_s=270,
-        drafter_layers=2, target_layer_ids=[1, 4, 6],
-        drafter=dict(seq_len=512, num_seqs=32, num_anchors=64, steps=20000, lr=1e-3, warmup_steps=100,
-                     log_every=100, init_from_target=True),
-        per_block={8: dict(num_seqs=64, num_anchors=128, distill_weight=0.5)},
-        drafter_budget_s=100, drafters=["16", "16:dflash2", "8"],
-        eval_prompts=16, eval_prompt_tokens=64, eval_new_tokens=128,
-    ),
-    "tiny": Preset(
-        corpus_chars=400_000, tokenizer_chars=200_000, vocab=512,
-        hidden=64, layers=3, heads=4, kv_heads=2, intermediate=128, max_positions=512,
-        target_seq_len=64, target_batch=8, target_steps=40, target_lr=3e-3, target_budget_s=0,
-        drafter_layers=1, target_layer_ids=[0, 2],
-        drafter=dict(seq_len=64, num_seqs=4, num_anchors=8, steps=20, lr=1e-3, warmup_steps=5, log_every=10,
-                     init_from_target=True),
-        per_block={8: dict(distill_weight=0.5)},
-        drafter_budget_s=0, drafters=["8", "16:dflash2"],
-        eval_prompts=3, eval_prompt_tokens=16, eval_new_tokens=24, test_prompts=3, heldout_every=4,
-        dflash2=dict(conv_kernel_size=2, conv_group_size=16, selector_rank=8, selector_top_k=4),
-    ),
-}
-
-
-@dataclass(frozen=True)
-class DrafterSpec:
-    """One drafter to train: ``"16"`` (DFlash, B = 16) or ``"16:dflash2"``."""
-
-    block: int
-    dflash2: bool
-
-    @property
-    def name(self) -> str:
-        return f"b{self.block}" + ("-dflash2" if self.dflash2 else "")
-
-    @classmethod
-    def parse(cls, text: str) -> DrafterSpec:
-        """``B`` or ``B:dflash2``.
-
-        Raises:
-            ValueError: anything else.
-        """
-        block, _, kind = text.strip().partition(":")
-        if not block.isdigit() or int(block) < 2 or kind not in ("", "dflash", "dflash2"):
-            raise ValueError(f"drafter {text!r}: expected B or B:dflash2 with B >= 2")
-        return cls(int(block), kind == "dflash2")
-
-
-def build_target(p: Preset, eos_id: int, seed: int) -> Any:
-    """A fresh Qwen3 causal LM (fp32, CPU, tied embeddings) of the preset's shape."""
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    config = Qwen3Config(
-        vocab_size=p.vocab, hidden_size=p.hidden, num_hidden_layers=p.layers,
-        num_attention_heads=p.heads, num_key_value_heads=p.kv_heads, head_dim=p.hidden // p.heads,
-        intermediate_size=p.intermediate, max_position_embeddings=p.max_positions,
-        tie_word_embeddings=True, eos_token_id=eos_id, pad_token_id=eos_id, bos_token_id=None,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-    )
-    torch.manual_seed(seed)
-    return Qwen3ForCausalLM(config)  # type: ignore[no-untyped-call]
-
-
-def train_target(model: Any, stream: torch.Tensor, p: Preset, device: torch.device, seed: int) -> dict[str, Any]:
-    """Next-token training of ``model`` on windows of ``stream`` (AdamW, warm-up + cosine)."""
-    from tqdm import tqdm  # type: ignore[import-untyped]
-
-    model.to(device).train()
-    decay = [q for q in model.parameters() if q.dim() > 1]
-    rest = [q for q in model.parameters() if q.dim() <= 1]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}],
-                            lr=p.target_lr, betas=(0.9, 0.95))
-    total, warmup = p.target_steps, min(100, p.target_steps // 10 + 1)
-    use_amp = device.type == "cuda"
-    t0 = time.perf_counter()
-    calibrator = BudgetCalibrator(p.target_budget_s, 20, device, t0)
-    settled = p.target_budget_s <= 0
-    step, loss_v = 0, float("nan")
-    bar = tqdm(total=total, unit="step", dynamic_ncols=True, desc="target")
-    while step < total:
-        lr = p.target_lr * (step + 1) / warmup if step < warmup else p.target_lr * (
-            0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, (step - warmup) / max(1, total - warmup)))))
-        for g in opt.param_groups:
-            g["lr"] = lr
-        tokens = sample_windows(stream, p.target_batch, p.target_seq_len, step_generator(seed, step)).to(device)
-        with torch.autocast(device_type="cuda", dtype=torch.bfloat16, enabled=use_amp):
-            loss = model(input_ids=tokens, labels=tokens, use_cache=False).loss
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        step += 1
-        bar.update(1)
-        if step % 50 == 0 or step == total:
-            loss_v = float(loss.detach())
-            bar.set_postfix(loss=f"{loss_v:.3f}")
-        if not settled:
-            total, settled = calibrator.check(step, step, total)
-            bar.total = total
-    bar.close()
-    sync(device)
-    seconds = time.perf_counter() - t0
-    tokens_seen = step * p.target_batch * p.target_seq_len
-    model.eval()
-    return {"steps": step, "seconds": seconds, "tokens_seen": tokens_seen, "final_loss": loss_v,
-            "s_per_1m_tokens": seconds / tokens_seen * 1e6}
-
-
-def load_target(path: Path, device: torch.device, dtype: torch.dtype) -> Any:
-    """A saved causal LM in ``dtype`` on ``device``, in eval mode."""
-    from transformers import AutoModelForCausalLM
-
-    model: Any = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
-    return model.to(device).eval()
 
 
 def write_report(pair: Path, report: dict[str, Any]) -> None:
     """``pair/build_report.json``."""
     (pair / "build_report.json").write_text(json.dumps(report, indent=2, default=str) + "\n", encoding="utf-8")
-
-
-def _params(module: Any) -> int:
-    return sum(q.numel() for q in module.parameters())
-
-
-def _dir_mb(path: Path) -> float:
-    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) / 1e6
 
 
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -229,7 +72,7 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--deadline-s", type=float, default=0.0, help="wall-clock limit of the whole build (0: none)")
     ap.add_argument("--drafters", default=None,
-                    help="drafters to train, e.g. 16,16:dflash2,8 (default: the preset's)")
+                    help="drafters to train, e.g. 16,16:dflash2,8, or none (default: the preset's)")
     ap.add_argument("--corpus-site", type=Path, default=None,
                     help="site directory of the corpus packages (blockdraft.training.corpus_site); "
                          "default: the interpreter's own site-packages")
@@ -243,18 +86,39 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--target-budget-s", type=float, default=0.0, help="override the target's time budget")
     ap.add_argument("--drafter-budget-s", type=float, default=0.0, help="override each drafter's time budget")
     ap.add_argument("--drafter-steps", default="", help="fixed drafter steps by name, e.g. b8:4000,b16-dflash2:2861")
+    ap.add_argument("--tune-steps", type=int, default=-1,
+                    help="unlikelihood fine-tuning steps of the target (0: none; default: the preset's, "
+                         "fitted to its time budget)")
+    ap.add_argument("--tune-budget-s", type=float, default=0.0, help="override the tuning's time budget")
+    ap.add_argument("--drafter-data", choices=("rollouts", "corpus"), default="rollouts",
+                    help="train the drafters on the target's own rollouts (default, when the preset has "
+                         "them) or on the corpus")
+    ap.add_argument("--rollouts-from", type=Path, default=None, metavar="WORK",
+                    help="an earlier build's work directory whose rollouts-*.pt to reuse")
+    ap.add_argument("--rollouts-only", action="store_true",
+                    help="stop after the target and the drafters' rollouts (a later build takes them with "
+                         "--reuse-target and --rollouts-from)")
+    ap.add_argument("--init-drafters", default="", metavar="NAME=DIR,...",
+                    help="start these drafters from saved ones (continued training), e.g. "
+                         "b8=python/blockdraft/pretrained/drafter-b8")
     ap.add_argument("--skip-eval", action="store_true", help="train only; measure later with --evaluate")
     ap.add_argument("--evaluate", type=Path, default=None, metavar="PAIR",
                     help="measure the drafters of an existing pair directory (and rewrite its report and "
                          "model card) instead of building; --out takes the log")
+    ap.add_argument("--eval-temperatures", default="0,1",
+                    help="temperatures of the --evaluate run (0: greedy, with the target-only comparison)")
     ap.add_argument("--eval-dtype", choices=("auto", "float32", "bfloat16"), default="auto",
                     help="dtype of the --evaluate run (auto: bf16 on CUDA, fp32 on the CPU)")
     args = ap.parse_args(argv)
     if args.corpus_site is not None and args.corpus_archive is not None:
         ap.error("give --corpus-site or --corpus-archive, not both")
     try:
-        args.drafter_specs = [DrafterSpec.parse(t) for t in (args.drafters or "").split(",") if t.strip()]
+        args.drafter_specs = [] if args.drafters == "none" else [
+            DrafterSpec.parse(t) for t in (args.drafters or "").split(",") if t.strip()]
         args.fixed_steps = {k: int(v) for k, v in (kv.split(":") for kv in args.drafter_steps.split(",") if kv)}
+        args.eval_temperatures = tuple(float(t) for t in args.eval_temperatures.split(",") if t.strip())
+        args.init_drafters = {k.strip(): Path(v.strip()) for k, v in (
+            kv.split("=") for kv in args.init_drafters.split(",") if kv.strip())}
     except ValueError as exc:
         ap.error(str(exc))
     return args
@@ -273,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     root.setLevel(min(level, logging.INFO) if level else logging.INFO)
     try:
         if args.evaluate is not None:
-            return evaluate_pair(args.evaluate, args.device, args.eval_dtype)
+            return evaluate_pair(args.evaluate, args.device, args.eval_dtype, args.eval_temperatures)
         return build(args, argv)
     finally:
         root.removeHandler(file_log)
@@ -292,7 +156,7 @@ def build(args: argparse.Namespace, argv: list[str] | None) -> int:
         p = dataclasses.replace(p, target_budget_s=args.target_budget_s)
     if args.drafter_budget_s > 0:
         p = dataclasses.replace(p, drafter_budget_s=args.drafter_budget_s)
-    specs = args.drafter_specs or [DrafterSpec.parse(t) for t in p.drafters]
+    specs = args.drafter_specs if args.drafters is not None else [DrafterSpec.parse(t) for t in p.drafters]
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     pair = out / "pair"
     work = out / "work"
@@ -336,10 +200,29 @@ def build(args: argparse.Namespace, argv: list[str] | None) -> int:
         report["compare_target"] = measure_other_target(args.compare_target, held_files, p, device)
         write_report(pair, report)
 
-    target = load_target(target_dir, device, default_dtype(device))
-
     prompts = held_prompts(held_files, tokenizer, p)
     (pair / "heldout_prompts.json").write_text(json.dumps(prompts, indent=1) + "\n", encoding="utf-8")
+    tune_steps = p.tune.get("steps", 0) if args.tune_steps < 0 else args.tune_steps
+    if tune_steps > 0:
+        budget = p.tune_budget_s if args.tune_budget_s <= 0 else args.tune_budget_s
+        tune_and_save_target(dataclasses.replace(p, tune={**p.tune, "steps": tune_steps}, tune_budget_s=budget),
+                             args.seed, corpus, device, target_dir, prompts, report)
+        write_report(pair, report)
+    elif args.reuse_target is not None:
+        # A reused target is measured on this build's held-out files, as it is shipped (fp32).
+        report["target"]["heldout"] = heldout_metrics(load_target(target_dir, device, torch.float32),
+                                                      corpus.held_stream, corpus.held_chars, seq_len=p.target_seq_len)
+        write_report(pair, report)
+
+    target = load_target(target_dir, device, default_dtype(device))
+    streams = drafter_streams(target, corpus, p, specs if args.drafter_data == "rollouts" else [], work,
+                              args.rollouts_from, args.seed, report)
+    write_report(pair, report)
+    if args.rollouts_only:
+        report["total_seconds"] = time.perf_counter() - start
+        write_report(pair, report)
+        log.info("target and rollouts written to %s and %s in %.0f s", pair, work, report["total_seconds"])
+        return 0
 
     # ---- drafters: each gets the same time budget (a fair comparison), time allowing
     report["drafters"] = {}
@@ -355,10 +238,14 @@ def build(args: argparse.Namespace, argv: list[str] | None) -> int:
         settings = {**p.drafter, **p.per_block.get(spec.block, {})}
         if spec.name in args.fixed_steps:
             settings["steps"], budget = args.fixed_steps[spec.name], 0.0
+        if spec.name in args.init_drafters:
+            settings["init_from"], settings["init_from_target"] = str(args.init_drafters[spec.name]), False
         cfg = DrafterTrainConfig(num_layers=p.drafter_layers, block_size=spec.block, mask_token_id=corpus.mask_id,
                                  target_layer_ids=list(p.target_layer_ids), time_budget_s=budget,
                                  seed=args.seed, dflash2=dict(p.dflash2) if spec.dflash2 else None, **settings)
-        res = train_drafter(target, corpus.stream, cfg, work / f"drafter-{spec.name}")
+        kinds = rollout_kinds(p, spec) if streams else []
+        stream = torch.cat([streams[k] for k in kinds]) if kinds else corpus.stream
+        res = train_drafter(target, stream, cfg, work / f"drafter-{spec.name}")
         dest = pair / f"drafter-{spec.name}"
         shutil.copytree(res.drafter_dir, dest)
         entry: dict[str, Any] = {
@@ -366,7 +253,8 @@ def build(args: argparse.Namespace, argv: list[str] | None) -> int:
             "block_size": spec.block, "layers": p.drafter_layers, "target_layer_ids": p.target_layer_ids,
             "steps": res.steps, "seconds": res.seconds, "context_tokens": res.context_tokens,
             "s_per_1m_context_tokens": res.seconds / max(1, res.context_tokens) * 1e6,
-            "final_loss": res.final_loss, "train_tau_estimate": res.final_tau, "mb": _dir_mb(dest),
+            "final_loss": res.final_loss, "train_tau_estimate": res.final_tau, "mb": dir_mb(dest),
+            "data": [f"{k} rollouts" for k in kinds] or ["corpus"],
             "train_config": dataclasses.asdict(cfg),
         }
         report["drafters"][spec.name] = entry
@@ -377,11 +265,12 @@ def build(args: argparse.Namespace, argv: list[str] | None) -> int:
     report["total_seconds"] = time.perf_counter() - start
     write_report(pair, report)
     write_model_card(pair, report)
-    log.info("pair written to %s (%.1f MB) in %.0f s", pair, _dir_mb(pair), report["total_seconds"])
+    log.info("pair written to %s (%.1f MB) in %.0f s", pair, dir_mb(pair), report["total_seconds"])
     return 0
 
 
-def evaluate_pair(pair: Path, device_name: str | None, dtype: str = "auto") -> int:
+def evaluate_pair(pair: Path, device_name: str | None, dtype: str = "auto",
+                  temperatures: tuple[float, ...] = (0.0, 1.0)) -> int:
     """Measure every drafter of a built pair (:func:`run_eval`) and rewrite its report and card.
 
     The measurements go to each drafter's ``eval`` entry; a run in another dtype or on another
@@ -403,7 +292,7 @@ def evaluate_pair(pair: Path, device_name: str | None, dtype: str = "auto") -> i
     t0 = time.perf_counter()
     for name, entry in report.get("drafters", {}).items():
         if "skipped" not in entry and (pair / f"drafter-{name}").is_dir():
-            entry[key] = run_eval(target, pair / f"drafter-{name}", prompts, p, tokenizer, eos_id)
+            entry[key] = run_eval(target, pair / f"drafter-{name}", prompts, p, tokenizer, eos_id, temperatures)
             write_report(pair, report)
     report["eval_seconds"] = time.perf_counter() - t0
     write_report(pair, report)
@@ -411,91 +300,35 @@ def evaluate_pair(pair: Path, device_name: str | None, dtype: str = "auto") -> i
     return 0
 
 
-@dataclass
-class Corpus:
-    """The build's data: held-out files, the tokenizer, and the training token stream."""
-
-    held_files: list[SourceFile]
-    tokenizer: Any
-    stream: torch.Tensor
-    held_stream: torch.Tensor
-    held_chars: int
-    eos_id: int
-    mask_id: int
-
-
-def build_corpus(p: Preset, site: Path | None, reuse_target: Path | None, report: dict[str, Any]) -> Corpus:
-    """Collect, split, tokenize (training a tokenizer unless the target is reused)."""
-    t = time.perf_counter()
-    # Only the standard library and permissively licensed distributions (their licences go
-    # into the report, for the model card).
-    files, licences = permissive_python_sources(max_chars=p.corpus_chars,
-                                                site_roots=None if site is None else [site])
-    train_files, held_files = split_heldout(files, p.heldout_every)
-    train_texts = [f.text for f in train_files]
-    tok_texts: list[str] = []
-    size = 0
-    # The tokenizer learns from files spread evenly over the corpus, so that it sees every
-    # package, not only the first few in path order.
-    stride = max(1, sum(len(t) for t in train_texts) // max(1, p.tokenizer_chars))
-    for text in train_texts[::stride] + train_texts:
-        if size >= p.tokenizer_chars:
-            break
-        tok_texts.append(text)
-        size += len(text)
-    if reuse_target is not None:
-        from transformers import AutoTokenizer
-
-        tokenizer: Any = AutoTokenizer.from_pretrained(reuse_target)
-    else:
-        tokenizer = train_bpe_tokenizer(tok_texts, p.vocab)
-    eos_id = int(tokenizer.convert_tokens_to_ids(EOS_TOKEN))
-    mask_id = int(tokenizer.convert_tokens_to_ids(MASK_TOKEN))
-    stream = encode_stream(train_texts, tokenizer, eos_id)
-    held_texts = [f.text for f in held_files]
-    held_stream = encode_stream(held_texts, tokenizer, eos_id)
-    report["corpus"] = {
-        "files": len(files), "train_files": len(train_files), "heldout_files": len(held_files),
-        "chars": sum(len(f.text) for f in files), "train_tokens": int(stream.numel()),
-        "heldout_tokens": int(held_stream.numel()), "tokenizer_chars": size, "vocab": len(tokenizer),
-        "site": "the interpreter's site-packages" if site is None else "corpus packages (corpus_packages.txt)",
-        "seconds": time.perf_counter() - t,
-        "licences": [{"distribution": lic.distribution, "version": lic.version, "licence": lic.licence}
-                     for lic in licences],
-    }
-    log.info("corpus: %s", {k: v for k, v in report["corpus"].items() if k != "licences"})
-    return Corpus(held_files, tokenizer, stream, held_stream, sum(len(x) for x in held_texts), eos_id, mask_id)
-
-
-def train_and_save_target(p: Preset, seed: int, corpus: Corpus, device: torch.device, target_dir: Path,
-                          report: dict[str, Any]) -> None:
-    """Train the target from scratch, measure it, save it (bf16) with its tokenizer to ``target_dir``."""
-    model = build_target(p, corpus.eos_id, seed)
-    report["target"] = {"params": _params(model), "config": {
-        "hidden": p.hidden, "layers": p.layers, "heads": p.heads, "kv_heads": p.kv_heads,
-        "intermediate": p.intermediate, "vocab": p.vocab, "tied_embeddings": True}}
-    report["target"].update(train_target(model, corpus.stream, p, device, seed))
-    report["target"]["heldout"] = heldout_metrics(model, corpus.held_stream, corpus.held_chars,
-                                                  seq_len=p.target_seq_len)
-    log.info("target: %s", report["target"])
-    model.to(torch.bfloat16).save_pretrained(target_dir)
-    corpus.tokenizer.save_pretrained(target_dir)
-    report["target"]["mb"] = _dir_mb(target_dir)
-
-
-def measure_other_target(path: Path, held: list[SourceFile], p: Preset, device: torch.device) -> dict[str, Any]:
-    """:func:`heldout_metrics` of another target (its own tokenizer) on this build's held-out files."""
-    from transformers import AutoTokenizer
-
-    tokenizer: Any = AutoTokenizer.from_pretrained(path)
-    model = load_target(path, device, torch.float32)
-    eos = tokenizer.eos_token_id
-    texts = [f.text for f in held]
-    stream = encode_stream(texts, tokenizer, eos if isinstance(eos, int) else None)
-    out: dict[str, Any] = {"path": str(path), "params": _params(model)}
-    out.update(heldout_metrics(model, stream, sum(len(t) for t in texts), seq_len=p.target_seq_len))
-    log.info("compare target: %s", out)
-    return out
+def drafter_streams(target: Any, corpus: Corpus, p: Preset, specs: list[DrafterSpec], work: Path,
+                    reuse: Path | None, seed: int, report: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """The rollout streams the ``specs`` train on (:func:`~blockdraft.training.rollouts.rollout_stream`),
+    each written once and saved as ``work/rollouts-KIND.pt``; taken from ``reuse`` (an earlier
+    build's work directory) when it holds them."""
+    streams: dict[str, torch.Tensor] = {}
+    work.mkdir(parents=True, exist_ok=True)
+    for kind in sorted({k for spec in specs for k in rollout_kinds(p, spec)}):
+        name = f"rollouts-{kind}.pt"
+        about = work / f"rollouts-{kind}.json"
+        if reuse is not None and (reuse / name).is_file():
+            streams[kind] = torch.load(reuse / name, weights_only=True)
+            log.info("%s rollouts: %d tokens from %s", kind, streams[kind].numel(), reuse / name)
+            if (reuse / about.name).is_file():
+                report.setdefault("rollouts", {})[kind] = json.loads((reuse / about.name).read_text(encoding="utf-8"))
+            continue
+        if kind not in ("greedy", "sampled"):
+            raise ValueError(f"unknown rollout kind {kind!r} (greedy or sampled)")
+        t = time.perf_counter()
+        streams[kind] = rollout_stream(target, corpus.stream, corpus.eos_id, temperature=1.0 if kind == "sampled" else 0.0,
+                                       seed=seed + (1 if kind == "sampled" else 0), **p.rollout)
+        sync(next(target.parameters()).device)
+        seconds = time.perf_counter() - t
+        torch.save(streams[kind], work / name)
+        report.setdefault("rollouts", {})[kind] = {**p.rollout, "tokens": int(streams[kind].numel()),
+                                                   "seconds": seconds}
+        about.write_text(json.dumps(report["rollouts"][kind]) + "\n", encoding="utf-8")
+        log.info("%s rollouts: %d tokens in %.0f s", kind, streams[kind].numel(), seconds)
+    return streams
 
 
 def held_prompts(held: list[SourceFile], tokenizer: Any, p: Preset) -> dict[str, Any]:
@@ -512,7 +345,7 @@ def held_prompts(held: list[SourceFile], tokenizer: Any, p: Preset) -> dict[str,
 
 
 def run_eval(target: Any, drafter_dir: Path, prompts: dict[str, Any], p: Preset, tokenizer: Any,
-             eos_id: int) -> dict[str, Any]:
+             eos_id: int, temperatures: tuple[float, ...] = (0.0, 1.0)) -> dict[str, Any]:
     """tau greedy / T=1 (argmax and sampled drafts), the loop check, the speed comparison, and
     the default prompt's continuation; the torch backend if the default one fails."""
     from blockdraft.checkpoint import load_drafter
@@ -525,7 +358,8 @@ def run_eval(target: Any, drafter_dir: Path, prompts: dict[str, Any], p: Preset,
     for backend in ("auto", "torch"):
         try:
             rep: EvalReport = evaluate_drafter(target, drafter, ids, max_new_tokens=p.eval_new_tokens,
-                                               stop_token_ids=[eos_id], backend=backend, sampled_drafts=True)
+                                               stop_token_ids=[eos_id], backend=backend, sampled_drafts=True,
+                                               temperatures=temperatures)
         except Exception as exc:  # noqa: BLE001 - recorded, then the plain-torch backend is tried
             log.exception("evaluation with backend %s failed", backend)
             result[f"error_{backend}"] = f"{type(exc).__name__}: {exc}"

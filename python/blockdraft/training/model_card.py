@@ -41,14 +41,45 @@ def _target_lines(report: dict[str, Any]) -> list[str]:
         lines.append(
             f"- Trained {tg['steps']} steps ({tg['tokens_seen'] / 1e6:.1f} M tokens seen) in {tg['seconds']:.0f} s "
             f"({tg['s_per_1m_tokens']:.2f} s per 1M tokens); final train loss {tg['final_loss']:.3f}.")
+    tuning = tg.get("tuning")
+    if tuning:
+        cfg = tuning["config"]
+        before = tuning["before"]
+        lines.append(
+            f"- Then fine-tuned {tuning['steps']} steps in {tuning['seconds']:.0f} s"
+            + (f" on {tuning['device']}" if tuning.get("device") else "")
+            + f" with the sequence-level unlikelihood objective (`blockdraft.training.unlikelihood`: tokens that "
+            f"complete a repeated {cfg['ngram']}-gram of its own greedy continuations are negatives, weight "
+            f"{cfg['ul_weight']:g}, beside the next-token loss). Before "
+            f"it, on the held-out files: {_metrics(before['heldout'])}; greedy continuations "
+            f"({cfg['new_tokens']} tokens): mean distinct 4-gram ratio {_loops(before['distinct_4gram'])}.")
     if "heldout" in tg:
         lines.append(f"- Held-out files: {_metrics(tg['heldout'])}.")
+    if "distinct_4gram" in tg:
+        lines.append(f"- Greedy continuations: mean distinct 4-gram ratio {_loops(tg['distinct_4gram'])}.")
     other = report.get("compare_target")
     if other:
         lines.append(f"- The earlier built-in target ({other['params'] / 1e6:.2f} M parameters, its own tokenizer) "
                      f"on the same held-out files: {_metrics(other)}.")
     if "reused_from" in tg:
         lines.append(f"- Reused from an earlier build ({tg['reused_from']}).")
+    return lines + [""]
+
+
+def _loops(d: dict[str, float]) -> str:
+    return f"{d['heldout']:.2f} on the held-out prompts, {d['default_prompt']:.2f} on the default prompt"
+
+
+def _rollout_lines(report: dict[str, Any]) -> list[str]:
+    rollouts = report.get("rollouts", {})
+    if not rollouts:
+        return []
+    lines = ["## Drafter training data (`blockdraft.training.rollouts`)"]
+    for kind, r in rollouts.items():
+        how = "greedy" if kind == "greedy" else "sampled at T = 1"
+        lines.append(f"- {kind}: {r['num']} continuations by the target ({how}), each {r['prompt_len']} corpus "
+                     f"tokens then {r['new_tokens']} of the target's; {r['tokens'] / 1e6:.2f} M tokens in "
+                     f"{r['seconds']:.0f} s.")
     return lines + [""]
 
 
@@ -61,6 +92,10 @@ def _drafter_lines(name: str, d: dict[str, Any]) -> list[str]:
         extra += ", " + ", ".join(f"{k} {v}" for k, v in cfg["dflash2"].items())
     if cfg.get("distill_weight"):
         extra += f", distillation weight {cfg['distill_weight']:g}"
+    if d.get("data"):
+        extra += ", trained on " + " + ".join(d["data"])
+    if cfg.get("init_from"):
+        extra += f", continued from {cfg['init_from']}"
     lines = [
         f"- `drafter-{name}/`: {d.get('architecture', 'DFlash')}, B = {d['block_size']}, {d['layers']} layers, "
         f"target layers {d['target_layer_ids']}{extra}, {d['mb']:.1f} MB in bf16; {d['steps']} steps in "
@@ -113,6 +148,7 @@ def write_model_card(pair: Path, report: dict[str, Any]) -> None:
         "",
         *_corpus_lines(report["corpus"]),
         *_target_lines(report),
+        *_rollout_lines(report),
         "## Drafters",
     ]
     for name, d in report.get("drafters", {}).items():
