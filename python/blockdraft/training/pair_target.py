@@ -4,7 +4,6 @@ target from scratch, tune it against loops, measure it."""
 from __future__ import annotations
 
 import logging
-import math
 import statistics
 import time
 from dataclasses import dataclass
@@ -28,7 +27,7 @@ from blockdraft.training.data import (
 from blockdraft.training.evaluate import distinct_ngram_ratio, heldout_metrics, target_only_greedy
 from blockdraft.training.licences import permissive_python_sources
 from blockdraft.training.pair_presets import Preset
-from blockdraft.training.recipe import BudgetCalibrator
+from blockdraft.training.recipe import BudgetCalibrator, apply_gradients, cosine_lr
 from blockdraft.training.unlikelihood import TuneConfig, tune_target
 
 log = logging.getLogger("blockdraft.make_builtin_pair")
@@ -153,17 +152,12 @@ def train_target(model: Any, stream: torch.Tensor, p: Preset, device: torch.devi
     step, loss_v = 0, float("nan")
     bar = tqdm(total=total, unit="step", dynamic_ncols=True, desc="target")
     while step < total:
-        lr = p.target_lr * (step + 1) / warmup if step < warmup else p.target_lr * (
-            0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, (step - warmup) / max(1, total - warmup)))))
         for g in opt.param_groups:
-            g["lr"] = lr
+            g["lr"] = cosine_lr(step, total, p.target_lr, warmup, 0.1)
         tokens = sample_windows(stream, p.target_batch, p.target_seq_len, step_generator(seed, step)).to(device)
         with torch.autocast(device_type="cuda", dtype=torch.bfloat16, enabled=use_amp):
             loss = model(input_ids=tokens, labels=tokens, use_cache=False).loss
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
+        apply_gradients(opt, loss, model, 1.0)
         step += 1
         bar.update(1)
         if step % 50 == 0 or step == total:

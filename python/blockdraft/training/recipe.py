@@ -463,6 +463,16 @@ def cosine_lr(step: int, total: int, lr: float, warmup_steps: int, min_lr_ratio:
     return lr * (min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
+def apply_gradients(opt: torch.optim.Optimizer, loss: Tensor, module: torch.nn.Module, grad_clip: float) -> None:
+    """One optimizer step on ``loss``: clear, backpropagate, clip the gradient norm of
+    ``module``'s parameters at ``grad_clip`` (0: no clipping), step."""
+    opt.zero_grad(set_to_none=True)
+    loss.backward()  # type: ignore[no-untyped-call]
+    if grad_clip > 0:
+        torch.nn.utils.clip_grad_norm_(module.parameters(), grad_clip)
+    opt.step()
+
+
 def lr_at(step: int, total: int, cfg: DrafterTrainConfig) -> float:
     """Learning rate of (0-based) ``step`` out of ``total``."""
     return cosine_lr(step, total, cfg.lr, cfg.warmup_steps, cfg.min_lr_ratio)
@@ -632,11 +642,7 @@ def train_drafter(
                     drafter, ctx, tokens, labels, anchors, embed_weight, head_weight, weights,
                     soft_logits=soft, distill_weight=cfg.distill_weight, selector_weight=cfg.selector_weight,
                 )
-            opt.zero_grad(set_to_none=True)
-            loss.backward()  # type: ignore[no-untyped-call]
-            if cfg.grad_clip > 0:
-                torch.nn.utils.clip_grad_norm_(drafter.parameters(), cfg.grad_clip)
-            opt.step()
+            apply_gradients(opt, loss, drafter, cfg.grad_clip)
             step += 1
             if step % cfg.log_every == 0 or step == total or step == start + 1:
                 lv = float(loss.detach())

@@ -27,7 +27,7 @@ from torch import Tensor
 
 from blockdraft.devices import sync
 from blockdraft.training.data import sample_windows, step_generator
-from blockdraft.training.recipe import BudgetCalibrator, cosine_lr
+from blockdraft.training.recipe import BudgetCalibrator, apply_gradients, cosine_lr
 from blockdraft.training.rollouts import prompt_starts, rollout
 
 log = logging.getLogger(__name__)
@@ -150,10 +150,7 @@ def tune_target(model: Any, stream: Tensor, eos_id: int, cfg: TuneConfig) -> dic
             logits = model(input_ids=full, use_cache=False).logits[:, prompts.shape[1] - 1 : -1]
             ul = unlikelihood_loss(logits, cont, neg)
         loss = mle + cfg.ul_weight * ul
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
+        apply_gradients(opt, loss, model, 1.0)
         step += 1
         bar.update(1)
         if step % 10 == 0 or step == total:
