@@ -18,10 +18,11 @@ from blockdraft.training.evaluate import distinct_ngram_ratio, target_only_greed
 pytestmark = pytest.mark.skipif(not pretrained.available(), reason="built-in pair not installed")
 
 # Floors: what the shipped pair measures on the CPU (fp32, 16 held-out prompts x 64 new
-# tokens: tau 2.33 for B = 8, 2.61 for B = 16; distinct-4-gram ratio 0.67 with the default
-# prompt), minus a margin.
+# tokens: tau 2.35 for B = 8, 2.79 for B = 16), minus a margin. The loop floor is the pair's
+# target; its 128-token greedy continuations measure 0.85 on the held-out prompts and 0.90 on
+# the default prompt.
 TAU_FLOOR_B8 = 2.2
-TAU_FLOOR_B16 = 2.45
+TAU_FLOOR_B16 = 2.65
 DISTINCT_4GRAM_FLOOR = 0.6
 
 
@@ -38,13 +39,15 @@ def test_heldout_greedy_tau_and_output_identical_to_the_target(block: int, tau_f
 
 
 def test_greedy_continuations_do_not_collapse_into_loops() -> None:
-    """The target's greedy continuations of the held-out prompts and the default prompt keep
-    a floor of distinct 4-grams (a looping continuation repeats a few and scores near 0)."""
+    """The target's 128-token greedy continuations of the held-out prompts and of the default
+    prompt keep a floor of distinct 4-grams (a looping continuation repeats a few and scores
+    near 0; the files' own next 128 tokens score 0.91)."""
     target, _, tokenizer = pretrained.builtin_pair(device="cpu")
     prompts = pretrained.heldout_prompts() + [tokenizer.encode(pretrained.DEFAULT_PROMPT)]
-    ratios = [distinct_ngram_ratio(target_only_greedy(target, p, 64, [tokenizer.eos_token_id]))
+    ratios = [distinct_ngram_ratio(target_only_greedy(target, p, 128, [tokenizer.eos_token_id]))
               for p in prompts]
-    assert statistics.fmean(ratios) >= DISTINCT_4GRAM_FLOOR, ratios
+    assert statistics.fmean(ratios[:-1]) >= DISTINCT_4GRAM_FLOOR, ratios
+    assert ratios[-1] >= DISTINCT_4GRAM_FLOOR, ratios
 
 
 def test_pair_files_are_bf16_and_within_60_mb() -> None:
@@ -55,8 +58,10 @@ def test_pair_files_are_bf16_and_within_60_mb() -> None:
             with safe_open(str(p), framework="pt") as f:
                 assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"BF16"}
     report = json.loads((pretrained.ROOT / "build_report.json").read_text())
-    assert report["drafters"]["b8"]["eval_cuda_float32"]["identical"] == 16
-    assert report["drafters"]["b8"]["eval_cuda_float32"]["tau"]["greedy"] >= TAU_FLOOR_B8
+    # The build's record of the H200 in fp32: output identical to the target's on every prompt.
+    for name, floor in (("b8", TAU_FLOOR_B8), ("b16", TAU_FLOOR_B16)):
+        assert report["drafters"][name]["eval_cuda_float32"]["identical"] == 16
+        assert report["drafters"][name]["eval_cuda_float32"]["tau"]["greedy"] >= floor
     kinds = {8: DFlashDrafter, 16: DFlash2Drafter}
     for block, kind in kinds.items():
         d = blockdraft.load_drafter(pretrained.drafter_dir(block))

@@ -1,11 +1,11 @@
 """The built-in trained pair: a small Qwen3 Python-code model and its DFlash drafters.
 
-Shipped inside the package (bf16 safetensors, about 49 MB), made from scratch and offline by
+Shipped inside the package (bf16 safetensors, about 51 MB), made from scratch and offline by
 ``python -m blockdraft.training.make_builtin_pair --preset h200``; see ``MODEL_CARD.md`` here.
 
 Layout::
 
-    target/            Hugging Face Qwen3ForCausalLM (16.9 M parameters) + its BPE tokenizer
+    target/            Hugging Face Qwen3ForCausalLM (16.9 M parameters, tuned against loops) + its BPE tokenizer
     drafter-b8/        DFlash drafter, block size 8
     drafter-b16/       DFlash2 drafter, block size 16 (the default)
     heldout_prompts.json   prompts from files held out of training (token ids and text)
@@ -74,7 +74,7 @@ def builtin_pair(
 ) -> tuple[Any, DFlashDrafter, Any]:
     """Load the shipped pair: a small Qwen3 Python-code target, a DFlash drafter, the tokenizer.
 
-    Called without arguments it works on any machine, a CPU-only one included (about 49 MB
+    Called without arguments it works on any machine, a CPU-only one included (about 51 MB
     of weights)::
 
         target, drafter, tokenizer = builtin_pair()
