@@ -27,7 +27,7 @@ from blockdraft.training.data import (
 from blockdraft.training.evaluate import distinct_ngram_ratio, heldout_metrics, target_only_greedy
 from blockdraft.training.licences import permissive_python_sources
 from blockdraft.training.pair_presets import Preset
-from blockdraft.training.recipe import BudgetCalibrator, apply_gradients, cosine_lr
+from blockdraft.training.recipe import BudgetCalibrator, adamw, apply_gradients, cosine_lr
 from blockdraft.training.unlikelihood import TuneConfig, tune_target
 
 log = logging.getLogger("blockdraft.make_builtin_pair")
@@ -140,10 +140,7 @@ def train_target(model: Any, stream: torch.Tensor, p: Preset, device: torch.devi
     from tqdm import tqdm  # type: ignore[import-untyped]
 
     model.to(device).train()
-    decay = [q for q in model.parameters() if q.dim() > 1]
-    rest = [q for q in model.parameters() if q.dim() <= 1]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}],
-                            lr=p.target_lr, betas=(0.9, 0.95))
+    opt = adamw(model, p.target_lr, 0.1)
     total, warmup = p.target_steps, min(100, p.target_steps // 10 + 1)
     use_amp = device.type == "cuda"
     t0 = time.perf_counter()

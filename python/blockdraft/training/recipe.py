@@ -463,6 +463,15 @@ def cosine_lr(step: int, total: int, lr: float, warmup_steps: int, min_lr_ratio:
     return lr * (min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
+def adamw(module: torch.nn.Module, lr: float, weight_decay: float) -> torch.optim.AdamW:
+    """AdamW (betas 0.9, 0.95) over ``module``'s parameters, with ``weight_decay`` on the
+    matrices only (norm weights and biases are not decayed)."""
+    decay = [p for p in module.parameters() if p.dim() > 1]
+    rest = [p for p in module.parameters() if p.dim() <= 1]
+    return torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay}, {"params": rest, "weight_decay": 0.0}],
+                             lr=lr, betas=(0.9, 0.95))
+
+
 def apply_gradients(opt: torch.optim.Optimizer, loss: Tensor, module: torch.nn.Module, grad_clip: float) -> None:
     """One optimizer step on ``loss``: clear, backpropagate, clip the gradient norm of
     ``module``'s parameters at ``grad_clip`` (0: no clipping), step."""
@@ -588,13 +597,7 @@ def train_drafter(
         init_from_drafter(drafter, Path(cfg.init_from))
     drafter = drafter.to(device)
     drafter.train()
-    decay = [p for p in drafter.parameters() if p.dim() > 1]
-    no_decay = [p for p in drafter.parameters() if p.dim() <= 1]
-    opt = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=cfg.lr,
-        betas=(0.9, 0.95),
-    )
+    opt = adamw(drafter, cfg.lr, cfg.weight_decay)
     weights = loss_weights(cfg.block_size, cfg.gamma).to(device)
     out.mkdir(parents=True, exist_ok=True)
     volatile = {"steps", "time_budget_s", "save_every", "keep", "log_every"}

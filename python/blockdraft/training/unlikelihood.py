@@ -27,7 +27,7 @@ from torch import Tensor
 
 from blockdraft.devices import sync
 from blockdraft.training.data import sample_windows, step_generator
-from blockdraft.training.recipe import BudgetCalibrator, apply_gradients, cosine_lr
+from blockdraft.training.recipe import BudgetCalibrator, adamw, apply_gradients, cosine_lr
 from blockdraft.training.rollouts import prompt_starts, rollout
 
 log = logging.getLogger(__name__)
@@ -118,10 +118,7 @@ def tune_target(model: Any, stream: Tensor, eos_id: int, cfg: TuneConfig) -> dic
 
     device = next(model.parameters()).device
     use_amp = device.type == "cuda"
-    decay = [q for q in model.parameters() if q.dim() > 1]
-    rest = [q for q in model.parameters() if q.dim() <= 1]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}],
-                            lr=cfg.lr, betas=(0.9, 0.95))
+    opt = adamw(model, cfg.lr, 0.1)
     total = cfg.steps
     t0 = time.perf_counter()
     calibrator = BudgetCalibrator(cfg.time_budget_s, max(cfg.regen_every, 10), device, t0)
