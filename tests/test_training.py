@@ -184,8 +184,12 @@ def test_training_continues_from_a_saved_drafter(tmp_path: Path) -> None:
     more, fresh = _weights(tmp_path / "more"), _weights(tmp_path / "fresh")
     dist = sum(float((more[k] - a[k]).norm()) for k in a)
     assert dist > 0 and dist < sum(float((fresh[k] - a[k]).norm()) for k in a)
-    with pytest.raises(ValueError, match="block_size"):
-        train_drafter(target, stream, _cfg(block_size=6, init_from=saved), tmp_path / "b6", progress=False)
+    # No weight depends on the block size: a B = 4 drafter starts a B = 6 one as it is.
+    train_drafter(target, stream, _cfg(block_size=6, lr=0.0, init_from=saved), tmp_path / "b6", progress=False)
+    b6 = _weights(tmp_path / "b6")
+    assert all(torch.equal(a[k], b6[k]) for k in a)
+    with pytest.raises(ValueError, match="num_layers"):
+        train_drafter(target, stream, _cfg(num_layers=2, init_from=saved), tmp_path / "l2", progress=False)
     with pytest.raises(ValueError, match="exclude each other"):
         train_drafter(target, stream, _cfg(init_from=saved, init_from_target=True), tmp_path / "x",
                       progress=False)

@@ -244,7 +244,7 @@ def add_training_commands(sub: Any) -> None:
                     help="0: greedy rollouts; 1: sampled (for drafters that sample their drafts)")
     tr.add_argument("--rollout-batch", type=int, default=256, help="rollouts written at once (0: all)")
     tr.add_argument("--init-from", default=None, metavar="DIR",
-                    help="start from this saved drafter of the same shape (continued training)")
+                    help="start from this saved drafter of the same shape, any block size (continued training)")
     tr.add_argument("--seed", type=int, default=0)
     tr.add_argument("--save-every", type=int, default=500, help="checkpoint interval in steps (0: end only)")
     tr.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --out")

@@ -95,6 +95,8 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
                          "them) or on the corpus")
     ap.add_argument("--rollouts-from", type=Path, default=None, metavar="WORK",
                     help="an earlier build's work directory whose rollouts-*.pt to reuse")
+    ap.add_argument("--rollouts", type=int, default=0, metavar="N",
+                    help="rollouts per kind (default: the preset's)")
     ap.add_argument("--rollouts-only", action="store_true",
                     help="stop after the target and the drafters' rollouts (a later build takes them with "
                          "--reuse-target and --rollouts-from)")
@@ -156,6 +158,8 @@ def build(args: argparse.Namespace, argv: list[str] | None) -> int:
         p = dataclasses.replace(p, target_budget_s=args.target_budget_s)
     if args.drafter_budget_s > 0:
         p = dataclasses.replace(p, drafter_budget_s=args.drafter_budget_s)
+    if args.rollouts > 0 and p.rollout:
+        p = dataclasses.replace(p, rollout={**p.rollout, "num": args.rollouts})
     specs = args.drafter_specs if args.drafters is not None else [DrafterSpec.parse(t) for t in p.drafters]
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     pair = out / "pair"

@@ -361,16 +361,19 @@ def init_from_target(drafter: DFlashDrafter, target: Any) -> list[int]:
 def init_from_drafter(drafter: DFlashDrafter, path: Path) -> None:
     """Start ``drafter`` from the weights of the saved drafter at ``path`` (continued training).
 
+    The block size may differ: no weight depends on it (a block is anchor + MASK embeddings,
+    its positions come from RoPE), so a B = 16 drafter can start a B = 8 one.
+
     Raises:
-        ValueError: the saved drafter's config differs from ``drafter``'s (the fields that
-            differ are named).
+        ValueError: the saved drafter's config differs from ``drafter``'s in anything but the
+            block size (the fields that differ are named).
         blockdraft.CheckpointError: ``path`` is not a readable drafter checkpoint.
     """
     from blockdraft.checkpoint import load_drafter
 
     saved = load_drafter(path, device="cpu", dtype=torch.float32)
     mine, theirs = asdict(drafter.config), asdict(saved.config)
-    differ = sorted(k for k in mine if k != "dtype" and mine[k] != theirs.get(k))
+    differ = sorted(k for k in mine if k not in ("dtype", "block_size") and mine[k] != theirs.get(k))
     if differ:
         raise ValueError(f"cannot start from {path}: its config differs in {', '.join(differ)}")
     with torch.no_grad():
