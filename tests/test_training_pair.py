@@ -12,17 +12,17 @@ from safetensors import safe_open
 import blockdraft
 from blockdraft import pretrained
 from blockdraft.cli import main
-from blockdraft.models import DFlash2Drafter, DFlashDrafter
+from blockdraft.models import DFlash2Drafter
 from blockdraft.training.evaluate import distinct_ngram_ratio, target_only_greedy
 
 pytestmark = pytest.mark.skipif(not pretrained.available(), reason="built-in pair not installed")
 
 # Floors: what the shipped pair measures on the CPU (fp32, 16 held-out prompts x 64 new
-# tokens: tau 2.35 for B = 8, 2.79 for B = 16), minus a margin. The loop floor is the pair's
+# tokens: tau 2.69 for B = 8, 2.89 for B = 16), minus a margin. The loop floor is the pair's
 # target; its 128-token greedy continuations measure 0.85 on the held-out prompts and 0.90 on
 # the default prompt.
-TAU_FLOOR_B8 = 2.2
-TAU_FLOOR_B16 = 2.65
+TAU_FLOOR_B8 = 2.55
+TAU_FLOOR_B16 = 2.75
 DISTINCT_4GRAM_FLOOR = 0.6
 
 
@@ -62,11 +62,10 @@ def test_pair_files_are_bf16_and_within_60_mb() -> None:
     for name, floor in (("b8", TAU_FLOOR_B8), ("b16", TAU_FLOOR_B16)):
         assert report["drafters"][name]["eval_cuda_float32"]["identical"] == 16
         assert report["drafters"][name]["eval_cuda_float32"]["tau"]["greedy"] >= floor
-    kinds = {8: DFlashDrafter, 16: DFlash2Drafter}
-    for block, kind in kinds.items():
+    for block in (8, 16):
         d = blockdraft.load_drafter(pretrained.drafter_dir(block))
         assert d.config.block_size == block and d.config.mask_token_id == 1
-        assert type(d) is kind
+        assert type(d) is DFlash2Drafter
 
 
 def test_generate_defaults_to_the_trained_pair(capsys: pytest.CaptureFixture[str]) -> None:

@@ -6,7 +6,7 @@ Shipped inside the package (bf16 safetensors, about 51 MB), made from scratch an
 Layout::
 
     target/            Hugging Face Qwen3ForCausalLM (16.9 M parameters, tuned against loops) + its BPE tokenizer
-    drafter-b8/        DFlash drafter, block size 8
+    drafter-b8/        DFlash2 drafter, block size 8
     drafter-b16/       DFlash2 drafter, block size 16 (the default)
     heldout_prompts.json   prompts from files held out of training (token ids and text)
     build_report.json  every number the build measured
