@@ -178,7 +178,7 @@ def run_generate(args: argparse.Namespace) -> int:
     and with Hugging Face ``generate``. Every path runs once untimed first (compiles, graph
     captures, caches), so the timed runs are warm. With ``--tp N`` (or under ``torchrun``) the
     target is split over N ranks."""
-    from blockdraft.parallel import init_tp, launch, launched_by_torchrun
+    from blockdraft.parallel import end_rank_process, init_tp, launch, launched_by_torchrun
 
     tp = args.tp
     if tp is not None:
@@ -192,7 +192,7 @@ def run_generate(args: argparse.Namespace) -> int:
         group = init_tp(device=tp_device(args.device))
         rc = _generate(args, group)
         group.close()
-        return rc
+        end_rank_process(rc)  # this process is the rank: no teardown (see end_rank_process)
     if tp is None or tp == 1:
         return _generate(args, None)
     _check_inputs(args, tp)  # one line before any rank starts

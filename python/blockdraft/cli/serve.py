@@ -118,7 +118,7 @@ def _pair(args: argparse.Namespace) -> _Pair:
 def run_serve(args: argparse.Namespace) -> int:
     """Load the pair, build the engine, serve until SIGINT/SIGTERM; 0 when every page came
     back at exit. With ``--tp N`` (or under ``torchrun``) the target is split over N ranks."""
-    from blockdraft.parallel import init_tp, launch, launched_by_torchrun
+    from blockdraft.parallel import end_rank_process, init_tp, launch, launched_by_torchrun
 
     missing = missing_dependencies()
     if missing:
@@ -138,6 +138,8 @@ def run_serve(args: argparse.Namespace) -> int:
             logging.getLogger().setLevel(logging.WARNING)
         error = _serve(args, group)
         group.close()
+        if error is None:
+            end_rank_process(0)  # this process is the rank: no teardown (see end_rank_process)
     elif (args.tp or 1) == 1:
         error = _serve(args, None)
     else:

@@ -2,7 +2,7 @@
 
 | module | concept |
 | --- | --- |
-| ``group`` | :class:`TPGroup` and :func:`init_tp`: this rank, its device, the collectives TP needs |
+| ``group`` | :class:`TPGroup` and :func:`init_tp`: this rank, its device, the collectives TP needs; :func:`end_rank_process` |
 | ``launch`` | :func:`launch`: a callable on N fresh ranks, watched (a failed rank stops them all) |
 | ``split`` | which head counts and sizes divide, and each rank's part |
 
@@ -13,7 +13,7 @@ parallelism") and ``docs/design/tensor-parallel.md`` describe the split.
 
 from __future__ import annotations
 
-from blockdraft.parallel.group import DEFAULT_TIMEOUT_S, TPGroup, init_tp, launched_by_torchrun
+from blockdraft.parallel.group import DEFAULT_TIMEOUT_S, TPGroup, end_rank_process, init_tp, launched_by_torchrun
 from blockdraft.parallel.launch import RankFailedError, free_port, launch
 from blockdraft.parallel.split import check_split, part
 
@@ -22,6 +22,7 @@ __all__ = [
     "RankFailedError",
     "TPGroup",
     "check_split",
+    "end_rank_process",
     "free_port",
     "init_tp",
     "launch",

@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 from torch import Tensor
@@ -117,6 +118,25 @@ class TPGroup:
         return self.device if self.backend == "nccl" else torch.device("cpu")
 
 
+def end_rank_process(code: int) -> NoReturn:
+    """End this rank's process with ``code`` once its work is done and its group closed:
+    flush the logs and the standard streams, then exit without interpreter teardown.
+
+    gloo's worker threads outlive ``destroy_process_group``. One that drops its last reference
+    to a tensor with a Python object while the interpreter finalizes cannot take the GIL; its
+    thread is ended inside C++ code that must not unwind, and the process aborts (SIGABRT)
+    after a correct run. Only the process's entry point may call this (the CLI's rank paths,
+    the launcher's rank main); nothing after it runs, ``atexit`` handlers included.
+    """
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed or broken stream: nothing left to flush
+            pass
+    os._exit(code)
+
+
 def _env_int(name: str, default: int | None = None) -> int:
     raw = os.environ.get(name)
     if raw is None:
@@ -187,4 +207,4 @@ def init_tp(*, device: str | torch.device | None = None, backend: str | None = N
                    process_group=torch.distributed.group.WORLD)
 
 
-__all__ = ["DEFAULT_TIMEOUT_S", "TPGroup", "init_tp", "launched_by_torchrun"]
+__all__ = ["DEFAULT_TIMEOUT_S", "TPGroup", "end_rank_process", "init_tp", "launched_by_torchrun"]

@@ -36,7 +36,7 @@ from typing import Any, TypeVar
 import torch
 
 from blockdraft._core import ConfigError
-from blockdraft.parallel.group import DEFAULT_TIMEOUT_S, TPGroup, init_tp
+from blockdraft.parallel.group import DEFAULT_TIMEOUT_S, TPGroup, end_rank_process, init_tp
 
 log = logging.getLogger(__name__)
 
@@ -138,6 +138,7 @@ def _rank_main(rank: int, size: int, port: int, fn: Callable[..., Any], args: Se
         finally:
             # Skip interpreter teardown: joining the group's threads can block on a dead peer.
             os._exit(1)
+    end_rank_process(0)
 
 
 def _stop(procs: Sequence[Any]) -> None:
