@@ -136,8 +136,8 @@ def _rank_main(rank: int, size: int, port: int, fn: Callable[..., Any], args: Se
                                 collective=_is_collective_failure(exc)))
             conn.close()
         finally:
-            # Skip interpreter teardown: joining the group's threads can block on a dead peer.
-            os._exit(1)
+            # No interpreter teardown: joining the group's threads can block on a dead peer.
+            end_rank_process(1)
     end_rank_process(0)
 
 
