@@ -137,3 +137,14 @@ def test_tiny_build_end_to_end(tmp_path: Path) -> None:
     again = json.loads((pair / "build_report.json").read_text())
     for d in again["drafters"].values():
         assert set(d["eval"]["tau"]) == {"greedy"} and d["eval"]["identical"] == d["eval"]["num_prompts"]
+    # A later build grows the DFlash2 drafter to 2 layers with focused anchors, from this one's
+    # target, rollouts and drafter.
+    grown = tmp_path / "grown"
+    assert main(["--preset", "tiny", "--out", str(grown), "--device", "cpu", "--drafters", "4:dflash2",
+                 "--reuse-target", str(pair / "target"), "--tune-steps", "0", "--rollouts-from", str(out / "work"),
+                 "--init-drafters", f"b4-dflash2={pair / 'drafter-b4-dflash2'}", "--drafter-layers", "2",
+                 "--anchor-focus", "0.5", "--skip-eval"]) == 0
+    entry = json.loads((grown / "pair" / "build_report.json").read_text())["drafters"]["b4-dflash2"]
+    assert entry["layers"] == 2 and entry["train_config"]["anchor_focus"] == 0.5
+    assert entry["train_config"]["init_from"] == str(pair / "drafter-b4-dflash2")
+    assert json.loads((grown / "pair" / "drafter-b4-dflash2" / "config.json").read_text())["num_hidden_layers"] == 2

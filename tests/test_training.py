@@ -26,6 +26,7 @@ from blockdraft.training.recipe import (
     new_drafter,
     sample_anchors,
     target_features,
+    token_hardness,
     train_drafter,
 )
 
@@ -122,6 +123,52 @@ def test_each_block_equals_the_inference_forward_and_ignores_the_rest() -> None:
         assert not torch.equal(_one_block_loss(drafter, earlier, tokens, labels, anchors, target, j), got)
 
 
+def test_focused_anchors_go_where_the_target_was_unsure() -> None:
+    """focus F draws round(F * A) anchors by hardness, the rest uniformly: distinct, sorted, in
+    range, deterministic per generator state; focus 0 is the uniform draw unchanged."""
+    n, length, b, a = 4, 40, 4, 8
+    hardness = torch.zeros(n, length)
+    hard_pos = torch.tensor([3, 9, 17, 22, 30])
+    hardness[:, hard_pos] = 1.0
+    for focus in (0.5, 1.0):
+        anchors = sample_anchors(n, length, a, b, torch.Generator().manual_seed(1), focus=focus, hardness=hardness)
+        again = sample_anchors(n, length, a, b, torch.Generator().manual_seed(1), focus=focus, hardness=hardness)
+        assert torch.equal(anchors, again)
+        assert anchors.shape == (n, a) and anchors.min() >= 1 and anchors.max() <= length - b
+        assert bool((anchors[:, 1:] > anchors[:, :-1]).all())
+        on_hard = torch.isin(anchors, hard_pos).sum(1)
+        # round(F * A) = 4 or 8 draws by weight; the five hard positions hold almost all of it.
+        assert bool((on_hard >= min(len(hard_pos), round(focus * a))).all())
+    uniform = sample_anchors(n, length, a, b, torch.Generator().manual_seed(1))
+    assert torch.equal(uniform, sample_anchors(n, length, a, b, torch.Generator().manual_seed(1), focus=0.0,
+                                               hardness=hardness))
+    assert float(torch.isin(uniform, hard_pos).float().mean()) < 0.5
+    with pytest.raises(ValueError, match="hardness"):
+        sample_anchors(n, length, a, b, torch.Generator(), focus=0.5)
+    with pytest.raises(ValueError, match="focus"):
+        sample_anchors(n, length, a, b, torch.Generator(), focus=1.5, hardness=hardness)
+
+
+def test_token_hardness_is_one_minus_the_targets_probability_of_the_token() -> None:
+    gen = torch.Generator().manual_seed(2)
+    logits = torch.randn(2, 6, 10, generator=gen)
+    tokens = torch.randint(0, 10, (2, 6), generator=gen)
+    hard = token_hardness(logits, tokens)
+    assert hard.shape == (2, 6) and bool((hard[:, 0] == 0).all())
+    for i in range(2):
+        for t in range(1, 6):
+            p = torch.softmax(logits[i, t - 1], -1)[tokens[i, t]]
+            assert math.isclose(float(hard[i, t]), 1.0 - float(p), rel_tol=1e-5, abs_tol=1e-6)
+
+
+def test_focused_training_runs_and_differs_from_uniform(tmp_path: Path) -> None:
+    target, stream = tiny_target(vocab=VOCAB), _stream()
+    train_drafter(target, stream, _cfg(anchor_focus=0.5), tmp_path / "focus", progress=False)
+    train_drafter(target, stream, _cfg(), tmp_path / "uniform", progress=False)
+    f, u = _weights(tmp_path / "focus"), _weights(tmp_path / "uniform")
+    assert any(not torch.equal(f[k], u[k]) for k in f)
+
+
 def test_labels_are_target_greedy_choices_or_corpus_tokens() -> None:
     target = tiny_target(vocab=VOCAB)
     tokens = _stream()[:12][None]
@@ -188,11 +235,48 @@ def test_training_continues_from_a_saved_drafter(tmp_path: Path) -> None:
     train_drafter(target, stream, _cfg(block_size=6, lr=0.0, init_from=saved), tmp_path / "b6", progress=False)
     b6 = _weights(tmp_path / "b6")
     assert all(torch.equal(a[k], b6[k]) for k in a)
-    with pytest.raises(ValueError, match="num_layers"):
-        train_drafter(target, stream, _cfg(num_layers=2, init_from=saved), tmp_path / "l2", progress=False)
+    with pytest.raises(ValueError, match="intermediate_size"):
+        train_drafter(target, stream, _cfg(intermediate_size=40, init_from=saved), tmp_path / "mlp40",
+                      progress=False)
     with pytest.raises(ValueError, match="exclude each other"):
         train_drafter(target, stream, _cfg(init_from=saved, init_from_target=True), tmp_path / "x",
                       progress=False)
+
+
+@pytest.mark.parametrize("dflash2", [None, dict(conv_kernel_size=2, conv_group_size=8, selector_rank=4,
+                                                 selector_top_k=4)], ids=["dflash", "dflash2"])
+def test_a_grown_drafter_drafts_what_the_saved_one_did_then_learns(tmp_path: Path, dflash2: Any) -> None:
+    """init_from a drafter with fewer layers grows it: the extra layers add nothing until they
+    learn, so at learning rate 0 every block's loss and drafted tokens equal the saved
+    drafter's; trained, the new layers move. A drafter never starts from a deeper one."""
+    from blockdraft.checkpoint import load_drafter
+
+    target, stream = tiny_target(vocab=VOCAB), _stream()
+    ids = [0, 1]  # fixed: the default target layers depend on the drafter's depth
+    saved = train_drafter(target, stream, _cfg(dflash2=dflash2, target_layer_ids=ids), tmp_path / "one",
+                          progress=False).drafter_dir
+    train_drafter(target, stream, _cfg(num_layers=3, lr=0.0, init_from=str(saved), dflash2=dflash2,
+                                       target_layer_ids=ids), tmp_path / "grown", progress=False)
+    one = load_drafter(saved, device="cpu", dtype=torch.float32)
+    grown = load_drafter(tmp_path / "grown" / "drafter", device="cpu", dtype=torch.float32)
+    assert (one.config.num_layers, grown.config.num_layers) == (1, 3)
+    gen = torch.Generator().manual_seed(5)
+    tokens = sample_windows(stream, 3, 24, gen)
+    ctx, labels, _ = target_features(target, tokens, tuple(one.config.target_layer_ids), "target")
+    anchors = sample_anchors(3, 24, 4, 4, gen)
+    embed, head = target.get_input_embeddings().weight, target.lm_head.weight
+    with torch.no_grad():
+        loss_one, picks_one = block_loss(one, ctx, tokens, labels, anchors, embed, head, loss_weights(4))
+        loss_grown, picks_grown = block_loss(grown, ctx, tokens, labels, anchors, embed, head, loss_weights(4))
+    torch.testing.assert_close(loss_grown, loss_one, rtol=1e-5, atol=1e-6)
+    assert torch.equal(picks_grown, picks_one)
+    learned = train_drafter(target, stream, _cfg(num_layers=3, init_from=str(saved), dflash2=dflash2,
+                                                 target_layer_ids=ids), tmp_path / "learned", progress=False).drafter_dir
+    w = _weights(learned.parent)
+    assert float(w["layers.2.self_attn.o_proj.weight"].abs().sum()) > 0
+    with pytest.raises(ValueError, match="num_layers"):
+        train_drafter(target, stream, _cfg(init_from=str(learned), dflash2=dflash2, target_layer_ids=ids),
+                      tmp_path / "shrunk", progress=False)
 
 
 def test_training_learns_and_the_checkpoint_loads_in_blockdraft_and_dflash(tmp_path: Path) -> None:
@@ -255,9 +339,10 @@ def test_cli_train_drafter_adds_a_mask_token_and_resumes(tmp_path: Path, capsys:
     grown_args = [a if a != str(tdir) else str(out / "target") for a in args]
     roll = [*grown_args[: grown_args.index("--out") + 1], str(tmp_path / "roll"),
             *grown_args[grown_args.index("--out") + 2 :], "--rollouts", "6", "--rollout-prompt-tokens", "4",
-            "--rollout-tokens", "12", "--init-from", str(out / "drafter")]
+            "--rollout-tokens", "12", "--init-from", str(out / "drafter"), "--anchor-focus", "0.5"]
     capsys.readouterr()
     assert main(roll) == 0
     assert "rollouts: 6 continuations by the target, 102 tokens" in capsys.readouterr().out
+    assert json.loads((tmp_path / "roll" / "training_args.json").read_text())["anchor_focus"] == 0.5
     assert main([*roll, "--rollout-tokens", "0"]) == 2
     assert "--rollout-tokens must be >= 1" in capsys.readouterr().err

@@ -12,6 +12,7 @@ from blockdraft.training.recipe import (
     loss_weights,
     sample_anchors,
     save_drafter,
+    token_hardness,
     train_drafter,
 )
 
@@ -25,5 +26,6 @@ __all__ = [
     "loss_weights",
     "sample_anchors",
     "save_drafter",
+    "token_hardness",
     "train_drafter",
 ]

@@ -123,7 +123,7 @@ def _train(args: argparse.Namespace) -> int:
         seq_len=args.seq_len, num_seqs=args.num_seqs, num_anchors=args.num_anchors, steps=args.steps,
         time_budget_s=args.time_budget, lr=args.lr, warmup_steps=args.warmup, label_mode=args.labels,
         gamma=args.gamma, seed=args.seed, save_every=args.save_every, save_dtype=args.save_dtype,
-        log_every=args.log_every, distill_weight=args.distill_weight,
+        log_every=args.log_every, distill_weight=args.distill_weight, anchor_focus=args.anchor_focus,
         dflash2=_dflash2_sizes(args.dflash2), selector_weight=args.selector_weight,
         init_from=args.init_from,
     )
@@ -231,6 +231,9 @@ def add_training_commands(sub: Any) -> None:
     tr.add_argument("--gamma", type=float, default=None, help="loss decay (default 7/5/4 for B=16/10/8)")
     tr.add_argument("--distill-weight", type=float, default=0.0,
                     help="add the target's T=1 distribution as a soft label with this weight (sampled drafts)")
+    tr.add_argument("--anchor-focus", type=float, default=0.0, metavar="F",
+                    help="draw this fraction of the anchors where the target was unsure of the anchor token "
+                         "(where blocks start at inference); 0: all uniform")
     tr.add_argument("--dflash2", default=None, metavar="K,G,R,C",
                     help="train a DFlash2 drafter: conv kernel K, conv group G, selector rank R, top-K C "
                          "(e.g. 3,32,32,8)")

@@ -85,6 +85,11 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--target-steps", type=int, default=0, help="fixed target steps (no time budget)")
     ap.add_argument("--target-budget-s", type=float, default=0.0, help="override the target's time budget")
     ap.add_argument("--drafter-budget-s", type=float, default=0.0, help="override each drafter's time budget")
+    ap.add_argument("--drafter-layers", type=int, default=0, metavar="L",
+                    help="drafter layers (default: the preset's); with --init-drafters a deeper drafter "
+                         "grows from the saved one (init_from_drafter)")
+    ap.add_argument("--anchor-focus", type=float, default=-1.0, metavar="F",
+                    help="the drafters' anchor focus (DrafterTrainConfig.anchor_focus; default: the preset's)")
     ap.add_argument("--drafter-steps", default="", help="fixed drafter steps by name, e.g. b8:4000,b16-dflash2:2861")
     ap.add_argument("--tune-steps", type=int, default=-1,
                     help="unlikelihood fine-tuning steps of the target (0: none; default: the preset's, "
@@ -158,6 +163,8 @@ def build(args: argparse.Namespace, argv: list[str] | None) -> int:
         p = dataclasses.replace(p, target_budget_s=args.target_budget_s)
     if args.drafter_budget_s > 0:
         p = dataclasses.replace(p, drafter_budget_s=args.drafter_budget_s)
+    if args.drafter_layers > 0:
+        p = dataclasses.replace(p, drafter_layers=args.drafter_layers)
     if args.rollouts > 0 and p.rollout:
         p = dataclasses.replace(p, rollout={**p.rollout, "num": args.rollouts})
     specs = args.drafter_specs if args.drafters is not None else [DrafterSpec.parse(t) for t in p.drafters]
@@ -240,6 +247,8 @@ def build(args: argparse.Namespace, argv: list[str] | None) -> int:
                 report["drafters"][spec.name] = {"skipped": f"{left():.0f} s left before the deadline"}
                 continue
         settings = {**p.drafter, **p.per_block.get(spec.block, {})}
+        if args.anchor_focus >= 0:
+            settings["anchor_focus"] = args.anchor_focus
         if spec.name in args.fixed_steps:
             settings["steps"], budget = args.fixed_steps[spec.name], 0.0
         if spec.name in args.init_drafters:

@@ -66,18 +66,53 @@ def loss_weights(block_size: int, gamma: float | None = None) -> Tensor:
     return torch.exp(-(k - 1) / g)
 
 
-def sample_anchors(n: int, length: int, num_anchors: int, block_size: int, gen: torch.Generator) -> Tensor:
+def sample_anchors(n: int, length: int, num_anchors: int, block_size: int, gen: torch.Generator, *,
+                   focus: float = 0.0, hardness: Tensor | None = None) -> Tensor:
     """Distinct sorted anchor positions in ``[1, length - block_size]`` per window: [n, A] int64.
 
     Position 0 is never an anchor (a block needs at least one context row before it), and the
     last anchor leaves room for a whole block inside the window.
+
+    With ``focus`` > 0, ``round(focus * A)`` anchors of each window are drawn with probability
+    proportional to ``hardness`` [n, length] (CPU, >= 0: how unsure the target was of the token
+    at each position, :func:`token_hardness`) and the rest uniformly from the positions left.
+    At inference a block starts at the token where the previous block's draft failed, which is
+    where the target was unsure far more often than at a uniform position; focused anchors put
+    more of the training there (docs/training.md, "Where the steps go").
     """
     span = length - block_size
     if span < 1:
         raise ValueError(f"window length {length} is too short for blocks of {block_size}")
+    if not 0.0 <= focus <= 1.0:
+        raise ValueError(f"focus must be in [0, 1], not {focus}")
     a = min(num_anchors, span)
-    rows = [torch.randperm(span, generator=gen)[:a].sort().values + 1 for _ in range(n)]
+    if focus == 0.0:
+        rows = [torch.randperm(span, generator=gen)[:a].sort().values + 1 for _ in range(n)]
+        return torch.stack(rows)
+    if hardness is None or hardness.shape != (n, length):
+        raise ValueError(f"focus > 0 needs hardness of shape {(n, length)}")
+    hard = round(focus * a)
+    rows = []
+    for i in range(n):
+        # A small floor keeps every position drawable (multinomial needs enough nonzero weights).
+        w = hardness[i, 1 : span + 1].float().clamp_min(0) + 1e-4
+        picked = torch.multinomial(w, hard, replacement=False, generator=gen) if hard else w.new_zeros(0).long()
+        free = torch.ones(span, dtype=torch.bool)
+        free[picked] = False
+        others = free.nonzero().flatten()
+        rest = others[torch.randperm(others.numel(), generator=gen)[: a - hard]]
+        rows.append(torch.cat((picked, rest)).sort().values + 1)
     return torch.stack(rows)
+
+
+def token_hardness(logits: Tensor, tokens: Tensor) -> Tensor:
+    """``1 - p(token)`` at every position of ``tokens`` [n, T] under the target's distribution
+    after the prefix before it (``logits`` [n, T, V], the target's over the same windows);
+    position 0 has no prefix and gets 0. Returns [n, T] fp32 on ``tokens``' device."""
+    probs = torch.softmax(logits[:, :-1].float(), dim=-1).gather(-1, tokens[:, 1:, None])[..., 0]
+    out = torch.zeros(tokens.shape, dtype=torch.float32, device=tokens.device)
+    out[:, 1:] = 1.0 - probs
+    return out
 
 
 def block_attention_mask(anchors: Tensor, length: int, block_size: int) -> Tensor:
@@ -364,20 +399,40 @@ def init_from_drafter(drafter: DFlashDrafter, path: Path) -> None:
     The block size may differ: no weight depends on it (a block is anchor + MASK embeddings,
     its positions come from RoPE), so a B = 16 drafter can start a B = 8 one.
 
+    ``drafter`` may also have more layers than the saved one (growing it). Each extra layer
+    starts as a copy of the saved drafter's last layer with its two output projections
+    (``o_proj``, ``down_proj``) zeroed: it adds nothing to the residual stream, so the grown
+    drafter drafts exactly what the saved one did, and training opens the new layers from there
+    instead of from a worse start.
+
     Raises:
         ValueError: the saved drafter's config differs from ``drafter``'s in anything but the
-            block size (the fields that differ are named).
+            block size and a smaller layer count (the fields that differ are named).
         blockdraft.CheckpointError: ``path`` is not a readable drafter checkpoint.
     """
     from blockdraft.checkpoint import load_drafter
 
     saved = load_drafter(path, device="cpu", dtype=torch.float32)
     mine, theirs = asdict(drafter.config), asdict(saved.config)
-    differ = sorted(k for k in mine if k not in ("dtype", "block_size") and mine[k] != theirs.get(k))
+    free = ("dtype", "block_size", "num_layers", "layer_types")
+    differ = sorted(k for k in mine if k not in free and mine[k] != theirs.get(k))
+    have, want = saved.config.num_layers, drafter.config.num_layers
+    if have > want:
+        differ.append("num_layers")
+    # Extra layers copy the last one, so their attention kind (full or sliding) must be its kind.
+    types, saved_types = tuple(drafter.config.layer_types), tuple(saved.config.layer_types)
+    if have <= want and types != saved_types + saved_types[-1:] * (want - have):
+        differ.append("layer_types")
     if differ:
         raise ValueError(f"cannot start from {path}: its config differs in {', '.join(differ)}")
+    state = saved.state_dict()
+    last = f"layers.{have - 1}."
+    for i in range(have, want):
+        for name, tensor in saved.layer(have - 1).state_dict().items():
+            zero = name in ("self_attn.o_proj.weight", "self_attn.o_proj.bias", "mlp.down_proj.weight")
+            state[f"layers.{i}.{name}"] = torch.zeros_like(tensor) if zero else state[last + name]
     with torch.no_grad():
-        drafter.load_state_dict(saved.state_dict())
+        drafter.load_state_dict(state)
 
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -422,6 +477,8 @@ class DrafterTrainConfig:
             (:func:`init_from_target`) instead of random weights.
         init_from: start from the weights of this saved drafter instead (continued training;
             :func:`init_from_drafter`); excludes ``init_from_target``.
+        anchor_focus: the fraction of each window's anchors drawn where the target was unsure
+            of the anchor token (:func:`sample_anchors`); 0: all uniform.
         save_every: steps between checkpoints (0: only at the end); keep: checkpoints kept.
         save_dtype: dtype of the exported drafter.
     """
@@ -447,6 +504,7 @@ class DrafterTrainConfig:
     distill_weight: float = 0.0
     dflash2: dict[str, int] | None = None
     selector_weight: float = 1.0
+    anchor_focus: float = 0.0
     init_from_target: bool = False
     init_from: str | None = None
     seed: int = 0
@@ -636,13 +694,16 @@ def train_drafter(
     try:
         while step < total:
             gen = step_generator(cfg.seed, step)
-            tokens = sample_windows(stream, cfg.num_seqs, cfg.seq_len, gen)
-            anchors = sample_anchors(cfg.num_seqs, cfg.seq_len, cfg.num_anchors, cfg.block_size, gen)
-            tokens, anchors = tokens.to(device), anchors.to(device)
+            tokens = sample_windows(stream, cfg.num_seqs, cfg.seq_len, gen).to(device)
             for group in opt.param_groups:
                 group["lr"] = lr_at(step, total, cfg)
             ctx, labels, soft = target_features(target, tokens, layer_ids, cfg.label_mode,
-                                                keep_logits=cfg.distill_weight > 0)
+                                                keep_logits=cfg.distill_weight > 0 or cfg.anchor_focus > 0)
+            hardness = None if cfg.anchor_focus == 0 or soft is None else token_hardness(soft, tokens).cpu()
+            if cfg.distill_weight == 0:
+                soft = None
+            anchors = sample_anchors(cfg.num_seqs, cfg.seq_len, cfg.num_anchors, cfg.block_size, gen,
+                                     focus=cfg.anchor_focus, hardness=hardness).to(device)
             with torch.autocast(device_type="cuda", dtype=torch.bfloat16, enabled=use_amp):
                 loss, correct = block_loss(
                     drafter, ctx, tokens, labels, anchors, embed_weight, head_weight, weights,
