@@ -343,6 +343,7 @@ def test_cli_train_drafter_adds_a_mask_token_and_resumes(tmp_path: Path, capsys:
     capsys.readouterr()
     assert main(roll) == 0
     assert "rollouts: 6 continuations by the target, 102 tokens" in capsys.readouterr().out
-    assert json.loads((tmp_path / "roll" / "training_args.json").read_text())["anchor_focus"] == 0.5
+    saved_args = json.loads((tmp_path / "roll" / "training_args.json").read_text())
+    assert saved_args["anchor_focus"] == 0.5 and saved_args["selector_distill_weight"] == 0.0
     assert main([*roll, "--rollout-tokens", "0"]) == 2
     assert "--rollout-tokens must be >= 1" in capsys.readouterr().err

@@ -27,7 +27,12 @@ from blockdraft.training.recipe import (
     target_features,
     train_drafter,
 )
-from blockdraft.training.selector import selector_loss, teacher_predecessors
+from blockdraft.training.selector import (
+    selector_distill_loss,
+    selector_loss,
+    selector_scores,
+    teacher_predecessors,
+)
 
 VOCAB = 64
 MASK = VOCAB - 1
@@ -175,6 +180,116 @@ def test_distillation_term_is_the_cross_entropy_against_the_target_softmax() -> 
     assert torch.allclose(both - hard, 0.5 * torch.stack(terms).mean(), rtol=1e-4, atol=1e-5)
     with pytest.raises(ValueError, match="soft_logits"):
         block_loss(drafter, ctx, tokens, labels, anchors, emb, head, w, distill_weight=0.5)
+
+
+def test_selector_distillation_is_over_the_inference_q_with_the_texts_predecessors() -> None:
+    """The selector's training distribution on given predecessors is the q its sampled walk
+    draws from; the term block_loss adds is the cross-entropy of that q (predecessors: the
+    window's own tokens) against the target's softmax restricted to the candidates."""
+    torch.manual_seed(0)
+    target = tiny_target(vocab=VOCAB)
+    drafter = _random_dflash2(target)
+    sel = drafter.candidate_selector
+    b = 4
+    tokens = _stream(seed=3)[:18][None]
+    anchors = torch.tensor([[2, 7, 12]])
+    ctx, labels, soft = target_features(target, tokens, drafter.config.target_layer_ids, "target", keep_logits=True)
+    assert soft is not None
+    emb, head = target.get_input_embeddings().weight, target.lm_head.weight
+    w = loss_weights(b)
+    terms = []
+    for a in anchors[0].tolist():
+        block = torch.tensor([int(tokens[0, a])] + [MASK] * (b - 1))
+        with torch.no_grad():
+            hidden = drafter.reference_forward(ctx[0, :a], torch.arange(a), F.embedding(block, emb),
+                                               torch.arange(a, a + b))
+            logits = drafter.logits(hidden[None, 1:], head).float()
+            draft = drafter.draft(hidden[None, 1:], block[:1], head, temperature=1.0,
+                                  generator=torch.Generator().manual_seed(a))
+        assert draft.q is not None
+        walked = teacher_predecessors(block[None, :1], draft.tokens)
+        scores, candidates = selector_scores(sel, hidden[None, 1:], logits, walked)
+        assert torch.equal(candidates.sort(-1).values, draft.candidates.sort(-1).values)
+        # Same candidates in the same order (one topk), so q lines up entry by entry.
+        torch.testing.assert_close(torch.softmax(scores, -1), draft.q, rtol=1e-5, atol=1e-6)
+        text_prev = tokens[:, a : a + b - 1]
+        scores, candidates = selector_scores(sel, hidden[None, 1:], logits, text_prev)
+        p = torch.softmax(soft[0, a : a + b - 1].float(), -1).gather(-1, candidates[0])
+        p = p / p.sum(-1, keepdim=True)
+        ce = -(p * torch.log_softmax(scores[0], -1)).sum(-1)
+        terms.append((ce * w).sum() / w.sum())
+    base, _ = block_loss(drafter, ctx, tokens, labels, anchors, emb, head, w)
+    with_term, _ = block_loss(drafter, ctx, tokens, labels, anchors, emb, head, w, soft_logits=soft,
+                              selector_distill_weight=0.7)
+    torch.testing.assert_close(with_term - base, 0.7 * torch.stack(terms).mean(), rtol=1e-4, atol=1e-5)
+    with pytest.raises(ValueError, match="soft_logits"):
+        block_loss(drafter, ctx, tokens, labels, anchors, emb, head, w, selector_distill_weight=0.7)
+
+
+def test_selector_distillation_is_least_where_q_is_the_targets_share_of_the_candidates() -> None:
+    """Over q on the candidates, acceptance sum(min(p, q)) peaks at p restricted and
+    renormalised; the loss is then that distribution's entropy, and another q scores higher."""
+    torch.manual_seed(0)
+    target = tiny_target(vocab=VOCAB)
+    sel = _random_dflash2(target).candidate_selector
+    hidden, logits = torch.randn(2, 3, 32), torch.randn(2, 3, VOCAB)
+    prev = torch.randint(0, VOCAB, (2, 3))
+    scores, candidates = selector_scores(sel, hidden, logits, prev)
+    q = torch.softmax(scores.detach(), -1)
+    # A target distribution whose share of the candidates is exactly q (40 % of its mass).
+    probs = torch.full((2, 3, VOCAB), 0.6 / (VOCAB - sel.top_k))
+    probs.scatter_(-1, candidates, 0.4 * q)
+    w = torch.tensor([1.0, 0.5, 0.25])
+    at_q = selector_distill_loss(sel, hidden, logits, prev, probs, w)
+    entropy = -(q * q.log()).sum(-1)
+    w_rows = w[None].expand(2, -1)
+    torch.testing.assert_close(at_q, (entropy * w_rows).sum() / w_rows.sum(), rtol=1e-5, atol=1e-6)
+    # Another q on the same candidates (other rows, same logits) is further from the target.
+    moved = selector_distill_loss(sel, hidden + torch.randn(2, 3, 32), logits, prev, probs, w)
+    assert float(moved.detach()) > float(at_q.detach()) + 1e-3
+
+
+def _sampled_acceptance(drafter: DFlash2Drafter, target: Any) -> torch.Tensor:
+    """Per block row, the mean acceptance probability sum_c min(p(c), q(c)) of T = 1 drafts
+    sampled from the selector, given the earlier rows right, over fresh windows."""
+    from blockdraft.training.data import sample_windows
+
+    tokens = sample_windows(_stream(seed=5), 8, 24, torch.Generator().manual_seed(99))
+    ctx, _, soft = target_features(target, tokens, drafter.config.target_layer_ids, "target", keep_logits=True)
+    assert soft is not None
+    emb, head = target.get_input_embeddings().weight, target.lm_head.weight
+    b = drafter.config.block_size
+    rows = []
+    for i in range(tokens.shape[0]):
+        for a in range(2, tokens.shape[1] - b):
+            block = torch.tensor([int(tokens[i, a])] + [MASK] * (b - 1))
+            with torch.no_grad():
+                hidden = drafter.reference_forward(ctx[i, :a], torch.arange(a), F.embedding(block, emb),
+                                                   torch.arange(a, a + b))
+                logits = drafter.logits(hidden[None, 1:], head).float()
+                scores, cand = selector_scores(drafter.candidate_selector, hidden[None, 1:], logits,
+                                               tokens[i : i + 1, a : a + b - 1])
+            p = torch.softmax(soft[i, a : a + b - 1].float(), -1).gather(-1, cand[0])
+            rows.append(torch.minimum(p, torch.softmax(scores[0], -1)).sum(-1))
+    return torch.stack(rows).mean(0)
+
+
+def test_selector_distillation_raises_the_acceptance_of_sampled_drafts(tmp_path: Path) -> None:
+    """Same data, steps and seed: with the selector's distillation, T = 1 drafts sampled from the
+    selector are accepted more often at every block row."""
+    target, stream = tiny_target(vocab=VOCAB), _stream()
+    with torch.no_grad():
+        target.lm_head.weight.mul_(5.0)
+    got = {}
+    for weight in (0.0, 1.0):
+        cfg = DrafterTrainConfig(num_layers=1, block_size=4, mask_token_id=MASK, seq_len=24, num_seqs=4,
+                                 num_anchors=6, steps=150, warmup_steps=2, lr=1e-2, save_dtype="float32",
+                                 log_every=50, dflash2=SIZES, selector_distill_weight=weight)
+        res = train_drafter(target, stream, cfg, tmp_path / str(weight), progress=False)
+        drafter = blockdraft.load_drafter(res.drafter_dir)
+        assert isinstance(drafter, DFlash2Drafter)
+        got[weight] = _sampled_acceptance(drafter, target)
+    assert bool((got[1.0] > got[0.0] + 0.005).all()), got
 
 
 def test_dflash2_training_learns_and_loads_in_blockdraft_and_dflash(tmp_path: Path) -> None:

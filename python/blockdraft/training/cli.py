@@ -124,6 +124,7 @@ def _train(args: argparse.Namespace) -> int:
         time_budget_s=args.time_budget, lr=args.lr, warmup_steps=args.warmup, label_mode=args.labels,
         gamma=args.gamma, seed=args.seed, save_every=args.save_every, save_dtype=args.save_dtype,
         log_every=args.log_every, distill_weight=args.distill_weight, anchor_focus=args.anchor_focus,
+        selector_distill_weight=args.selector_distill_weight,
         dflash2=_dflash2_sizes(args.dflash2), selector_weight=args.selector_weight,
         init_from=args.init_from,
     )
@@ -238,6 +239,9 @@ def add_training_commands(sub: Any) -> None:
                     help="train a DFlash2 drafter: conv kernel K, conv group G, selector rank R, top-K C "
                          "(e.g. 3,32,32,8)")
     tr.add_argument("--selector-weight", type=float, default=1.0, help="DFlash2: weight of the selector loss")
+    tr.add_argument("--selector-distill-weight", type=float, default=0.0,
+                    help="DFlash2: weight of the selector's distillation towards the target's distribution over "
+                         "its candidates (sampled drafts)")
     tr.add_argument("--rollouts", type=int, default=0,
                     help="train on this many continuations written by the target itself (prompts from the "
                          "corpus) instead of on the corpus; 0: the corpus")

@@ -41,7 +41,12 @@ from torch import Tensor
 from blockdraft.config import DFLASH2_ARCH, DFLASH2_FIELDS, DFLASH_ARCH, DrafterConfig, default_target_layer_ids
 from blockdraft.models import DFlash2Drafter, DFlashDrafter
 from blockdraft.training.data import sample_windows, step_generator
-from blockdraft.training.selector import init_dflash2_extras, selector_loss, teacher_predecessors
+from blockdraft.training.selector import (
+    init_dflash2_extras,
+    selector_distill_loss,
+    selector_loss,
+    teacher_predecessors,
+)
 
 log = logging.getLogger(__name__)
 
@@ -153,6 +158,7 @@ def block_loss(
     soft_logits: Tensor | None = None,
     distill_weight: float = 0.0,
     selector_weight: float = 1.0,
+    selector_distill_weight: float = 0.0,
 ) -> tuple[Tensor, Tensor]:
     """The recipe's loss for ``n`` windows.
 
@@ -169,6 +175,9 @@ def block_loss(
         distill_weight: weight of the distillation term, the cross-entropy of the drafter's
             distribution against the target's softmax at T = 1 (what sampled drafts need).
         selector_weight: DFlash2 only: weight of :func:`~blockdraft.training.selector.selector_loss`.
+        selector_distill_weight: DFlash2 only: weight of
+            :func:`~blockdraft.training.selector.selector_distill_loss` (what sampled DFlash2
+            drafts need); needs ``soft_logits``.
     Returns:
         (scalar loss, [n, A, B-1] bool: the drafted token of row k equals its label; for
         DFlash2, the selector's pick given correct earlier rows).
@@ -215,20 +224,29 @@ def block_loss(
     valid = (target != -100).float()
     w = weights.to(dev)
     loss = (ce.reshape(n, a, b - 1) * w * valid).sum() / (w * valid).sum().clamp_min(1e-6)
-    if distill_weight > 0:
+    sel_distill = selector_distill_weight if isinstance(drafter, DFlash2Drafter) else 0.0
+    probs: Tensor | None = None
+    if distill_weight > 0 or sel_distill > 0:
         if soft_logits is None:
-            raise ValueError("distill_weight > 0 needs the target's logits (soft_logits)")
+            raise ValueError("distillation needs the target's logits (soft_logits)")
         # The target's distribution for position p is its softmax after the prefix before p.
         rows = soft_logits.gather(1, (row_pos - 1)[:, :, None].expand(-1, -1, soft_logits.shape[-1]))
         probs = torch.softmax(rows.float(), dim=-1).reshape(-1, soft_logits.shape[-1])
+    if distill_weight > 0 and probs is not None:
         soft = F.cross_entropy(flat_logits, probs, reduction="none").reshape(n, a, b - 1)
         loss = loss + distill_weight * (soft * w).sum() / (w.sum() * n * a)
     if isinstance(drafter, DFlash2Drafter):
+        rows_hidden = hidden.reshape(n * a, b - 1, -1)
+        rows_logits = logits.reshape(n * a, b - 1, -1)
         prev = teacher_predecessors(block_ids[:, :, :1], target)
-        sel, picks = selector_loss(drafter.candidate_selector, hidden.reshape(n * a, b - 1, -1),
-                                   logits.reshape(n * a, b - 1, -1), prev.reshape(n * a, b - 1),
-                                   target.reshape(n * a, b - 1), w)
+        sel, picks = selector_loss(drafter.candidate_selector, rows_hidden, rows_logits,
+                                   prev.reshape(n * a, b - 1), target.reshape(n * a, b - 1), w)
         loss = loss + selector_weight * sel
+        if sel_distill > 0 and probs is not None:
+            text_prev = tokens.gather(1, positions[:, :, :-1].reshape(n, -1)).reshape(n * a, b - 1)
+            loss = loss + sel_distill * selector_distill_loss(
+                drafter.candidate_selector, rows_hidden, rows_logits, text_prev,
+                probs.reshape(n * a, b - 1, -1), w)
         drafted = picks.reshape(n, a, b - 1)
     else:
         drafted = logits.argmax(-1)
@@ -472,7 +490,8 @@ class DrafterTrainConfig:
             soft label, for sampled drafts); 0 trains on the hard labels alone.
         dflash2: train a DFlash2 drafter with these ``conv_kernel_size``, ``conv_group_size``,
             ``selector_rank``, ``selector_top_k`` (``None``: DFlash); selector_weight: the
-            weight of its selector objective.
+            weight of its selector objective; selector_distill_weight: the weight of the
+            selector's distillation (:func:`~blockdraft.training.selector.selector_distill_loss`).
         init_from_target: start the drafter's layers as copies of the target's last layers
             (:func:`init_from_target`) instead of random weights.
         init_from: start from the weights of this saved drafter instead (continued training;
@@ -505,6 +524,7 @@ class DrafterTrainConfig:
     dflash2: dict[str, int] | None = None
     selector_weight: float = 1.0
     anchor_focus: float = 0.0
+    selector_distill_weight: float = 0.0
     init_from_target: bool = False
     init_from: str | None = None
     seed: int = 0
@@ -683,6 +703,7 @@ def train_drafter(
     (out / ARGS_FILE).write_text(json.dumps(asdict(cfg), indent=2) + "\n", encoding="utf-8")
 
     use_amp = device.type == "cuda"
+    distills = cfg.distill_weight > 0 or (cfg.selector_distill_weight > 0 and cfg.dflash2 is not None)
     stream = stream.to("cpu")
     tau_ema = loss_ema = float("nan")
     t0 = time.perf_counter()
@@ -698,9 +719,9 @@ def train_drafter(
             for group in opt.param_groups:
                 group["lr"] = lr_at(step, total, cfg)
             ctx, labels, soft = target_features(target, tokens, layer_ids, cfg.label_mode,
-                                                keep_logits=cfg.distill_weight > 0 or cfg.anchor_focus > 0)
+                                                keep_logits=distills or cfg.anchor_focus > 0)
             hardness = None if cfg.anchor_focus == 0 or soft is None else token_hardness(soft, tokens).cpu()
-            if cfg.distill_weight == 0:
+            if not distills:
                 soft = None
             anchors = sample_anchors(cfg.num_seqs, cfg.seq_len, cfg.num_anchors, cfg.block_size, gen,
                                      focus=cfg.anchor_focus, hardness=hardness).to(device)
@@ -708,6 +729,7 @@ def train_drafter(
                 loss, correct = block_loss(
                     drafter, ctx, tokens, labels, anchors, embed_weight, head_weight, weights,
                     soft_logits=soft, distill_weight=cfg.distill_weight, selector_weight=cfg.selector_weight,
+                    selector_distill_weight=cfg.selector_distill_weight,
                 )
             apply_gradients(opt, loss, drafter, cfg.grad_clip)
             step += 1

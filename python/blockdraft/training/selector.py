@@ -89,6 +89,38 @@ def selector_loss(
     return loss, picks
 
 
+def selector_distill_loss(
+    selector: CandidateSelector,
+    hidden: Tensor,
+    logits: Tensor,
+    prev: Tensor,
+    target_probs: Tensor,
+    weights: Tensor,
+) -> Tensor:
+    """The selector's distribution at T = 1 against the target's, over the K candidates.
+
+    Drafts sampled from the selector's ``q = softmax(score)`` (zero outside the candidates) are
+    accepted with probability ``sum_c min(p(c), q(c))``. Over ``q`` on the candidates, the
+    largest value is the target's mass on them, reached by ``q = p`` restricted to the
+    candidates and renormalised. So this is the cross-entropy of ``q`` against that
+    distribution, per row, weighted like the token loss.
+
+    Args:
+        hidden: [N, B-1, H]; logits: [N, B-1, V] fp32.
+        prev: [N, B-1] the token before each row in the training text: the anchor, then the
+            window's own tokens. Sampled text is not the target's argmax, so the predecessors
+            are the tokens the target's distributions were computed after.
+        target_probs: [N, B-1, V] the target's softmax for each row's position.
+        weights: [B-1].
+    """
+    scores, candidates = selector_scores(selector, hidden, logits, prev)
+    p = target_probs.gather(-1, candidates).float()
+    p = p / p.sum(-1, keepdim=True).clamp_min(1e-12)
+    ce = -(p * F.log_softmax(scores.float(), dim=-1)).sum(-1)  # [N, B-1]
+    w = weights.to(ce.device)[None, :].expand_as(ce)
+    return (ce * w).sum() / w.sum().clamp_min(1e-6)
+
+
 def init_dflash2_extras(drafter: DFlash2Drafter, seed: int) -> None:
     """Start a fresh DFlash2 drafter as its DFlash part.
 
@@ -111,4 +143,5 @@ def init_dflash2_extras(drafter: DFlash2Drafter, seed: int) -> None:
         pred.copy_(torch.randn(pred.shape, generator=gen).to(pred.dtype))
 
 
-__all__ = ["init_dflash2_extras", "selector_loss", "selector_scores", "teacher_predecessors"]
+__all__ = ["init_dflash2_extras", "selector_distill_loss", "selector_loss", "selector_scores",
+           "teacher_predecessors"]
