@@ -238,6 +238,10 @@ def test_training_continues_from_a_saved_drafter(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="intermediate_size"):
         train_drafter(target, stream, _cfg(intermediate_size=40, init_from=saved), tmp_path / "mlp40",
                       progress=False)
+    with pytest.raises(ValueError, match="needs a DFlash2 drafter"):
+        train_drafter(target, stream, _cfg(selector_distill_weight=1.0), tmp_path / "sd", progress=False)
+    with pytest.raises(ValueError, match="anchor_focus"):
+        train_drafter(target, stream, _cfg(anchor_focus=2.0), tmp_path / "af", progress=False)
     with pytest.raises(ValueError, match="exclude each other"):
         train_drafter(target, stream, _cfg(init_from=saved, init_from_target=True), tmp_path / "x",
                       progress=False)

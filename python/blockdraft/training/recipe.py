@@ -671,6 +671,11 @@ def train_drafter(
     layer_ids = tuple(raw["dflash_config"]["target_layer_ids"])
     if cfg.init_from_target and cfg.init_from:
         raise ValueError("init_from_target and init_from exclude each other")
+    if cfg.selector_distill_weight < 0 or (cfg.selector_distill_weight > 0 and cfg.dflash2 is None):
+        raise ValueError(f"selector_distill_weight {cfg.selector_distill_weight} needs a DFlash2 drafter (dflash2) "
+                         "and a weight >= 0")
+    if not 0.0 <= cfg.anchor_focus <= 1.0:
+        raise ValueError(f"anchor_focus must be in [0, 1], not {cfg.anchor_focus}")
     drafter = new_drafter(raw, cfg.seed)
     if cfg.init_from_target:
         init_from_target(drafter, target)
