@@ -81,8 +81,8 @@ def sample_anchors(n: int, length: int, num_anchors: int, block_size: int, gen: 
     With ``focus`` > 0, ``round(focus * A)`` anchors of each window are drawn with probability
     proportional to ``hardness`` [n, length] (CPU, >= 0: how unsure the target was of the token
     at each position, :func:`token_hardness`) and the rest uniformly from the positions left.
-    At inference a block starts at the token where the previous block's draft failed, which is
-    where the target was unsure far more often than at a uniform position; focused anchors put
+    At inference a block starts at the token where the previous block's draft failed, where the
+    target is on average less sure of its token than at a uniform position; focused anchors put
     more of the training there (docs/training.md, "Where the steps go").
     """
     span = length - block_size
@@ -232,9 +232,9 @@ def block_loss(
         # The target's distribution for position p is its softmax after the prefix before p.
         rows = soft_logits.gather(1, (row_pos - 1)[:, :, None].expand(-1, -1, soft_logits.shape[-1]))
         probs = torch.softmax(rows.float(), dim=-1).reshape(-1, soft_logits.shape[-1])
-    if distill_weight > 0 and probs is not None:
-        soft = F.cross_entropy(flat_logits, probs, reduction="none").reshape(n, a, b - 1)
-        loss = loss + distill_weight * (soft * w).sum() / (w.sum() * n * a)
+        if distill_weight > 0:
+            soft = F.cross_entropy(flat_logits, probs, reduction="none").reshape(n, a, b - 1)
+            loss = loss + distill_weight * (soft * w).sum() / (w.sum() * n * a)
     if isinstance(drafter, DFlash2Drafter):
         rows_hidden = hidden.reshape(n * a, b - 1, -1)
         rows_logits = logits.reshape(n * a, b - 1, -1)
@@ -242,7 +242,7 @@ def block_loss(
         sel, picks = selector_loss(drafter.candidate_selector, rows_hidden, rows_logits,
                                    prev.reshape(n * a, b - 1), target.reshape(n * a, b - 1), w)
         loss = loss + selector_weight * sel
-        if sel_distill > 0 and probs is not None:
+        if probs is not None and sel_distill > 0:
             text_prev = tokens.gather(1, positions[:, :, :-1].reshape(n, -1)).reshape(n * a, b - 1)
             loss = loss + sel_distill * selector_distill_loss(
                 drafter.candidate_selector, rows_hidden, rows_logits, text_prev,
@@ -444,11 +444,10 @@ def init_from_drafter(drafter: DFlashDrafter, path: Path) -> None:
     if differ:
         raise ValueError(f"cannot start from {path}: its config differs in {', '.join(differ)}")
     state = saved.state_dict()
-    last = f"layers.{have - 1}."
+    silent = ("self_attn.o_proj.weight", "self_attn.o_proj.bias", "mlp.down_proj.weight")
     for i in range(have, want):
         for name, tensor in saved.layer(have - 1).state_dict().items():
-            zero = name in ("self_attn.o_proj.weight", "self_attn.o_proj.bias", "mlp.down_proj.weight")
-            state[f"layers.{i}.{name}"] = torch.zeros_like(tensor) if zero else state[last + name]
+            state[f"layers.{i}.{name}"] = torch.zeros_like(tensor) if name in silent else tensor
     with torch.no_grad():
         drafter.load_state_dict(state)
 
@@ -708,7 +707,7 @@ def train_drafter(
     (out / ARGS_FILE).write_text(json.dumps(asdict(cfg), indent=2) + "\n", encoding="utf-8")
 
     use_amp = device.type == "cuda"
-    distills = cfg.distill_weight > 0 or (cfg.selector_distill_weight > 0 and cfg.dflash2 is not None)
+    distills = cfg.distill_weight > 0 or cfg.selector_distill_weight > 0  # the latter: DFlash2 (checked)
     stream = stream.to("cpu")
     tau_ema = loss_ema = float("nan")
     t0 = time.perf_counter()
@@ -725,7 +724,7 @@ def train_drafter(
                 group["lr"] = lr_at(step, total, cfg)
             ctx, labels, soft = target_features(target, tokens, layer_ids, cfg.label_mode,
                                                 keep_logits=distills or cfg.anchor_focus > 0)
-            hardness = None if cfg.anchor_focus == 0 or soft is None else token_hardness(soft, tokens).cpu()
+            hardness = token_hardness(soft, tokens).cpu() if cfg.anchor_focus > 0 and soft is not None else None
             if not distills:
                 soft = None
             anchors = sample_anchors(cfg.num_seqs, cfg.seq_len, cfg.num_anchors, cfg.block_size, gen,
