@@ -33,6 +33,7 @@ import torch
 
 from blockdraft.checkpoint import load_drafter
 from blockdraft.training.data import collect_python_sources, split_heldout
+from blockdraft.training.evaluate import heldout_prompts
 from blockdraft.training.pair_target import load_target
 from blockdraft.training.recipe import block_loss, loss_weights, target_features, token_hardness
 from blockdraft.training.rollouts import rollout
@@ -41,19 +42,12 @@ PRETRAINED = Path(__file__).resolve().parent.parent / "python" / "blockdraft" / 
 
 
 def training_prompts(site: Path, tokenizer: Any, count: int, length: int, every: int) -> list[list[int]]:
-    """The first ``length`` tokens of ``count`` files of ``site`` in the build's training split
-    (``split_heldout(files, every)``), files in a fixed shuffled order."""
+    """Prompts as the held-out ones are made (``heldout_prompts``), from files of ``site`` in the
+    build's training split (``split_heldout(files, every)``), in a fixed shuffled order."""
     files = collect_python_sources([site], max_chars=10**9)
     train, _ = split_heldout(files, every)
     random.Random(0).shuffle(train)
-    out: list[list[int]] = []
-    for f in train:
-        ids = list(tokenizer(f.text, add_special_tokens=False)["input_ids"])
-        if len(ids) >= 3 * length:
-            out.append(ids[:length])
-        if len(out) == count:
-            break
-    return out
+    return heldout_prompts([f.text for f in train], tokenizer, count, length)
 
 
 @torch.no_grad()
