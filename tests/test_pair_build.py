@@ -42,6 +42,16 @@ def test_the_shipped_package_list_is_pinned_and_bad_lines_are_named(tmp_path: Pa
         corpus_site.pinned_packages(bad)
 
 
+def test_the_wide_list_adds_distributions_without_repeating_the_shipped_ones(tmp_path: Path) -> None:
+    wide = corpus_site.pinned_packages(corpus_site.package_list(Path("corpus_packages_wide.txt")))
+    names = {p.split("==")[0].lower().replace("_", "-") for p in wide}
+    shipped = {p.split("==")[0].lower().replace("_", "-") for p in corpus_site.pinned_packages()}
+    assert len(wide) >= 100 and len(names) == len(wide)
+    assert not names & shipped
+    with pytest.raises(FileNotFoundError, match="no package list"):
+        corpus_site.package_list(tmp_path / "missing.txt")
+
+
 def test_a_corpus_site_replaces_site_packages_and_its_archive_keeps_what_the_corpus_reads(tmp_path: Path) -> None:
     site = tmp_path / "site"
     _dist(site, "good", "MIT", {"good/a.py": BODY + "# a\n", "good/tiny.py": "x = 1\n",
@@ -148,3 +158,4 @@ def test_tiny_build_end_to_end(tmp_path: Path) -> None:
     assert entry["layers"] == 2 and entry["train_config"]["anchor_focus"] == 0.5
     assert entry["train_config"]["init_from"] == str(pair / "drafter-b4-dflash2")
     assert json.loads((grown / "pair" / "drafter-b4-dflash2" / "config.json").read_text())["num_hidden_layers"] == 2
+

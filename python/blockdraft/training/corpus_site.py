@@ -3,8 +3,12 @@ whose source joins the standard library in the built-in pair's corpus.
 
     python -m blockdraft.training.corpus_site DEST            # pip-install them into DEST
     python -m blockdraft.training.corpus_site DEST --pack F   # and pack their source into F.tar.xz
+    python -m blockdraft.training.corpus_site DEST --packages corpus_packages.txt \
+        --packages corpus_packages_wide.txt                  # the wide corpus: both lists
 
-The pinned list is ``corpus_packages.txt`` beside this module. Each is installed without its
+The pinned list is ``corpus_packages.txt`` beside this module (the shipped pair's corpus);
+``corpus_packages_wide.txt`` beside it adds more distributions for a corpus about 2.4 times as
+large. A ``--packages`` name that is not a file is looked up beside this module. Each is installed without its
 dependencies (``pip install --no-deps --only-binary=:all: --target DEST``), so DEST holds exactly
 these distributions with their ``RECORD`` and metadata: what
 :class:`~blockdraft.training.licences.PermissiveFilter` reads to keep or drop every file. The
@@ -45,6 +49,18 @@ def pinned_packages(path: Path = PACKAGES_FILE) -> list[str]:
             raise ValueError(f"{path}:{number}: expected name==version, not {line!r}")
         out.append(f"{name.strip()}=={version.strip()}")
     return out
+
+
+def package_list(name: Path) -> Path:
+    """``name`` if it is a file, else the list of that name beside this module.
+
+    Raises:
+        FileNotFoundError: neither exists.
+    """
+    for path in (name, PACKAGES_FILE.with_name(name.name)):
+        if path.is_file():
+            return path
+    raise FileNotFoundError(f"no package list {name} (nor {PACKAGES_FILE.with_name(name.name)})")
 
 
 def install(dest: Path, packages: list[str] | None = None) -> None:
@@ -88,11 +104,14 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("dest", type=Path, help="directory to install the corpus packages into")
     ap.add_argument("--pack", type=Path, default=None, help="also write their usable source to this .tar.xz")
+    ap.add_argument("--packages", type=Path, action="append", default=None, metavar="FILE",
+                    help="a pinned package list (repeatable; default: corpus_packages.txt)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
     try:
-        install(args.dest)
-    except RuntimeError as exc:
+        lists = [package_list(f) for f in args.packages or [PACKAGES_FILE]]
+        install(args.dest, [spec for path in lists for spec in pinned_packages(path)])
+    except (RuntimeError, ValueError, FileNotFoundError) as exc:
         log.error("%s", exc)
         return 1
     if args.pack is not None:

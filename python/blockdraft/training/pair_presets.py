@@ -52,7 +52,7 @@ class Preset:
 
 PRESETS: dict[str, Preset] = {
     "h200": Preset(
-        corpus_chars=150_000_000, tokenizer_chars=10_000_000, vocab=8192,
+        corpus_chars=400_000_000, tokenizer_chars=10_000_000, vocab=8192,
         hidden=384, layers=8, heads=6, kv_heads=2, intermediate=1152, max_positions=2048,
         target_seq_len=512, target_batch=96, target_steps=20000, target_lr=1.5e-3, target_budget_s=270,
         drafter_layers=2, target_layer_ids=[1, 4, 6],
