@@ -4,6 +4,7 @@ the loop metric, and a whole tiny build on the CPU."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import tarfile
@@ -17,6 +18,7 @@ from blockdraft.training import corpus_site
 from blockdraft.training.evaluate import distinct_ngram_ratio, heldout_metrics
 from blockdraft.training.licences import permissive_python_sources
 from blockdraft.training.make_builtin_pair import DrafterSpec, main
+from blockdraft.training.pair_presets import PRESETS
 
 BODY = "def f(x):\n    return x + 1\n" * 20
 
@@ -159,3 +161,25 @@ def test_tiny_build_end_to_end(tmp_path: Path) -> None:
     assert entry["train_config"]["init_from"] == str(pair / "drafter-b4-dflash2")
     assert json.loads((grown / "pair" / "drafter-b4-dflash2" / "config.json").read_text())["num_hidden_layers"] == 2
 
+
+def test_target_training_through_a_failing_compiler_goes_on_eagerly_with_the_same_weights(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from blockdraft.training.pair_target import build_target, train_target
+
+    p = dataclasses.replace(PRESETS["tiny"], target_steps=3)
+    stream = torch.randint(2, p.vocab, (4000,), generator=torch.Generator().manual_seed(1))
+
+    def broken(module: object) -> object:
+        def fail(**kwargs: object) -> object:
+            raise RuntimeError("compiler missing")
+        return fail
+
+    eager = build_target(p, 0, 0)
+    eager_run = train_target(eager, stream, p, torch.device("cpu"), 0)
+    monkeypatch.setattr(torch, "compile", broken)
+    fallback = build_target(p, 0, 0)
+    fallback_run = train_target(fallback, stream, dataclasses.replace(p, target_compile=True), torch.device("cpu"), 0)
+    assert eager_run["compiled"] is False and fallback_run["compiled"] is False
+    assert fallback_run["steps"] == eager_run["steps"] == 3
+    for a, b in zip(eager.parameters(), fallback.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)

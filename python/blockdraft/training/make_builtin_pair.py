@@ -84,6 +84,8 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="another target directory (with its tokenizer) to measure on the same held-out files")
     ap.add_argument("--target-steps", type=int, default=0, help="fixed target steps (no time budget)")
     ap.add_argument("--target-budget-s", type=float, default=0.0, help="override the target's time budget")
+    ap.add_argument("--compile-target", action="store_true",
+                    help="train the target through torch.compile (eager if compiling fails)")
     ap.add_argument("--drafter-budget-s", type=float, default=0.0, help="override each drafter's time budget")
     ap.add_argument("--drafter-layers", type=int, default=0, metavar="L",
                     help="drafter layers (default: the preset's); with --init-drafters a deeper drafter "
@@ -161,6 +163,8 @@ def build(args: argparse.Namespace, argv: list[str] | None) -> int:
         p = dataclasses.replace(p, target_steps=args.target_steps, target_budget_s=0.0)
     elif args.target_budget_s > 0:
         p = dataclasses.replace(p, target_budget_s=args.target_budget_s)
+    if args.compile_target:
+        p = dataclasses.replace(p, target_compile=True)
     if args.drafter_budget_s > 0:
         p = dataclasses.replace(p, drafter_budget_s=args.drafter_budget_s)
     if args.drafter_layers > 0:

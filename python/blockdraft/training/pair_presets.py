@@ -33,6 +33,8 @@ class Preset:
     eval_prompt_tokens: int
     eval_new_tokens: int
     heldout_every: int = 40
+    target_compile: bool = False
+    """Train the target through ``torch.compile``."""
     test_prompts: int = 4
     per_block: dict[int, dict[str, Any]] = field(default_factory=dict)
     dflash2: dict[str, int] = field(default_factory=lambda: dict(

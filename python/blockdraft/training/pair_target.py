@@ -80,7 +80,7 @@ def build_corpus(p: Preset, site: Path | None, reuse_target: Path | None, report
         "files": len(files), "train_files": len(train_files), "heldout_files": len(held_files),
         "chars": sum(len(f.text) for f in files), "train_tokens": int(stream.numel()),
         "heldout_tokens": int(held_stream.numel()), "tokenizer_chars": size, "vocab": len(tokenizer),
-        "site": "the interpreter's site-packages" if site is None else "corpus packages (corpus_packages.txt)",
+        "site": "the interpreter's site-packages" if site is None else "the corpus packages (corpus_site)",
         "seconds": time.perf_counter() - t,
         "licences": [{"distribution": lic.distribution, "version": lic.version, "licence": lic.licence}
                      for lic in licences],
@@ -136,7 +136,12 @@ def build_target(p: Preset, eos_id: int, seed: int) -> Any:
 
 
 def train_target(model: Any, stream: torch.Tensor, p: Preset, device: torch.device, seed: int) -> dict[str, Any]:
-    """Next-token training of ``model`` on windows of ``stream`` (AdamW, warm-up + cosine)."""
+    """Next-token training of ``model`` on windows of ``stream`` (AdamW, warm-up + cosine).
+
+    With ``p.target_compile`` the forward and backward run through ``torch.compile`` (the
+    compiled module shares ``model``'s parameters); if compiling fails on the first step, the
+    training goes on eagerly and the result says ``compiled: False``.
+    """
     from tqdm import tqdm  # type: ignore[import-untyped]
 
     model.to(device).train()
@@ -147,13 +152,21 @@ def train_target(model: Any, stream: torch.Tensor, p: Preset, device: torch.devi
     calibrator = BudgetCalibrator(p.target_budget_s, 20, device, t0)
     settled = p.target_budget_s <= 0
     step, loss_v = 0, float("nan")
+    forward, compiled = (torch.compile(model), True) if p.target_compile else (model, False)
     bar = tqdm(total=total, unit="step", dynamic_ncols=True, desc="target")
     while step < total:
         for g in opt.param_groups:
             g["lr"] = cosine_lr(step, total, p.target_lr, warmup, 0.1)
         tokens = sample_windows(stream, p.target_batch, p.target_seq_len, step_generator(seed, step)).to(device)
         with torch.autocast(device_type="cuda", dtype=torch.bfloat16, enabled=use_amp):
-            loss = model(input_ids=tokens, labels=tokens, use_cache=False).loss
+            try:
+                loss = forward(input_ids=tokens, labels=tokens, use_cache=False).loss
+            except Exception:  # noqa: BLE001 - a compiler failure costs speed, not the build
+                if forward is model or step > 0:
+                    raise
+                log.exception("torch.compile of the target failed; training it eagerly")
+                forward, compiled = model, False
+                loss = forward(input_ids=tokens, labels=tokens, use_cache=False).loss
         apply_gradients(opt, loss, model, 1.0)
         step += 1
         bar.update(1)
@@ -169,7 +182,7 @@ def train_target(model: Any, stream: torch.Tensor, p: Preset, device: torch.devi
     tokens_seen = step * p.target_batch * p.target_seq_len
     model.eval()
     return {"steps": step, "seconds": seconds, "tokens_seen": tokens_seen, "final_loss": loss_v,
-            "s_per_1m_tokens": seconds / tokens_seen * 1e6}
+            "s_per_1m_tokens": seconds / tokens_seen * 1e6, "compiled": compiled}
 
 
 def load_target(path: Path, device: torch.device, dtype: torch.dtype) -> Any:
