@@ -10,7 +10,13 @@ import torch
 from tinypair import tiny_target
 
 from blockdraft.training.rollouts import document_starts, prompt_starts, rollout, rollout_stream
-from blockdraft.training.unlikelihood import TuneConfig, repeated_ngram_mask, tune_target, unlikelihood_loss
+from blockdraft.training.unlikelihood import (
+    TuneConfig,
+    kl_to_start,
+    repeated_ngram_mask,
+    tune_target,
+    unlikelihood_loss,
+)
 
 VOCAB = 64
 EOS = 0
@@ -140,3 +146,35 @@ def test_the_unlikelihood_term_makes_greedy_continuations_repeat_less() -> None:
         share[weight] = before, float(repeated_ngram_mask(rollout(model, prompts, 24)).float().mean())
     (before, mle_only), (_, with_ul) = share[0.0], share[4.0]
     assert mle_only > before and with_ul < 0.6 * mle_only, share
+
+
+def test_kl_to_start_is_the_kl_of_the_start_distribution_to_the_model() -> None:
+    gen = torch.Generator().manual_seed(5)
+    logits, start = torch.randn(2, 3, VOCAB, generator=gen), torch.randn(2, 3, VOCAB, generator=gen)
+    p, q = torch.softmax(start, -1), torch.softmax(logits, -1)
+    want = float((p * (p.log() - q.log())).sum(-1).mean())
+    assert math.isclose(float(kl_to_start(logits, start)), want, rel_tol=1e-5)
+    assert abs(float(kl_to_start(start, start))) < 1e-6
+    assert float(kl_to_start(logits, start)) > 0
+
+
+def test_the_kl_term_holds_the_tuned_targets_distribution_on_the_corpus() -> None:
+    """The same unlikelihood tuning with a heavy KL term ends closer to the start's distribution
+    on corpus windows (and still counts its KL) than without it."""
+    stream = torch.randint(1, VOCAB, (4000,), generator=torch.Generator().manual_seed(4))
+    stream[::50] = EOS
+    windows = stream[:256].reshape(8, 32)
+    drift: dict[float, float] = {}
+    for weight in (0.0, 20.0):
+        torch.manual_seed(0)
+        model = tiny_target(vocab=VOCAB, seed=3)
+        with torch.no_grad():
+            model.lm_head.weight.mul_(20.0)
+            start = model(input_ids=windows).logits
+        cfg = TuneConfig(steps=20, lr=3e-3, warmup_steps=2, batch=2, seq_len=32, ul_batch=8, prompt_len=4,
+                         new_tokens=16, regen_every=5, ul_weight=4.0, kl_weight=weight)
+        out = tune_target(model, stream, EOS, cfg)
+        assert (out["final_kl"] > 0) == (weight > 0)
+        with torch.no_grad():
+            drift[weight] = float(kl_to_start(model(input_ids=windows).logits, start))
+    assert drift[20.0] < 0.5 * drift[0.0], drift
