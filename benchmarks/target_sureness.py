@@ -28,8 +28,9 @@ from typing import Any
 import torch
 
 from blockdraft.training.data import collect_python_sources, python_source_roots, split_heldout
-from blockdraft.training.evaluate import distinct_ngram_ratio, target_only_greedy
+from blockdraft.training.evaluate import distinct_ngram_ratio, heldout_metrics, target_only_greedy
 from blockdraft.training.pair_target import load_target
+from blockdraft.training.recipe import token_hardness
 
 
 @torch.inference_mode()
@@ -38,23 +39,19 @@ def own_continuations(model: Any, prompts: list[list[int]], eos: int, new_tokens
     loops: list[float] = []
     for prompt in prompts:
         out = target_only_greedy(model, prompt, new_tokens, [eos])
-        probs = model(torch.tensor([prompt + out])).logits[0].softmax(-1)
-        chosen += [float(probs[len(prompt) - 1 + i, t]) for i, t in enumerate(out)]
+        ids = torch.tensor([prompt + out])
+        chosen += (1.0 - token_hardness(model(ids).logits, ids)[0, len(prompt):]).tolist()
         loops.append(distinct_ngram_ratio(out))
     return {"p_own_choice": statistics.fmean(chosen), "distinct_4gram": statistics.fmean(loops)}
 
 
 @torch.inference_mode()
 def heldout_code(model: Any, tokenizer: Any, texts: list[str], code_tokens: int) -> dict[str, float]:
-    top: list[float] = []
-    hits = 0
-    for text in texts:
-        ids = tokenizer(text, add_special_tokens=False)["input_ids"][: code_tokens + 1]
-        probs = model(torch.tensor([ids[:-1]])).logits[0].softmax(-1)
-        best, arg = probs.max(-1)
-        top += best.tolist()
-        hits += int((arg == torch.tensor(ids[1:])).sum())
-    return {"p_argmax": statistics.fmean(top), "accuracy": hits / len(top)}
+    """:func:`heldout_metrics` over each text's first ``code_tokens`` + 1 tokens, pooled by token."""
+    runs = [heldout_metrics(model, torch.tensor(tokenizer(t, add_special_tokens=False)["input_ids"][: code_tokens + 1]),
+                            len(t), seq_len=code_tokens + 1) for t in texts]
+    count = sum(r["tokens"] for r in runs)
+    return {k: sum(r[k] * r["tokens"] for r in runs) / count for k in ("p_argmax", "accuracy")}
 
 
 def main() -> None:

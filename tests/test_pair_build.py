@@ -101,17 +101,19 @@ def test_heldout_metrics_equal_a_window_by_window_computation() -> None:
     model = tiny_target(vocab=64)
     stream = torch.randint(0, 64, (53,), generator=torch.Generator().manual_seed(0))
     got = heldout_metrics(model, stream, chars=200, seq_len=16, batch=2)
-    total = correct = count = 0.0
+    total = correct = top = count = 0.0
     with torch.no_grad():
         for i in range(0, 53, 16):
             w = stream[i : i + 16]
             logits = model(input_ids=w[None]).logits[0, :-1]
             total += float(torch.nn.functional.cross_entropy(logits, w[1:], reduction="sum"))
             correct += float((logits.argmax(-1) == w[1:]).sum())
+            top += float(logits.softmax(-1).max(-1).values.sum())
             count += w.numel() - 1
     assert got["tokens"] == count == 49
     assert math.isclose(got["loss"], total / count, rel_tol=1e-5)
     assert math.isclose(got["accuracy"], correct / count)
+    assert math.isclose(got["p_argmax"], top / count, rel_tol=1e-5)
     assert math.isclose(got["perplexity"], math.exp(total / count), rel_tol=1e-5)
     assert math.isclose(got["bits_per_char"], total / math.log(2) / 200, rel_tol=1e-5)
 

@@ -137,10 +137,11 @@ def heldout_metrics(model: Any, stream: torch.Tensor, chars: int, *, seq_len: in
 
     Returns:
         ``loss`` (nats per predicted token), ``perplexity``, ``accuracy`` (argmax equals the
-        next token), ``bits_per_char`` (the summed loss over ``chars``, in bits), ``tokens``.
+        next token), ``p_argmax`` (the mean probability of the argmax: how sure the model is),
+        ``bits_per_char`` (the summed loss over ``chars``, in bits), ``tokens``.
     """
     device = next(model.parameters()).device
-    total = correct = count = 0.0
+    total = correct = top = count = 0.0
     windows = [stream[i : i + seq_len] for i in range(0, stream.numel() - 1, seq_len)]
     windows = [w for w in windows if w.numel() > 1]
     for i in range(0, len(windows), batch):
@@ -156,11 +157,14 @@ def heldout_metrics(model: Any, stream: torch.Tensor, chars: int, *, seq_len: in
         nxt, mask = ids[:, 1:], valid[:, 1:]
         ce = torch.nn.functional.cross_entropy(logits.transpose(1, 2), nxt, reduction="none")
         total += float(ce[mask].sum())
-        correct += float((logits.argmax(-1) == nxt)[mask].sum())
+        best, arg = logits.softmax(-1).max(-1)
+        correct += float((arg == nxt)[mask].sum())
+        top += float(best[mask].sum())
         count += float(mask.sum())
     loss = total / max(1.0, count)
     return {"loss": loss, "perplexity": math.exp(loss), "accuracy": correct / max(1.0, count),
-            "bits_per_char": total / math.log(2) / max(1, chars), "tokens": count}
+            "p_argmax": top / max(1.0, count), "bits_per_char": total / math.log(2) / max(1, chars),
+            "tokens": count}
 
 
 def _median_of(rounds: int) -> str:
