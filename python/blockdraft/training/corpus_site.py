@@ -7,10 +7,10 @@ whose source joins the standard library in the built-in pair's corpus.
         --packages corpus_packages_wide.txt                  # the wide corpus: both lists
 
 The pinned list is ``corpus_packages.txt`` beside this module (the shipped pair's corpus);
-``corpus_packages_wide.txt`` beside it adds more distributions for a corpus about 2.4 times as
-large. A ``--packages`` name that is not a file is looked up beside this module. Each is installed without its
-dependencies (``pip install --no-deps --only-binary=:all: --target DEST``), so DEST holds exactly
-these distributions with their ``RECORD`` and metadata: what
+``corpus_packages_wide.txt`` beside it adds more distributions for a corpus about 2.2 times as
+large. A ``--packages`` name that is not a file is looked up beside this module. Each is
+installed without its dependencies (``pip install --no-deps --only-binary=:all: --target
+DEST``), so DEST holds exactly these distributions with their ``RECORD`` and metadata: what
 :class:`~blockdraft.training.licences.PermissiveFilter` reads to keep or drop every file. The
 build takes DEST with ``make_builtin_pair --corpus-site DEST``; ``--pack`` writes the ``.py``
 files the corpus can use (and every ``*.dist-info``) to one archive, for a build machine with no

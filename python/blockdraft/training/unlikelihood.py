@@ -17,6 +17,7 @@ greedy continuations (regenerated every ``regen_every`` steps, from prompts draw
 
 from __future__ import annotations
 
+import copy
 import logging
 import time
 from dataclasses import dataclass
@@ -123,7 +124,8 @@ def tune_target(model: Any, stream: Tensor, eos_id: int, cfg: TuneConfig) -> dic
 
     device = next(model.parameters()).device
     use_amp = device.type == "cuda"
-    start = _frozen_copy(model) if cfg.kl_weight > 0 else None
+    # The model as the tuning found it, for the KL term: a frozen copy.
+    start = copy.deepcopy(model).eval().requires_grad_(False) if cfg.kl_weight > 0 else None
     opt = adamw(model, cfg.lr, 0.1)
     total = cfg.steps
     t0 = time.perf_counter()
@@ -148,8 +150,8 @@ def tune_target(model: Any, stream: Tensor, eos_id: int, cfg: TuneConfig) -> dic
         prompts, cont, neg = (x[rows].to(device) for x in pool)
         model.train()
         with torch.autocast(device_type="cuda", dtype=torch.bfloat16, enabled=use_amp):
-            out = model(input_ids=windows, labels=windows, use_cache=False)
-            mle = out.loss
+            corpus = model(input_ids=windows, labels=windows, use_cache=False)
+            mle = corpus.loss
             full = torch.cat((prompts, cont), dim=1)
             logits = model(input_ids=full, use_cache=False).logits[:, prompts.shape[1] - 1 : -1]
             ul = unlikelihood_loss(logits, cont, neg)
@@ -157,7 +159,7 @@ def tune_target(model: Any, stream: Tensor, eos_id: int, cfg: TuneConfig) -> dic
             if start is not None:
                 with torch.no_grad():
                     ref = start(input_ids=windows, use_cache=False).logits
-                kl = kl_to_start(out.logits, ref)
+                kl = kl_to_start(corpus.logits, ref)
         loss = mle + cfg.ul_weight * ul + cfg.kl_weight * kl
         apply_gradients(opt, loss, model, 1.0)
         step += 1
@@ -186,16 +188,6 @@ def kl_to_start(logits: Tensor, start_logits: Tensor) -> Tensor:
     logq = torch.log_softmax(logits.float(), dim=-1)
     logp = torch.log_softmax(start_logits.float(), dim=-1)
     return (logp.exp() * (logp - logq)).sum(-1).mean()
-
-
-def _frozen_copy(model: Any) -> Any:
-    """A copy of ``model`` in eval mode whose parameters take no gradient."""
-    import copy
-
-    frozen = copy.deepcopy(model).eval()
-    for q in frozen.parameters():
-        q.requires_grad_(False)
-    return frozen
 
 
 def _continuations(model: Any, stream: Tensor, eos_id: int, cfg: TuneConfig, step: int) -> tuple[Tensor, Tensor, Tensor]:
