@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from scorecard import expect_clear_error, score
-from tp_support import decode_until_killed, fail_on_rank, pid_alive, save_pair
+from tp_support import decode_until_killed, fail_on_rank, pid_alive, save_pair, symptom_before_cause
 
 from blockdraft import ConfigError
 from blockdraft.cli import main
@@ -59,6 +59,20 @@ def test_raising_rank_is_named_not_the_rank_waiting_on_it() -> None:
     assert err.rank == 1 and err.error == "ValueError: boom on rank 1"
     assert err.remote_traceback is not None and "boom on rank 1" in err.remote_traceback
     assert "rank 1 failed: ValueError: boom on rank 1" in str(err)
+    score.fault_points += 1
+
+
+@pytest.mark.parametrize(("cause", "words"), [
+    ("kill", "rank 1 was killed by signal SIGKILL"),
+    ("raise", "rank 1 failed: ValueError: the cause, on rank 1"),
+])
+def test_the_cause_is_named_when_its_symptom_arrives_first(cause: str, words: str) -> None:
+    """A rank whose collective lost its peer reports before the peer has visibly ended: the
+    launcher still names the peer, the cause."""
+    with pytest.raises(RankFailedError) as info:
+        launch(symptom_before_cause, 2, (cause,), device="cpu", timeout_s=HANG_BOUND_S)
+    assert info.value.rank == 1
+    assert words in str(info.value)
     score.fault_points += 1
 
 

@@ -9,6 +9,7 @@ of one for the TP = 1 reference, so both sides run the same code.
 from __future__ import annotations
 
 import os
+import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -167,6 +168,19 @@ def fail_on_rank(group: TPGroup, rank: int) -> None:
         raise ValueError(f"boom on rank {rank}")
     group.all_reduce_(torch.ones(1))
     time.sleep(600)
+
+
+def symptom_before_cause(group: TPGroup, cause: str) -> None:
+    """Rank 0 fails at once as a collective does when its peer is gone; rank 1, the cause,
+    ends half a second later (``cause``: ``"kill"``, SIGKILL to itself, or ``"raise"``), so the
+    launcher sees the symptom first."""
+    group.barrier()
+    if group.rank == 0:
+        raise RuntimeError("[gloo/transport/tcp/pair.cc] Read error: Connection reset by peer")
+    time.sleep(0.5)
+    if cause == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    raise ValueError("the cause, on rank 1")
 
 
 def save_pair(root: Path) -> tuple[Path, Path]:

@@ -45,6 +45,10 @@ T = TypeVar("T")
 STOP_GRACE_S = 5.0
 """How long a rank asked to stop (SIGTERM) may take before it is killed."""
 
+CAUSE_GRACE_S = 2.0
+"""How long the watchdog waits, once every failed rank failed in a collective that lost its
+peer, for the rank that caused it to end too."""
+
 
 class RankFailedError(RuntimeError):
     """One rank of a launched group failed; every other rank was stopped.
@@ -239,21 +243,15 @@ def _watch(procs: Sequence[Any], conns: Sequence[Any]) -> list[Any]:
     reports: dict[int, _Report] = {}
     n = len(procs)
     while True:
-        waiting = [conns[r] for r in range(n) if r not in reports]
-        multiprocessing.connection.wait([*waiting, *(p.sentinel for p in procs)], timeout=1.0)
-        for r in range(n):
-            if r not in reports and conns[r].poll():
-                try:
-                    reports[r] = pickle.loads(conns[r].recv_bytes())
-                except EOFError:
-                    reports[r] = _Report(ok=False)
-        failed = [r for r in range(n) if (procs[r].exitcode not in (None, 0))
-                  or (r in reports and not reports[r].ok)]
-        done = [r for r in range(n) if procs[r].exitcode == 0]
-        for r in done:
-            if r not in reports and not conns[r].poll():
-                reports[r] = _Report(ok=False)
-                failed.append(r)
+        _wait(procs, conns, reports, 1.0)
+        failed = _failed(procs, conns, reports)
+        # A collective that lost its peer is a symptom: the peer's own end (a signal, its
+        # exception) can reach this process after the symptom does, so give it a moment.
+        deadline = time.monotonic() + CAUSE_GRACE_S
+        while (failed and len(failed) < n and all(_lost_a_peer(reports.get(r)) for r in failed)
+               and time.monotonic() < deadline):
+            _wait(procs, conns, reports, deadline - time.monotonic())
+            failed = _failed(procs, conns, reports)
         if failed:
             # How each failed rank ended, before stopping the others turns them into SIGTERMs.
             codes = {r: procs[r].exitcode for r in failed}
@@ -262,12 +260,41 @@ def _watch(procs: Sequence[Any], conns: Sequence[Any]) -> list[Any]:
                 rep = reports.get(r)
                 if codes[r] is None and (rep is None or rep.error is None):
                     codes[r] = procs[r].exitcode  # it died on its own before it was reaped
-            r = _culprit(sorted(set(failed)), codes, reports)
+            r = _culprit(failed, codes, reports)
             rep = reports.get(r)
             raise RankFailedError(r, procs[r].exitcode, rep.error if rep else None,
                                   rep.trace if rep else None)
-        if len(done) == n and all(reports[r].ok for r in range(n)):
+        if all(procs[r].exitcode == 0 for r in range(n)) and all(reports[r].ok for r in range(n)):
             return [reports[r].value for r in range(n)]
+
+
+def _wait(procs: Sequence[Any], conns: Sequence[Any], reports: dict[int, _Report],
+          timeout: float) -> None:
+    """Wait up to ``timeout`` for a report or a rank's end; read every report that arrived."""
+    waiting = [conns[r] for r in range(len(procs)) if r not in reports]
+    multiprocessing.connection.wait([*waiting, *(p.sentinel for p in procs)], timeout=max(0.0, timeout))
+    for r in range(len(procs)):
+        if r not in reports and conns[r].poll():
+            try:
+                reports[r] = pickle.loads(conns[r].recv_bytes())
+            except EOFError:
+                reports[r] = _Report(ok=False)
+
+
+def _failed(procs: Sequence[Any], conns: Sequence[Any], reports: dict[int, _Report]) -> list[int]:
+    """The ranks that have failed so far, in rank order: a non-zero exit, a failure report, or
+    a clean exit that left no report."""
+    failed = []
+    for r, p in enumerate(procs):
+        if p.exitcode == 0 and r not in reports and not conns[r].poll():
+            reports[r] = _Report(ok=False)
+        if p.exitcode not in (None, 0) or (r in reports and not reports[r].ok):
+            failed.append(r)
+    return failed
+
+
+def _lost_a_peer(rep: _Report | None) -> bool:
+    return rep is not None and rep.collective
 
 
 def _culprit(failed: list[int], codes: dict[int, int | None], reports: dict[int, _Report]) -> int:
