@@ -137,12 +137,13 @@ def test_tiny_build_end_to_end(tmp_path: Path) -> None:
     # on its greedy rollouts (prompt 8 + 24 new tokens + eos, 48 of them).
     tuning = report["target"]["tuning"]
     assert tuning["steps"] == 6 and set(tuning["before"]) == {"heldout", "distinct_4gram"}
+    assert tuning["config"]["own_weight"] == 1.0 and tuning["final_own_loss"] > 0
     assert 0.0 < report["target"]["distinct_4gram"]["heldout"] <= 1.0
     assert report["rollouts"]["greedy"]["tokens"] == 48 * (8 + 24 + 1) and "sampled" not in report["rollouts"]
     assert all(d["data"] == ["greedy rollouts"] for d in report["drafters"].values())
     card = (pair / "MODEL_CARD.md").read_text()
     assert "DFlash2, B = 4" in card and "Python standard library" in card and "distinct 4-gram" in card
-    assert "unlikelihood" in card and "trained on greedy rollouts" in card
+    assert "unlikelihood" in card and "trained on greedy rollouts" in card and "own greedy choices, weight 1" in card
     assert json.loads((pair / "drafter-b4-dflash2" / "config.json").read_text())["architectures"] == [
         "DFlash2DraftModel"]
     # Measured again, greedy only: the evaluation takes its temperatures.

@@ -100,6 +100,9 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--tune-kl-weight", type=float, default=-1.0, metavar="W",
                     help="weight of the tuning's KL term to the untuned target on corpus windows "
                          "(TuneConfig.kl_weight; default: the preset's)")
+    ap.add_argument("--tune-own-weight", type=float, default=-1.0, metavar="W",
+                    help="weight of the tuning's own-choice term, the cross-entropy of the target's greedy "
+                         "continuations where they repeat nothing (TuneConfig.own_weight; default: the preset's)")
     ap.add_argument("--drafter-data", choices=("rollouts", "corpus"), default="rollouts",
                     help="train the drafters on the target's own rollouts (default, when the preset has "
                          "them) or on the corpus")
@@ -166,8 +169,9 @@ def build(args: argparse.Namespace, argv: list[str] | None) -> int:
         p = dataclasses.replace(p, target_steps=args.target_steps, target_budget_s=0.0)
     elif args.target_budget_s > 0:
         p = dataclasses.replace(p, target_budget_s=args.target_budget_s)
-    if args.tune_kl_weight >= 0:
-        p = dataclasses.replace(p, tune={**p.tune, "kl_weight": args.tune_kl_weight})
+    for key, value in (("kl_weight", args.tune_kl_weight), ("own_weight", args.tune_own_weight)):
+        if value >= 0:
+            p = dataclasses.replace(p, tune={**p.tune, key: value})
     if args.compile_target:
         p = dataclasses.replace(p, target_compile=True)
     if args.drafter_budget_s > 0:

@@ -50,7 +50,7 @@ def _target_lines(report: dict[str, Any]) -> list[str]:
             + (f" on {tuning['device']}" if tuning.get("device") else "")
             + f" with the sequence-level unlikelihood objective (`blockdraft.training.unlikelihood`: tokens that "
             f"complete a repeated {cfg['ngram']}-gram of its own greedy continuations are negatives, weight "
-            f"{cfg['ul_weight']:g}, beside the next-token loss). Before "
+            f"{cfg['ul_weight']:g}, beside the next-token loss{_tuning_terms(cfg)}). Before "
             f"it, on the held-out files: {_metrics(before['heldout'])}; greedy continuations "
             f"({cfg['new_tokens']} tokens): mean distinct 4-gram ratio {_loops(before['distinct_4gram'])}.")
     if "heldout" in tg:
@@ -64,6 +64,17 @@ def _target_lines(report: dict[str, Any]) -> list[str]:
     if "reused_from" in tg:
         lines.append(f"- Reused from an earlier build ({tg['reused_from']}).")
     return lines + [""]
+
+
+def _tuning_terms(cfg: dict[str, Any]) -> str:
+    """The tuning's optional terms, as a clause of the model card's sentence."""
+    terms = []
+    if cfg.get("own_weight"):
+        terms.append(f"the cross-entropy of the continuations' other tokens, its own greedy choices, weight "
+                     f"{cfg['own_weight']:g}")
+    if cfg.get("kl_weight"):
+        terms.append(f"KL to the untuned target on the corpus windows, weight {cfg['kl_weight']:g}")
+    return "".join(f"; {t}" for t in terms)
 
 
 def _loops(d: dict[str, float]) -> str:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 
@@ -64,9 +64,11 @@ PRESETS: dict[str, Preset] = {
         drafter_budget_s=100, drafters=["16", "16:dflash2", "8"],
         eval_prompts=16, eval_prompt_tokens=64, eval_new_tokens=128,
         # A light touch: 150 steps of 8 windows. 491 steps of 64 (139 s on the H200) drove the
-        # greedy output into token salad that repeats nothing (docs/design/target-tuning.md).
+        # greedy output into token salad that repeats nothing. The own-choice term keeps the
+        # target sure of its other greedy choices, which the unlikelihood term alone takes away
+        # (docs/design/target-tuning.md).
         tune=dict(steps=150, lr=3e-4, warmup_steps=10, batch=8, seq_len=256, ul_batch=8, prompt_len=64,
-                  new_tokens=128, regen_every=10),
+                  new_tokens=128, regen_every=10, own_weight=1.0),
         rollout=dict(prompt_len=64, new_tokens=256, num=24000, batch=4000),
         rollout_kinds={8: ["greedy", "sampled"], 16: ["greedy"]},
     ),
@@ -82,11 +84,24 @@ PRESETS: dict[str, Preset] = {
         eval_prompts=3, eval_prompt_tokens=16, eval_new_tokens=24, test_prompts=3, heldout_every=4,
         dflash2=dict(conv_kernel_size=2, conv_group_size=16, selector_rank=8, selector_top_k=4),
         tune=dict(steps=6, lr=1e-3, warmup_steps=2, batch=4, seq_len=64, ul_batch=4, prompt_len=8, new_tokens=16,
-                  regen_every=3),
+                  regen_every=3, own_weight=1.0),
         rollout=dict(prompt_len=8, new_tokens=24, num=48, batch=0),
         rollout_kinds={8: ["greedy", "sampled"]},
     ),
 }
+
+
+# The h200 pair's shapes with a CPU's batches: a build on a machine without a GPU that continues
+# the h200 pair's drafters on a new target (``--reuse-target``, ``--init-drafters``). A step
+# reads 4 windows with 64 blocks each (the h200's B = 16 step reads 48) at half the learning rate.
+# The B = 8 drafter, the one that drafts by sampling, also distils the selector's distribution
+# (docs/design/dflash2-training.md, "Measured").
+PRESETS["cpu"] = replace(
+    PRESETS["h200"],
+    drafter={**PRESETS["h200"].drafter, "num_seqs": 4, "num_anchors": 64, "lr": 5e-4, "log_every": 20},
+    per_block={8: dict(distill_weight=0.5, selector_distill_weight=1.0)}, drafter_budget_s=2400,
+    rollout=dict(prompt_len=64, new_tokens=256, num=4000, batch=256),
+)
 
 
 @dataclass(frozen=True)

@@ -93,6 +93,11 @@ class TuneConfig:
             the model as the tuning found it (a frozen copy). The unlikelihood term alone
             lowers the model's confidence on code in general, not only on repeats; this term
             holds its distribution on real code where it was (0: off).
+        own_weight: weight of the cross-entropy of the continuations' tokens that are not
+            negatives (:func:`own_choice_loss`): the model's own greedy choices where they
+            repeat nothing, made likelier. The unlikelihood term takes probability from the
+            repeats; this term keeps the model sure of its other choices, along the very
+            text it writes (0: off).
     """
 
     steps: int = 500
@@ -109,6 +114,7 @@ class TuneConfig:
     regen_every: int = 10
     doc_fraction: float = 0.5
     kl_weight: float = 0.0
+    own_weight: float = 0.0
     time_budget_s: float = 0.0
     seed: int = 0
 
@@ -133,7 +139,7 @@ def tune_target(model: Any, stream: Tensor, eos_id: int, cfg: TuneConfig) -> dic
     settled = cfg.time_budget_s <= 0
     pool: tuple[Tensor, Tensor, Tensor] | None = None
     repeat_share: list[float] = []
-    mle_v = ul_v = kl_v = float("nan")
+    mle_v = ul_v = kl_v = own_v = float("nan")
     bar = tqdm(total=total, unit="step", dynamic_ncols=True, desc="unlikelihood")
     step = 0
     while step < total:
@@ -155,18 +161,20 @@ def tune_target(model: Any, stream: Tensor, eos_id: int, cfg: TuneConfig) -> dic
             full = torch.cat((prompts, cont), dim=1)
             logits = model(input_ids=full, use_cache=False).logits[:, prompts.shape[1] - 1 : -1]
             ul = unlikelihood_loss(logits, cont, neg)
+            own = own_choice_loss(logits, cont, neg) if cfg.own_weight > 0 else torch.zeros((), device=device)
             kl = torch.zeros((), device=device)
             if start is not None:
                 with torch.no_grad():
                     ref = start(input_ids=windows, use_cache=False).logits
                 kl = kl_to_start(corpus.logits, ref)
-        loss = mle + cfg.ul_weight * ul + cfg.kl_weight * kl
+        loss = mle + cfg.ul_weight * ul + cfg.kl_weight * kl + cfg.own_weight * own
         apply_gradients(opt, loss, model, 1.0)
         step += 1
         bar.update(1)
         if step % 10 == 0 or step == total:
-            mle_v, ul_v, kl_v = float(mle.detach()), float(ul.detach()), float(kl.detach())
-            bar.set_postfix(mle=f"{mle_v:.3f}", ul=f"{ul_v:.4f}", kl=f"{kl_v:.4f}", repeats=f"{repeat_share[-1]:.2f}")
+            mle_v, ul_v, kl_v, own_v = (float(x.detach()) for x in (mle, ul, kl, own))
+            bar.set_postfix(mle=f"{mle_v:.3f}", ul=f"{ul_v:.4f}", kl=f"{kl_v:.4f}", own=f"{own_v:.3f}",
+                            repeats=f"{repeat_share[-1]:.2f}")
         if not settled:
             total, settled = calibrator.check(step, step, total)
             bar.total = total
@@ -174,13 +182,21 @@ def tune_target(model: Any, stream: Tensor, eos_id: int, cfg: TuneConfig) -> dic
     sync(device)
     model.eval()
     seconds = time.perf_counter() - t0
-    out = {"steps": step, "seconds": seconds, "final_mle_loss": mle_v, "final_ul_loss": ul_v, "final_kl": kl_v,
+    out = {"steps": step, "seconds": seconds, "final_mle_loss": mle_v, "final_ul_loss": ul_v, "final_kl": kl_v, "final_own_loss": own_v,
            "repeat_share_first": repeat_share[0] if repeat_share else float("nan"),
            "repeat_share_last": repeat_share[-1] if repeat_share else float("nan"),
            "config": {k: getattr(cfg, k) for k in cfg.__dataclass_fields__}}
     log.info("unlikelihood tuning: %d steps in %.0f s; repeated-4-gram share of the greedy "
              "continuations %.3f -> %.3f", step, seconds, out["repeat_share_first"], out["repeat_share_last"])
     return out
+
+
+def own_choice_loss(logits: Tensor, tokens: Tensor, negatives: Tensor) -> Tensor:
+    """Mean cross-entropy of ``tokens`` [b, L] at the positions that are not ``negatives``
+    [b, L] (0 when every position is one); ``logits`` [b, L, V] as for :func:`unlikelihood_loss`."""
+    keep = (~negatives).float()
+    ce = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), tokens.flatten(), reduction="none")
+    return (ce * keep.flatten()).sum() / keep.sum().clamp(min=1.0)
 
 
 def kl_to_start(logits: Tensor, start_logits: Tensor) -> Tensor:
