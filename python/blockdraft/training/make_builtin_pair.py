@@ -217,6 +217,7 @@ def build(args: argparse.Namespace, argv: list[str] | None) -> int:
             report["target"].update(before.get("target", {}))
             if "compare_target" in before:
                 report["compare_target"] = before["compare_target"]
+        report["target"]["mb"] = dir_mb(target_dir)
     else:
         train_and_save_target(p, args.seed, corpus, device, target_dir, report)
     write_report(pair, report)
