@@ -60,7 +60,8 @@ PRESETS: dict[str, Preset] = {
         drafter_layers=2, target_layer_ids=[1, 4, 6],
         drafter=dict(seq_len=512, num_seqs=32, num_anchors=64, steps=20000, lr=1e-3, warmup_steps=100,
                      log_every=100, init_from_target=True),
-        per_block={8: dict(num_seqs=64, num_anchors=128, distill_weight=0.5), 16: dict(num_seqs=48)},
+        per_block={8: dict(num_seqs=64, num_anchors=128, distill_weight=0.5, selector_distill_weight=1.0),
+                   16: dict(num_seqs=48)},
         drafter_budget_s=100, drafters=["16", "16:dflash2", "8"],
         eval_prompts=16, eval_prompt_tokens=64, eval_new_tokens=128,
         # A light touch: 150 steps of 8 windows. 491 steps of 64 (139 s on the H200) drove the
