@@ -126,19 +126,32 @@ def test_unlikelihood_loss_is_minus_log_one_minus_p_at_the_negatives() -> None:
     assert 10 < big < math.inf
 
 
+def _tuning_stream() -> torch.Tensor:
+    """4000 random tokens with a document break every 50."""
+    stream = torch.randint(1, VOCAB, (4000,), generator=torch.Generator().manual_seed(4))
+    stream[::50] = EOS
+    return stream
+
+
+def _sharp_target() -> torch.nn.Module:
+    """A tiny target confident as a trained model is (its logits scaled 20 times: p of a loop's
+    token near 1), the same one every call."""
+    torch.manual_seed(0)
+    model = tiny_target(vocab=VOCAB, seed=3)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(20.0)
+    return model
+
+
 def test_the_unlikelihood_term_makes_greedy_continuations_repeat_less() -> None:
     """Tuned with the next-token loss alone, a tiny target's greedy continuations repeat more
     (it learns the stream's most frequent tokens); with the unlikelihood term added, the same
     tuning leaves far fewer continuation tokens that complete a repeated 4-gram."""
-    stream = torch.randint(1, VOCAB, (4000,), generator=torch.Generator().manual_seed(4))
-    stream[::50] = EOS
+    stream = _tuning_stream()
     prompts = stream[1:401].reshape(100, 4)
     share: dict[float, tuple[float, float]] = {}
     for weight in (0.0, 4.0):
-        torch.manual_seed(0)
-        model = tiny_target(vocab=VOCAB, seed=3)
-        with torch.no_grad():
-            model.lm_head.weight.mul_(20.0)  # confident, as a trained model is: p of a loop's token near 1
+        model = _sharp_target()
         before = float(repeated_ngram_mask(rollout(model, prompts, 24)).float().mean())
         cfg = TuneConfig(steps=40, lr=3e-3, warmup_steps=2, batch=2, seq_len=32, ul_batch=16, prompt_len=4,
                          new_tokens=24, regen_every=5, ul_weight=weight)
@@ -162,15 +175,12 @@ def test_kl_to_start_is_the_kl_of_the_start_distribution_to_the_model() -> None:
 def test_the_kl_term_holds_the_tuned_targets_distribution_on_the_corpus() -> None:
     """The same unlikelihood tuning with a heavy KL term ends closer to the start's distribution
     on corpus windows (and still counts its KL) than without it."""
-    stream = torch.randint(1, VOCAB, (4000,), generator=torch.Generator().manual_seed(4))
-    stream[::50] = EOS
+    stream = _tuning_stream()
     windows = stream[:256].reshape(8, 32)
     drift: dict[float, float] = {}
     for weight in (0.0, 20.0):
-        torch.manual_seed(0)
-        model = tiny_target(vocab=VOCAB, seed=3)
+        model = _sharp_target()
         with torch.no_grad():
-            model.lm_head.weight.mul_(20.0)
             start = model(input_ids=windows).logits
         cfg = TuneConfig(steps=20, lr=3e-3, warmup_steps=2, batch=2, seq_len=32, ul_batch=8, prompt_len=4,
                          new_tokens=16, regen_every=5, ul_weight=4.0, kl_weight=weight)
@@ -205,16 +215,12 @@ def test_the_own_choice_term_makes_the_tuned_target_surer_of_its_greedy_choices(
     """The same unlikelihood tuning, with and without the own-choice term: with it, the tuned
     target gives the tokens of its own greedy continuations a far higher probability, and those
     continuations repeat less (its non-repeating choices now outweigh the repeats)."""
-    stream = torch.randint(1, VOCAB, (4000,), generator=torch.Generator().manual_seed(4))
-    stream[::50] = EOS
+    stream = _tuning_stream()
     prompts = stream[1:401].reshape(100, 4)
     sure: dict[float, float] = {}
     repeats: dict[float, float] = {}
     for weight in (0.0, 2.0):
-        torch.manual_seed(0)
-        model = tiny_target(vocab=VOCAB, seed=3)
-        with torch.no_grad():
-            model.lm_head.weight.mul_(20.0)
+        model = _sharp_target()
         cfg = TuneConfig(steps=40, lr=3e-3, warmup_steps=2, batch=2, seq_len=32, ul_batch=16, prompt_len=4,
                          new_tokens=24, regen_every=5, ul_weight=4.0, own_weight=weight)
         out = tune_target(model, stream, EOS, cfg)
