@@ -95,12 +95,13 @@ PRESETS: dict[str, Preset] = {
 # The h200 pair's shapes with a CPU's batches: a build on a machine without a GPU that continues
 # the h200 pair's drafters on a new target (``--reuse-target``, ``--init-drafters``). A step
 # reads 4 windows with 64 blocks each (the h200's B = 16 step reads 48) at half the learning rate.
-# The B = 8 drafter, the one that drafts by sampling, also distils the selector's distribution
-# (docs/design/dflash2-training.md, "Measured").
+# The B = 8 drafter keeps the h200's loss weights (its distillation and the selector's) without
+# the h200's larger B = 8 batches.
 PRESETS["cpu"] = replace(
     PRESETS["h200"],
     drafter={**PRESETS["h200"].drafter, "num_seqs": 4, "num_anchors": 64, "lr": 5e-4, "log_every": 20},
-    per_block={8: dict(distill_weight=0.5, selector_distill_weight=1.0)}, drafter_budget_s=2400,
+    per_block={8: {k: v for k, v in PRESETS["h200"].per_block[8].items() if k.endswith("_weight")}},
+    drafter_budget_s=2400,
     rollout=dict(prompt_len=64, new_tokens=256, num=4000, batch=256),
 )
 
