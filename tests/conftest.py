@@ -6,7 +6,9 @@ Hypothesis profiles (``HYPOTHESIS_PROFILE``, default ``ci``):
   seed, so CI is reproducible), no deadline (shared 2-core CI machines stall at random).
 - ``thorough``: 10,000 examples, 100 steps, random seeds; run by hand or nightly.
 
-Tests marked ``@pytest.mark.gpu`` are skipped when ``torch.cuda.is_available()`` is false.
+Tests marked ``@pytest.mark.gpu`` run on a CUDA machine. The CPU suite (``bash .ci/dev test``)
+deselects them with ``-m "not gpu"``; collected anyway where ``torch.cuda.is_available()`` is
+false, they are skipped with that reason.
 """
 
 from __future__ import annotations
@@ -50,9 +52,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     gpu_items = [item for item in items if item.get_closest_marker("gpu") is not None]
     if not gpu_items:
         return
-    # Imported only when a GPU test was collected: torch takes seconds to import.
-    import torch
-
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device (torch.cuda.is_available() is False)")

@@ -10,8 +10,9 @@ must leave the state as it was, so the sequence carries on.
 On the CPU, where a drafter forward costs milliseconds, the 100,000-cycle run replaces the
 drafter forward of most proposals by a stand-in that only confirms the core's plans (every
 piece of proposer and core bookkeeping still runs: accumulator writes, plans, confirms, aborts,
-frees); ``real_every`` proposals run the real drafter (torch backend). The GPU variant runs
-the real Triton path for every proposal:
+frees); ``real_every`` proposals run the real drafter (torch backend). The GPU variants run
+the real Triton path for every proposal, with injected faults on a build with the extension's
+test hooks and without them on any build (a release wheel has none):
 
     BLOCKDRAFT_SOAK_CYCLES=100000 python -m pytest tests/test_soak.py -m gpu -s
 """
@@ -29,12 +30,15 @@ import torch
 from scorecard import score
 from tinypair import K_H, tiny_drafter, tiny_target
 
-from blockdraft import PoolExhaustedError, faults
+from blockdraft import PoolExhaustedError, _core, faults
 from blockdraft.proposer import DFlashProposer, DFlashState, Proposal
 from core_checks import check_world
 
 LIVE = 8
 VOCAB = 64
+# Without injected faults the 40-block pool seldom runs dry (none in 5,000 cycles of seed 3);
+# 24 blocks keep real pool exhaustion in the soak.
+NO_FAULT_BLOCKS = 24
 
 
 @dataclass
@@ -65,8 +69,13 @@ def soak(
     real_every: int = 1,
     num_blocks: int = 40,
     seed: int = 0,
+    fault_rate: float = 0.01,
 ) -> SoakReport:
-    """Run ``cycles`` sequence lifecycles on one proposer; returns what happened."""
+    """Run ``cycles`` sequence lifecycles on one proposer; returns what happened.
+
+    ``fault_rate`` is the share of steps that arm a fault first; ``0`` arms none, so the soak
+    runs on a build of the extension without test hooks.
+    """
     target = tiny_target().to(device)
     drafter = tiny_drafter().to(device)
     prop = DFlashProposer(
@@ -103,7 +112,7 @@ def soak(
 
     def guarded(seq: Seq, fn: Any) -> bool:
         """Run one step, sometimes under an injected fault; False when it failed cleanly."""
-        armed = rng.random() < 0.01
+        armed = rng.random() < fault_rate
         before = (seq.state.ctx_len, seq.state.ctx_committed, seq.state.block_table)
         try:
             if armed:
@@ -184,11 +193,19 @@ def soak(
     return rep
 
 
-def _check(rep: SoakReport, cycles: int) -> None:
+def _check(rep: SoakReport, cycles: int, *, with_faults: bool = True) -> None:
     assert rep.cycles == cycles
     # Every kind of event happened, so the soak exercised what it claims.
-    assert rep.aborts > 0 and rep.exhausted > 0 and rep.faults > 0
+    assert rep.aborts > 0 and rep.exhausted > 0 and (rep.faults > 0) == with_faults
     assert rep.batched > 0 and rep.real_proposals > 0
+
+
+def needs_test_hooks() -> None:
+    """Skip the calling test unless the extension has its test hooks, which arming a fault needs."""
+    if not _core.TEST_HOOKS:
+        pytest.skip("this build of blockdraft._core has no test hooks (a release wheel): the soak "
+                    "with injected faults needs `--features test-hooks`; the soak without faults "
+                    "runs on this build")
 
 
 def test_soak_short() -> None:
@@ -208,11 +225,38 @@ def test_soak_100k_lifecycles() -> None:
     print(f"\nsoak (cpu, torch): {rep}")
 
 
+def test_the_fault_soak_skips_on_a_build_without_test_hooks(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_core, "TEST_HOOKS", False)
+    with pytest.raises(pytest.skip.Exception, match="no test hooks.*--features test-hooks"):
+        needs_test_hooks()
+    monkeypatch.setattr(_core, "TEST_HOOKS", True)
+    needs_test_hooks()
+
+
+def test_a_soak_without_faults_arms_none(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What the release-wheel GPU soak does, on the CPU: it never reaches the test hooks."""
+    monkeypatch.setattr(_core, "TEST_HOOKS", False)
+    rep = soak(300, real_every=10, num_blocks=NO_FAULT_BLOCKS, seed=1, fault_rate=0.0)
+    _check(rep, 300, with_faults=False)
+
+
 @pytest.mark.gpu
 @pytest.mark.slow
 def test_soak_gpu_triton() -> None:
-    """Every proposal runs the real drafter through the Triton kernels."""
+    """Every proposal runs the real drafter through the Triton kernels, with injected faults."""
+    needs_test_hooks()
     cycles = int(os.environ.get("BLOCKDRAFT_SOAK_CYCLES", "100000"))
     rep = soak(cycles, device="cuda", backend="triton", real_every=1, seed=3)
     _check(rep, cycles)
     print(f"\nsoak (cuda, triton): {rep}")
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+def test_soak_gpu_triton_without_faults() -> None:
+    """The same soak with no fault armed: it runs on a release wheel."""
+    cycles = int(os.environ.get("BLOCKDRAFT_SOAK_CYCLES", "100000"))
+    rep = soak(cycles, device="cuda", backend="triton", real_every=1, num_blocks=NO_FAULT_BLOCKS, seed=3,
+               fault_rate=0.0)
+    _check(rep, cycles, with_faults=False)
+    print(f"\nsoak (cuda, triton, no faults): {rep}")

@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
 # Every gpu-marked test (bf16/fp16 kernels, bf16 parity with dflash, CUDA graphs, Triton soak)
 # on a CUDA machine, plus the proof that the abi3 wheel imports there. Logs under $OUT.
+#   maturin build --release          # on the build machine: target/wheels/*.whl
 #   python3 -m pip install -q --no-deps --target /tmp/site target/wheels/*.whl .whl/dflash-*.whl
 #   export PYTHONPATH=/tmp/site; OUT=/some/dir bash tests/gpu/run_all.sh
+# A release wheel has no test hooks: the Triton soak with injected faults skips (saying so) and
+# the one without faults runs. A wheel built with `--features test-hooks` runs both.
 # Without OUT the logs go to a fresh temporary directory (printed at the start).
 # BLOCKDRAFT_SOAK_CYCLES sets the GPU soak's length (default here 5000).
 set -uo pipefail

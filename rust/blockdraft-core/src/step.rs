@@ -1,5 +1,5 @@
 //! One steady-state step over many sequences: the anchor rules of a proposal, and the metadata
-//! matrix the graph path reads (`python/blockdraft/graphs.py`, `docs/design/graph-path.md`).
+//! matrix the graph path reads (`python/blockdraft/proposer/graphs.py`, `docs/design/graph-path.md`).
 //!
 //! The graph path replays a CUDA graph per batch-size bucket; per call only a small `i64`
 //! matrix changes. [`GraphMeta`] writes it from the states' plans and keeps a mirror of which
