@@ -14,7 +14,7 @@ from scorecard import expect_clear_error, score
 
 def test_fresh_pool_is_full() -> None:
     pool = BlockPool(7, 16)
-    assert (pool.num_blocks, pool.page_size) == (7, 16)
+    assert (pool.num_pages, pool.page_size) == (7, 16)
     assert (pool.num_free, pool.num_used) == (7, 0)
     assert not any(pool.is_allocated(b) for b in range(7))
     pool.check_invariants()
@@ -132,9 +132,9 @@ _ops = st.lists(
 )
 
 
-@given(num_blocks=st.integers(1, 24), page_size=st.integers(1, 64), ops=_ops)
-def test_pool_matches_model(num_blocks: int, page_size: int, ops: list[tuple[str, object]]) -> None:
-    pool = BlockPool(num_blocks, page_size)
+@given(num_pages=st.integers(1, 24), page_size=st.integers(1, 64), ops=_ops)
+def test_pool_matches_model(num_pages: int, page_size: int, ops: list[tuple[str, object]]) -> None:
+    pool = BlockPool(num_pages, page_size)
     held: list[int] = []
     score.sequences += 1
     for kind, arg in ops:
@@ -159,11 +159,11 @@ def test_pool_matches_model(num_blocks: int, page_size: int, ops: list[tuple[str
             held = [b for b in held if b not in chosen]
         else:
             assert isinstance(arg, int)
-            if not (0 <= arg < num_blocks) or arg not in held:
+            if not (0 <= arg < num_pages) or arg not in held:
                 with pytest.raises(InvalidStateError):
                     pool.free([arg])
                 assert pool_snapshot(pool) == before
         check_world(pool, [], extra_held=held)
-        assert {b for b in range(num_blocks) if pool.is_allocated(b)} == set(held)
+        assert {b for b in range(num_pages) if pool.is_allocated(b)} == set(held)
     pool.free(held)
-    assert pool.num_free == num_blocks
+    assert pool.num_free == num_pages

@@ -63,14 +63,14 @@ def soak(
     device: str = "cpu",
     backend: str = "torch",
     real_every: int = 1,
-    num_blocks: int = 40,
+    num_pages: int = 40,
     seed: int = 0,
 ) -> SoakReport:
     """Run ``cycles`` sequence lifecycles on one proposer; returns what happened."""
     target = tiny_target().to(device)
     drafter = tiny_drafter().to(device)
     prop = DFlashProposer(
-        drafter, target, max_seq_len=64, num_blocks=num_blocks, page_size=4,
+        drafter, target, max_seq_len=64, num_pages=num_pages, page_size=4,
         max_batch=LIVE, backend=backend,  # type: ignore[arg-type]
     )
     rep = SoakReport()
@@ -104,7 +104,7 @@ def soak(
     def guarded(seq: Seq, fn: Any) -> bool:
         """Run one step, sometimes under an injected fault; False when it failed cleanly."""
         armed = rng.random() < 0.01
-        before = (seq.state.ctx_len, seq.state.ctx_committed, seq.state.block_table)
+        before = (seq.state.ctx_len, seq.state.ctx_committed, seq.state.page_table)
         try:
             if armed:
                 with faults.inject(rng.choice(sites), 1):
@@ -118,7 +118,7 @@ def soak(
             rep.faults += 1
         else:
             return True
-        assert (seq.state.ctx_len, seq.state.ctx_committed, seq.state.block_table) == before
+        assert (seq.state.ctx_len, seq.state.ctx_committed, seq.state.page_table) == before
         return False
 
     while rep.cycles < cycles:
@@ -174,8 +174,8 @@ def soak(
     for seq in list(live):
         prop.free_state(seq.state)
     prop.pool.check_invariants()
-    assert prop.pool.num_free == prop.pool.num_blocks, f"{prop.pool.num_used} blocks leaked"
-    score.leaked_blocks += prop.pool.num_used
+    assert prop.pool.num_free == prop.pool.num_pages, f"{prop.pool.num_used} pages leaked"
+    score.leaked_pages += prop.pool.num_used
     score.sequences += rep.cycles
     score.operations += rep.operations
     score.fault_points += rep.faults

@@ -67,14 +67,14 @@ def test_attention_gpu_sliding(window: int | None, causal: bool) -> None:
                        sliding_window=window, causal_block=causal)
 
 
-def test_attention_gpu_block_ids_and_offsets_beyond_2_pow_31() -> None:
+def test_attention_gpu_page_ids_and_offsets_beyond_2_pow_31() -> None:
     page, hkv, dim = 16, 8, 128
-    num_blocks = (1 << 31) // (page * hkv * dim) + 64
-    shape = (num_blocks, page, hkv, dim)
+    num_pages = (1 << 31) // (page * hkv * dim) + 64
+    shape = (num_pages, page, hkv, dim)
     caches = (torch.zeros(shape, dtype=torch.bfloat16), torch.zeros(shape, dtype=torch.bfloat16),
-              torch.zeros(num_blocks * page, dtype=torch.int32))
+              torch.zeros(num_pages * page, dtype=torch.int32))
     x = att.make_attention_case(torch.device("cpu"), torch.bfloat16, [21, 40], 4, 16, hkv, dim,
-                                page, num_blocks, caches=caches, block_offset=num_blocks - 64)
+                                page, num_pages, caches=caches, page_offset=num_pages - 64)
     x = {k: v.to(GPU) for k, v in x.items()}
     del caches
     want = att.run_attention(x, "torch")
