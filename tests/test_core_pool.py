@@ -60,13 +60,13 @@ def test_is_allocated_out_of_range_is_false() -> None:
 
 def test_free_then_realloc_round_trip() -> None:
     pool = BlockPool(4, 4)
-    blocks = pool.alloc(4)
-    pool.free(blocks[1:3])
+    pages = pool.alloc(4)
+    pool.free(pages[1:3])
     assert pool.num_free == 2
-    assert not pool.is_allocated(blocks[1]) and pool.is_allocated(blocks[0])
+    assert not pool.is_allocated(pages[1]) and pool.is_allocated(pages[0])
     again = pool.alloc(2)
-    assert sorted(again) == sorted(blocks[1:3])
-    pool.free(blocks[:1] + again + blocks[3:])
+    assert sorted(again) == sorted(pages[1:3])
+    pool.free(pages[:1] + again + pages[3:])
     assert pool.num_free == 4
     pool.check_invariants()
 
@@ -100,11 +100,11 @@ def test_free_validates_everything_before_changing_anything(case: str) -> None:
 
 def test_double_free_across_calls_is_rejected() -> None:
     pool = BlockPool(3, 4)
-    blocks = pool.alloc(2)
-    pool.free(blocks[:1])
+    pages = pool.alloc(2)
+    pool.free(pages[:1])
     before = pool_snapshot(pool)
     with expect_clear_error(InvalidStateError):
-        pool.free(blocks[:1])
+        pool.free(pages[:1])
     assert pool_snapshot(pool) == before
 
 

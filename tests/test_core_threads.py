@@ -36,23 +36,23 @@ def eager_thread_switching() -> Iterator[None]:
 
 
 class Ownership:
-    """Blocks currently granted to some owner, across threads."""
+    """Pages currently granted to some owner, across threads."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._held: set[int] = set()
 
-    def grant(self, blocks: list[int]) -> None:
+    def grant(self, pages: list[int]) -> None:
         with self._lock:
-            again = self._held.intersection(blocks)
-            assert not again, f"blocks {sorted(again)} granted to two owners"
-            assert len(set(blocks)) == len(blocks), f"one grant lists a block twice: {blocks}"
-            self._held.update(blocks)
+            again = self._held.intersection(pages)
+            assert not again, f"pages {sorted(again)} granted to two owners"
+            assert len(set(pages)) == len(pages), f"one grant lists a page twice: {pages}"
+            self._held.update(pages)
 
-    def release(self, blocks: list[int]) -> None:
+    def release(self, pages: list[int]) -> None:
         with self._lock:
-            assert self._held.issuperset(blocks)
-            self._held.difference_update(blocks)
+            assert self._held.issuperset(pages)
+            self._held.difference_update(pages)
 
     def empty(self) -> bool:
         with self._lock:

@@ -22,7 +22,7 @@ def make_attention_case(
     """Random queries/keys; each sequence gets distinct random pages ``>= page_offset``.
 
     ``caches`` (k_cache, v_cache, slot_pos) may be given (e.g. sparse-file backed); only the
-    blocks in the tables are written.
+    pages in the tables are written.
     """
     gen = torch.Generator().manual_seed(seed)
     n = len(ctx_lens)
@@ -35,7 +35,7 @@ def make_attention_case(
         slot_pos = torch.full((num_pages * page,), -(10**6), dtype=torch.int32)
     else:
         k_cache, v_cache, slot_pos = caches
-    # write the used blocks (unused tokens of a used block keep garbage that must be ignored)
+    # write the used pages (unused tokens of a used page keep garbage that must be ignored)
     for blk in tables.flatten().tolist():
         k_cache[blk] = torch.randn(page, kv_heads, dim, generator=gen).to(dtype)
         v_cache[blk] = torch.randn(page, kv_heads, dim, generator=gen).to(dtype)
@@ -99,7 +99,7 @@ def case_attention(device: torch.device, dtype: torch.dtype, ctx_lens: list[int]
         ([0], 1, 1, 1, 64, 4, None),
         ([5, 17, 40], 4, 8, 2, 64, 8, 3),
         ([63], 16, 8, 1, 128, 16, 4),  # GQA 8
-        ([1, 30, 100], 3, 4, 4, 64, 4, 2),  # GQA 1, many blocks
+        ([1, 30, 100], 3, 4, 4, 64, 4, 2),  # GQA 1, many pages
         ([129], 8, 8, 2, 128, 16, None),
     ],
 )
@@ -138,10 +138,10 @@ def test_attention_reference_is_softmax_over_visible_keys() -> None:
 
 
 def test_attention_page_ids_above_65535_and_offsets_above_2_pow_31(tmp_path: Path) -> None:
-    """Blocks with ids > 2**17 in caches whose element offsets pass 2**31 (sparse files)."""
+    """Pages with ids > 2**17 in caches whose element offsets pass 2**31 (sparse files)."""
     need_triton(CPU)
     page, kv_heads, dim = 16, 8, 128
-    num_pages = (1 << 31) // (page * kv_heads * dim) + 64  # 131136 blocks, 4.3 GB per cache
+    num_pages = (1 << 31) // (page * kv_heads * dim) + 64  # 131136 pages, 4.3 GB per cache
     numel = num_pages * page * kv_heads * dim
     shape = (num_pages, page, kv_heads, dim)
     caches = (

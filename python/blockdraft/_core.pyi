@@ -1,7 +1,7 @@
 """Typed surface of the Rust core (``blockdraft._core``).
 
 The core owns all bookkeeping of the proposer and never touches device memory: which pool
-blocks a sequence holds, which context rows it keeps, at which positions, how many of them have
+pages a sequence holds, which context rows it keeps, at which positions, how many of them have
 K/V in the paged cache, and whether a batch is accepted. Python owns the tensors and moves them
 according to the plans returned here.
 
@@ -35,7 +35,7 @@ class PoolExhaustedError(BlockdraftError):
     """The shared page pool cannot satisfy an allocation; nothing was changed."""
 
 class InvalidStateError(BlockdraftError):
-    """A state or plan was used out of its lifecycle (freed, foreign, stale, or bad blocks)."""
+    """A state or plan was used out of its lifecycle (freed, foreign, stale, or bad pages)."""
 
 class CheckpointError(BlockdraftError):
     """A drafter checkpoint is missing, unreadable or inconsistent."""
@@ -96,36 +96,36 @@ class BlockPool:
 
     def __new__(cls, num_pages: int, page_size: int) -> BlockPool:
         """Raises ``ValueError`` when ``num_pages < 1`` or ``page_size < 1``, or when the
-        bookkeeping of ``num_pages`` blocks cannot be allocated (never an abort)."""
+        bookkeeping of ``num_pages`` pages cannot be allocated (never an abort)."""
 
     @property
     def num_pages(self) -> int: ...
     @property
     def page_size(self) -> int:
-        """Tokens per block (the KV page size)."""
+        """Tokens per page."""
     @property
     def num_free(self) -> int: ...
     @property
     def num_used(self) -> int: ...
     def alloc(self, n: int) -> list[int]:
-        """Take ``n`` blocks (``n >= 0``).
+        """Take ``n`` pages (``n >= 0``).
 
         Raises:
-            PoolExhaustedError: fewer than ``n`` blocks are free; nothing changed.
+            PoolExhaustedError: fewer than ``n`` pages are free; nothing changed.
             ValueError: ``n`` is negative.
         """
 
-    def free(self, blocks: list[int]) -> None:
-        """Return ``blocks`` to the pool.
+    def free(self, pages: list[int]) -> None:
+        """Return ``pages`` to the pool.
 
         Raises:
             InvalidStateError: an id is out of range (negative ids included), not allocated, or
                 listed twice; nothing changed.
-            TypeError: ``blocks`` is not a sequence of ints.
+            TypeError: ``pages`` is not a sequence of ints.
         """
 
-    def is_allocated(self, block: int) -> bool:
-        """Whether ``block`` is currently allocated (``False`` for out-of-range ids)."""
+    def is_allocated(self, page: int) -> bool:
+        """Whether ``page`` is currently allocated (``False`` for out-of-range ids)."""
 
     def check_invariants(self) -> None:
         """Verify the pool's internal consistency (free list vs allocation bitmap).
@@ -196,10 +196,10 @@ class ContextState:
     """Bookkeeping of one sequence's drafter context, without its device memory.
 
     Holds the window, the context rows' positions, how many have K/V in the paged cache, the
-    page table (blocks from ``pool``), and the proposal/verify counters (``seq_len``,
+    page table (pages from ``pool``), and the proposal/verify counters (``seq_len``,
     ``last_num_drafted``, ...). Thread-safe (internal lock).
     Call ``free`` explicitly; a state that is garbage-collected unfreed still returns its
-    blocks, as a safety net against leaks.
+    pages, as a safety net against leaks.
     """
 
     def __new__(cls, pool: BlockPool, window: int, owner: int = 0) -> ContextState:
@@ -228,7 +228,7 @@ class ContextState:
     def page_table(self) -> list[int]: ...
     @property
     def num_pages(self) -> int:
-        """``len(page_table)``; blocks of an unresolved ``PrecomputePlan`` are not included."""
+        """``len(page_table)``; pages of an unresolved ``PrecomputePlan`` are not included."""
 
     @property
     def seq_len(self) -> int: ...
@@ -274,17 +274,17 @@ class ContextState:
         """
 
     def plan_precompute(self) -> PrecomputePlan:
-        """Plan K/V for rows ``[ctx_committed, ctx_len)``, taking the blocks they need.
+        """Plan K/V for rows ``[ctx_committed, ctx_len)``, taking the pages they need.
 
         Clamps ``ctx_committed`` to ``ctx_len`` first. A plan with no rows takes no pages.
 
         Raises:
-            PoolExhaustedError: the pool cannot supply the blocks; nothing changed.
+            PoolExhaustedError: the pool cannot supply the pages; nothing changed.
             InvalidStateError: the state was freed, or another plan is outstanding.
         """
 
     def confirm_precompute(self, plan: PrecomputePlan) -> None:
-        """The K/V of the plan's rows is written: adopt its blocks, ``ctx_committed = row_end``.
+        """The K/V of the plan's rows is written: adopt its pages, ``ctx_committed = row_end``.
 
         Raises:
             InvalidStateError: the plan is foreign, stale, or already resolved, or the state was
@@ -320,7 +320,7 @@ class ContextState:
         """
 
     def free(self, owner: int | None = None) -> bool:
-        """Return every block (including an unresolved plan's) and reset every counter.
+        """Return every page (including an unresolved plan's) and reset every counter.
 
         Idempotent: returns ``True`` the first time, ``False`` afterwards (nothing done).
         With ``owner``, the state must belong to that proposer (checked first, on a freed state
@@ -336,7 +336,7 @@ class ContextState:
         """Verify the state's invariant and that every held page is allocated in the pool.
 
         The invariant: ``0 <= ctx_committed <= ctx_len <= window``, positions strictly
-        increasing and non-negative, ``num_pages == ceil(ctx_committed / page_size)``, no block
+        increasing and non-negative, ``num_pages == ceil(ctx_committed / page_size)``, no page
         held twice, and a freed state equal to a fresh one.
 
         Raises:

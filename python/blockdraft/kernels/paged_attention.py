@@ -69,8 +69,8 @@ def _ctx_tile(
     dims = tl.arange(0, BLOCK_D).to(tl.int64)
     toks = t0 + tl.arange(0, BLOCK_N).to(tl.int64)
     n_mask = toks < end
-    blk = tl.load(pt_ptr + seq * spt0 + toks // PAGE, mask=n_mask, other=0).to(tl.int64)
-    slot = blk * PAGE + toks % PAGE
+    page = tl.load(pt_ptr + seq * spt0 + toks // PAGE, mask=n_mask, other=0).to(tl.int64)
+    slot = page * PAGE + toks % PAGE
     kv_off = slot[:, None] * (NUM_KV_HEADS * HEAD_DIM) + kvh * HEAD_DIM + dims[None, :]
     kv_mask = n_mask[:, None] & (dims[None, :] < HEAD_DIM)
     k = tl.load(kc_ptr + kv_off, mask=kv_mask, other=0.0)

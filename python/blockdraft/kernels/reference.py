@@ -73,8 +73,8 @@ def ctx_kv_store(
         slot = int(slots[r])
         if slot < 0:  # PAD_SLOT
             continue
-        block_size = k_list[0].shape[1]
-        block, offset = divmod(slot, block_size)
+        page_size = k_list[0].shape[1]
+        page, offset = divmod(slot, page_size)
         cos, sin = rope_cos_sin(positions[r : r + 1], inv_freq, rope_scale)
         for layer in range(num_layers):
             k = kv[r, layer, 0].to(torch.float32)  # [Hkv, D]
@@ -82,8 +82,8 @@ def ctx_kv_store(
             variance = k.pow(2).mean(dim=-1, keepdim=True)
             k = k * torch.rsqrt(variance + eps) * k_norm_w[layer].to(torch.float32)
             k = k * cos + rotate_half(k) * sin
-            k_list[layer][block, offset] = k.to(k_list[layer].dtype)
-            v_list[layer][block, offset] = v.to(v_list[layer].dtype)
+            k_list[layer][page, offset] = k.to(k_list[layer].dtype)
+            v_list[layer][page, offset] = v.to(v_list[layer].dtype)
         slot_pos[slot] = int(positions[r])
 
 
@@ -122,8 +122,8 @@ def block_attention(
 
     q [n, B, Hq, D]; k_blk, v_blk [n, B, Hkv, D]; k_cache, v_cache [num_pages, page_size,
     Hkv, D]; page_tables [n, max_pages] int32; ctx_lens [n] int32 (context row ``t`` of
-    sequence ``s`` lives in slot ``page_tables[s, t // block_size] * block_size + t %
-    block_size``); q_pos [n, B] int64 (block key ``j`` has the position of query ``j``);
+    sequence ``s`` lives in slot ``page_tables[s, t // page_size] * page_size + t %
+    page_size``); q_pos [n, B] int64 (block key ``j`` has the position of query ``j``);
     slot_pos [num_pages * page_size] int32 (positions of context keys).
 
     Visibility of key position ``kp`` from query position ``qp``: ``kp <= qp`` if
@@ -132,13 +132,13 @@ def block_attention(
     """
     n, num_q, num_heads, _ = q.shape
     group = num_heads // k_blk.shape[2]
-    block_size = k_cache.shape[1]
+    page_size = k_cache.shape[1]
     out = torch.empty_like(q)
     for s in range(n):
         ctx = int(ctx_lens[s])
         tokens = torch.arange(ctx, device=q.device)
-        slots = page_tables[s, tokens // block_size].to(torch.int64) * block_size + (
-            tokens % block_size
+        slots = page_tables[s, tokens // page_size].to(torch.int64) * page_size + (
+            tokens % page_size
         )
         k_ctx = k_cache.reshape(-1, *k_cache.shape[2:])[slots]
         v_ctx = v_cache.reshape(-1, *v_cache.shape[2:])[slots]

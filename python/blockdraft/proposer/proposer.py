@@ -170,11 +170,6 @@ class DFlashProposer:
         return self.spec.block_size
 
     @property
-    def block_size(self) -> int:
-        """The drafter's block size B (the same as :attr:`block_gamma`)."""
-        return self.spec.block_size
-
-    @property
     def page_size(self) -> int:
         """Tokens per paged K/V page of the pool."""
         return self.pool.page_size
@@ -245,7 +240,7 @@ class DFlashProposer:
 
     def _alloc(self, budget: int | None) -> DFlashState:
         global _cap_logged
-        window = _core.ctx_window(self.max_seq_len, self.block_size, budget, self.levers.ctx_cap)
+        window = _core.ctx_window(self.max_seq_len, self.block_gamma, budget, self.levers.ctx_cap)
         if self.ceiling < self.max_seq_len and not _cap_logged:
             _cap_logged = True
             mib = 1024 * 1024
@@ -601,8 +596,8 @@ class DFlashProposer:
     def _num_take(self, num_drafts: int) -> int:
         if isinstance(num_drafts, bool) or not isinstance(num_drafts, int):
             raise TypeError(f"num_drafts must be an int, not {type(num_drafts).__name__}")
-        if not 1 <= num_drafts <= self.block_size - 1:
-            raise ValueError(f"num_drafts must be in 1..{self.block_size - 1}, not {num_drafts}")
+        if not 1 <= num_drafts <= self.block_gamma - 1:
+            raise ValueError(f"num_drafts must be in 1..{self.block_gamma - 1}, not {num_drafts}")
         cap = self.levers.draft_cap
         return num_drafts if cap is None else min(num_drafts, cap)
 
