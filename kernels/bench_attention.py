@@ -28,18 +28,18 @@ def main() -> None:
     B, hq, hkv, dim, page = 16, 32, 8, 128, 16
     dev = "cuda"
     for n, ctx in ((32, 16384), (1, 16384), (8, 4096)):
-        blocks_per = ctx // page
-        num_blocks = n * blocks_per + 1
-        kc = torch.randn(num_blocks, page, hkv, dim, dtype=torch.bfloat16, device=dev)
+        pages_per = ctx // page
+        num_pages = n * pages_per + 1
+        kc = torch.randn(num_pages, page, hkv, dim, dtype=torch.bfloat16, device=dev)
         vc = torch.randn_like(kc)
-        tables = (torch.randperm(num_blocks - 1, device=dev)[: n * blocks_per] + 1)
-        tables = tables.view(n, blocks_per).to(torch.int32)
+        tables = (torch.randperm(num_pages - 1, device=dev)[: n * pages_per] + 1)
+        tables = tables.view(n, pages_per).to(torch.int32)
         ctx_lens = torch.full((n,), ctx, dtype=torch.int32, device=dev)
         q = torch.randn(n, B, hq, dim, dtype=torch.bfloat16, device=dev)
         kb = torch.randn(n, B, hkv, dim, dtype=torch.bfloat16, device=dev)
         vb = torch.randn_like(kb)
         q_pos = (ctx + torch.arange(B, device=dev)).repeat(n, 1)
-        sp = torch.zeros(num_blocks * page, dtype=torch.int32, device=dev)
+        sp = torch.zeros(num_pages * page, dtype=torch.int32, device=dev)
         scale = dim**-0.5
         call = partial(K.ops("triton").block_attention, q, kb, vb, kc, vc, tables, ctx_lens,
                        q_pos, sp, scale=scale)

@@ -18,16 +18,16 @@ def main() -> None:
     copy = copy_bandwidth_gbs()
     layers, heads, dim, page = 5, 8, 128, 16
     for rows in (4096, 16384):
-        num_blocks = 2 * rows // page
+        num_pages = 2 * rows // page
         dev = "cuda"
         kv = torch.randn(rows, layers, 2, heads, dim, dtype=torch.bfloat16, device=dev)
         pos = torch.arange(rows, device=dev)
-        slots = torch.randperm(num_blocks * page, device=dev)[:rows]
+        slots = torch.randperm(num_pages * page, device=dev)[:rows]
         w = torch.ones(layers, dim, dtype=torch.bfloat16, device=dev)
         inv = 1.0 / (1e6 ** (torch.arange(0, dim, 2, device=dev, dtype=torch.float32) / dim))
-        kc = torch.zeros(layers, num_blocks, page, heads, dim, dtype=torch.bfloat16, device=dev)
+        kc = torch.zeros(layers, num_pages, page, heads, dim, dtype=torch.bfloat16, device=dev)
         vc = torch.zeros_like(kc)
-        sp = torch.zeros(num_blocks * page, dtype=torch.int32, device=dev)
+        sp = torch.zeros(num_pages * page, dtype=torch.int32, device=dev)
         ms = bench_ms(lambda: K.ops("triton").ctx_kv_store(kv, pos, slots, w, inv, 1.0, 1e-6,
                                                             kc, vc, sp))
         nbytes = 2 * kv.numel() * 2 + rows * (8 + 8 + 4)

@@ -10,7 +10,7 @@ The numbers are those of the core's invariants (``rust/blockdraft-core/src/lib.r
     with expect_clear_error(PoolExhaustedError):
         st.plan_precompute()
     assert world_snapshot(pool, states) == before
-    check_world(pool, live_states, extra_held=raw_blocks)
+    check_world(pool, live_states, extra_held=raw_pages)
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ STATE_FIELDS: tuple[str, ...] = (
     "ctx_len",
     "ctx_committed",
     "ctx_positions",
-    "block_table",
-    "num_blocks",
+    "page_table",
+    "num_pages",
     "seq_len",
     "prefill_done",
     "last_num_drafted",
@@ -46,8 +46,8 @@ FRESH_VALUES: dict[str, Any] = {
     "ctx_len": 0,
     "ctx_committed": 0,
     "ctx_positions": [],
-    "block_table": [],
-    "num_blocks": 0,
+    "page_table": [],
+    "num_pages": 0,
     "seq_len": 0,
     "prefill_done": False,
     "last_num_drafted": 0,
@@ -69,13 +69,13 @@ def state_snapshot(st: blockdraft.core.ContextState) -> tuple[Any, ...]:
 
 
 def pool_snapshot(pool: blockdraft.BlockPool) -> tuple[Any, ...]:
-    """Sizes, counters and the allocation bitmap (O(num_blocks): keep test pools small)."""
+    """Sizes, counters and the allocation bitmap (O(num_pages): keep test pools small)."""
     return (
-        pool.num_blocks,
+        pool.num_pages,
         pool.page_size,
         pool.num_free,
         pool.num_used,
-        tuple(pool.is_allocated(b) for b in range(pool.num_blocks)),
+        tuple(pool.is_allocated(b) for b in range(pool.num_pages)),
     )
 
 
@@ -96,7 +96,7 @@ def assert_fresh(st: blockdraft.core.ContextState) -> None:
 def check_state(st: blockdraft.core.ContextState, page_size: int) -> None:
     """Invariant 3 for one live state, from Python and from the core's own check."""
     positions = st.ctx_positions
-    table = st.block_table
+    table = st.page_table
     assert 0 <= st.ctx_committed <= st.ctx_len <= st.window, (
         st.ctx_committed,
         st.ctx_len,
@@ -105,7 +105,7 @@ def check_state(st: blockdraft.core.ContextState, page_size: int) -> None:
     assert len(positions) == st.ctx_len
     assert all(p >= 0 for p in positions)
     assert all(a < b for a, b in zip(positions, positions[1:])), positions
-    assert len(table) == st.num_blocks == ceil_div(st.ctx_committed, page_size), (
+    assert len(table) == st.num_pages == ceil_div(st.ctx_committed, page_size), (
         table,
         st.ctx_committed,
         page_size,
@@ -119,7 +119,7 @@ def check_world(
     live: Sequence[blockdraft.core.ContextState],
     extra_held: Iterable[int] = (),
 ) -> None:
-    """Invariants 1-3: conservation, no block held twice or held while free, per-state shape.
+    """Invariants 1-3: conservation, no page held twice or held while free, per-state shape.
 
     ``extra_held`` lists blocks the test holds outside any state (raw ``pool.alloc`` results,
     blocks of outstanding precompute plans).
@@ -129,11 +129,11 @@ def check_world(
     for st in live:
         assert not st.freed
         check_state(st, pool.page_size)
-        held.extend(st.block_table)
-    assert pool.num_free + pool.num_used == pool.num_blocks
-    assert pool.num_free + len(held) == pool.num_blocks, (pool.num_free, len(held))
-    assert len(set(held)) == len(held), f"a block is held twice: {sorted(held)}"
-    assert all(0 <= b < pool.num_blocks and pool.is_allocated(b) for b in held)
+        held.extend(st.page_table)
+    assert pool.num_free + pool.num_used == pool.num_pages
+    assert pool.num_free + len(held) == pool.num_pages, (pool.num_free, len(held))
+    assert len(set(held)) == len(held), f"a page is held twice: {sorted(held)}"
+    assert all(0 <= b < pool.num_pages and pool.is_allocated(b) for b in held)
     score.invariant_checks += 4
 
 
@@ -198,7 +198,7 @@ def check_pages_world(
     for seq in live:
         check_seq(seq, pool.page_size)
         held.extend(seq.pages)
-    assert pool.num_free + len(held) == pool.num_blocks, (pool.num_free, len(held))
+    assert pool.num_free + len(held) == pool.num_pages, (pool.num_free, len(held))
     assert len(set(held)) == len(held), f"a page is held twice: {sorted(held)}"
-    assert all(0 <= b < pool.num_blocks and pool.is_allocated(b) for b in held)
+    assert all(0 <= b < pool.num_pages and pool.is_allocated(b) for b in held)
     score.invariant_checks += 3

@@ -4,7 +4,7 @@ Every test that runs operation sequences, checks invariants, injects faults or t
 adds to these counters *where the work happens* (never a constant), and ``conftest.py`` prints::
 
     blockdraft scorecard: 312 operation sequences, 18,240 operations, 21,000 invariant checks,
-    0 fault points / 0 leaked blocks, 45 bad inputs -> 45 clear errors
+    0 fault points / 0 leaked pages, 45 bad inputs -> 45 clear errors
 
 Only what this pytest run itself did is counted: figures of other tools (the cargo-fuzz run of
 the core, GPU runs) are tables in ``docs/RELIABILITY.md``, each with the command that makes it.
@@ -17,7 +17,7 @@ API (import from any test module; ``tests/`` is on ``sys.path`` through the root
     score.operations += n         # public API operations performed
     score.invariant_checks += n   # invariant assertions evaluated
     score.fault_points += 1       # one injected failure (allocation site x position)
-    score.leaked_blocks += n      # blocks found leaked after a fault (the test must also fail)
+    score.leaked_pages += n      # pages found leaked after a fault (the test must also fail)
 
     with expect_clear_error(InvalidStateError, "position"):   # counts one bad input
         st.plan_append([-1])
@@ -47,7 +47,7 @@ class Score:
     operations: int = 0
     invariant_checks: int = 0
     fault_points: int = 0
-    leaked_blocks: int = 0
+    leaked_pages: int = 0
     bad_inputs: int = 0
     clear_errors: int = 0
 
@@ -59,7 +59,7 @@ class Score:
         return (
             f"blockdraft scorecard: {self.sequences:,} operation sequences, "
             f"{self.operations:,} operations, {self.invariant_checks:,} invariant checks, "
-            f"{self.fault_points:,} fault points / {self.leaked_blocks:,} leaked blocks, "
+            f"{self.fault_points:,} fault points / {self.leaked_pages:,} leaked pages, "
             f"{self.bad_inputs:,} bad inputs -> {self.clear_errors:,} clear errors"
         )
 

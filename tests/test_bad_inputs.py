@@ -34,7 +34,7 @@ WORDS = 2  # ceil(64 / 32) bitmask words of the tiny vocabulary
 
 
 def make(drafter: Any, target: Any, **kw: Any) -> DFlashProposer:
-    prop: DFlashProposer = make_proposer(drafter, target, **{"max_seq_len": 64, "num_blocks": 32, **kw})
+    prop: DFlashProposer = make_proposer(drafter, target, **{"max_seq_len": 64, "num_pages": 32, **kw})
     return prop
 
 
@@ -77,14 +77,14 @@ def snapshot(w: World) -> Any:
                 s.freed,
                 tuple(s.ctx_positions),
                 s.ctx_committed,
-                tuple(s.block_table),
+                tuple(s.page_table),
                 s.seq_len,
                 s.last_num_drafted,
                 s.last_num_accepted,
                 None if s.acc is None else s.acc.clone(),
             )
         )
-    return pool.num_free, tuple(pool.is_allocated(b) for b in range(pool.num_blocks)), states
+    return pool.num_free, tuple(pool.is_allocated(b) for b in range(pool.num_pages)), states
 
 
 def unchanged(a: Any, b: Any) -> bool:
@@ -253,9 +253,9 @@ CTOR_CASES: list[tuple[str, type[BaseException], str, dict[str, Any]]] = [
     ("max_seq_len zero", ValueError, "max_seq_len", {"max_seq_len": 0}),
     ("max_batch zero", ValueError, "max_batch", {"max_batch": 0}),
     ("page_size zero", ValueError, "page_size", {"page_size": 0}),
-    ("num_blocks zero", ValueError, "num_blocks", {"num_blocks": 0}),
-    ("memory fraction zero", ValueError, "pool_memory_fraction", {"num_blocks": None, "pool_memory_fraction": 0.0}),
-    ("memory fraction NaN", ValueError, "pool_memory_fraction", {"num_blocks": None, "pool_memory_fraction": float("nan")}),
+    ("num_pages zero", ValueError, "num_pages", {"num_pages": 0}),
+    ("memory fraction zero", ValueError, "pool_memory_fraction", {"num_pages": None, "pool_memory_fraction": 0.0}),
+    ("memory fraction NaN", ValueError, "pool_memory_fraction", {"num_pages": None, "pool_memory_fraction": float("nan")}),
     ("unknown backend", ConfigError, "backend", {"backend": "cuda-graphs"}),
 ]
 
@@ -281,7 +281,7 @@ def test_mismatched_pairs(target: Any) -> None:
 
 @pytest.fixture(scope="module")
 def engine(drafter: Any, target: Any) -> SpeculativeEngine:
-    return SpeculativeEngine(target, drafter, max_seq_len=32, num_blocks=32, max_batch=2, page_size=4)
+    return SpeculativeEngine(target, drafter, max_seq_len=32, num_pages=32, max_batch=2, page_size=4)
 
 
 GEN_CASES: list[tuple[str, type[BaseException], str, list[Any], dict[str, Any]]] = [
@@ -306,7 +306,7 @@ def test_generate_bad_input(engine: SpeculativeEngine, case: Any) -> None:
     with expect_clear_error(exc, word):
         engine.generate(prompts, **kw)
     pool = engine.proposer.pool
-    assert pool.num_free == pool.num_blocks
+    assert pool.num_free == pool.num_pages
     score.invariant_checks += 1
 
 
@@ -440,7 +440,7 @@ def test_cli_bad_inputs(capsys: pytest.CaptureFixture[str], tmp_path: Path, good
     empty = tmp_path / "empty"
     empty.mkdir()
     expect_cli_error(capsys, ["generate", "x", "--target", str(empty), "--drafter", str(good_ckpt)], "--target", "config.json")
-    expect_cli_error(capsys, ["demo", "--num-blocks", "0"], "--num-blocks")
+    expect_cli_error(capsys, ["demo", "--num-pages", "0"], "--num-pages")
     expect_cli_error(capsys, ["demo", "--block-size", "0"], "--block-size")
     monkeypatch.setenv("BLOCKDRAFT_DFLASH_CTX_CAP", "huge")
     expect_cli_error(capsys, ["demo"], "BLOCKDRAFT_DFLASH_CTX_CAP")

@@ -30,11 +30,11 @@ from blockdraft.cuda_graphs import default_buckets, resolve_mode
 
 def _drive(mode: str, budget: int, seed: int) -> tuple[list[Any], list[list[int]]]:
     """A scripted run over 4 sequences: batches of 1..4 in changing order, 1..3 new rows per
-    step; returns every proposal and each state's final device block table."""
+    step; returns every proposal and each state's final device page table."""
     target = tiny_target()
     drafter = tiny_drafter(drafter_config(block=4, layers=2))
     prop = DFlashProposer(
-        drafter, target, max_seq_len=200, num_blocks=80, max_batch=4, graphs=mode,
+        drafter, target, max_seq_len=200, num_pages=80, max_batch=4, graphs=mode,
         page_size=4,
     )
     gen = torch.Generator().manual_seed(seed)
@@ -60,12 +60,12 @@ def _drive(mode: str, budget: int, seed: int) -> tuple[list[Any], list[list[int]
             pos[i] += k
     tables = []
     for st in states:
-        assert st.block_table_dev is None or st.block_table_dev.tolist() == st.block_table or (
+        assert st.page_table_dev is None or st.page_table_dev.tolist() == st.page_table or (
             st.ctx_committed < st.ctx_len
         )
-        tables.append(st.block_table)
+        tables.append(st.page_table)
         prop.free_state(st)
-    assert prop.pool.num_free == prop.pool.num_blocks
+    assert prop.pool.num_free == prop.pool.num_pages
     return got, tables
 
 
@@ -82,10 +82,10 @@ def test_static_graph_path_after_an_aborted_plan_rereads_the_table() -> None:
     drafter = tiny_drafter(drafter_config(block=4))
     page = {"page_size": 4}
     prop = DFlashProposer(
-        drafter, target, max_seq_len=64, num_blocks=40, max_batch=2, graphs="static", **page
+        drafter, target, max_seq_len=64, num_pages=40, max_batch=2, graphs="static", **page
     )
     plain = DFlashProposer(
-        drafter, target, max_seq_len=64, num_blocks=40, max_batch=2, graphs="off", **page
+        drafter, target, max_seq_len=64, num_pages=40, max_batch=2, graphs="off", **page
     )
     rows = torch.randn(30, 64, generator=torch.Generator().manual_seed(3))
     outs = []
@@ -115,10 +115,10 @@ def test_static_graph_path_after_an_aborted_plan_rereads_the_table() -> None:
             del fast.forward_block
         assert p.drafter.forward_block == original
         second = p.propose(st, 6, 17, 3)
-        outs.append((first, second, st.block_table))
+        outs.append((first, second, st.page_table))
         if runner is not None:
-            assert st.block_table_dev is not None
-            assert st.block_table_dev.tolist() == st.block_table
+            assert st.page_table_dev is not None
+            assert st.page_table_dev.tolist() == st.page_table
         p.free_state(st)
     assert outs[0] == outs[1]
 
@@ -147,13 +147,13 @@ def test_memory_report_matches_the_formula_to_the_byte() -> None:
     prop.commit_ctx(st, torch.randn(37, shape.ctx_row_width), range(37))
     prop.propose(st, 3, 37, shape.block_size - 1)
     mem = bd_bench.state_memory(prop, st)
-    # Independent arithmetic: window x k x H x 4 bytes; ceil(37 / 16) blocks of 16 rows, each
+    # Independent arithmetic: window x k x H x 4 bytes; ceil(37 / 16) pages of 16 rows, each
     # row L x (K, V) x Hkv x D x 4 bytes.
     window = 37 + 20
     assert mem["window"] == window == st.window
     assert mem["acc_bytes"] == window * 2 * 64 * 4
     assert mem["kv_bytes"] == math.ceil(37 / 16) * 16 * (2 * 2 * 2 * 16 * 4)
-    assert mem["blocks"] == 3 and mem["blocks_within_bound"] and mem["equal_to_formula"]
+    assert mem["pages"] == 3 and mem["pages_within_bound"] and mem["equal_to_formula"]
     prop.free_state(st)
 
 
@@ -308,7 +308,7 @@ def test_memory_figures_read_the_cache() -> None:
     prop = bd_bench.make_proposer(drafter, target, shape, 20, 1, "off", 8)
     assert prop.page_size == 16
     # One block: every layer's K and V rows of 16 slots, fp32 (+ its slot positions).
-    assert prop.cache.bytes_per_block == 16 * shape.drafter_layers * 2 * 2 * 16 * 4 + 4 * 16
+    assert prop.cache.bytes_per_page == 16 * shape.drafter_layers * 2 * 2 * 16 * 4 + 4 * 16
 
 
 def test_graphs_off_and_a_stubbed_launch_steer_the_graph_path() -> None:
@@ -340,6 +340,6 @@ def test_graphs_off_and_a_stubbed_launch_steer_the_graph_path() -> None:
     seqs.propose_batch(idx)  # the real launch is back
     assert launches == [2]
     seqs.free()
-    assert prop.pool.num_free == prop.pool.num_blocks
+    assert prop.pool.num_free == prop.pool.num_pages
     bd_bench.release(prop)
     assert prop.graph_runner is None

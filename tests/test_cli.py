@@ -280,8 +280,8 @@ def test_demo_page_size_and_block_size(capsys: pytest.CaptureFixture[str]) -> No
                  "--prefill", "5"]) == 0
     out = capsys.readouterr().out.splitlines()
     # window = budget + B + 1 rows (no cap reached); 5 prefill rows take 2 pages of 4.
-    assert out[0].startswith("pool: 64 blocks x 4 tokens;") and out[0].endswith("B=3: 14 rows")
-    assert out[1] == "step 0 seq 0: +5 rows -> ctx_len 5, positions 0..4, 2 blocks; pool 2/64 used"
+    assert out[0].startswith("pool: 64 pages x 4 tokens;") and out[0].endswith("B=3: 14 rows")
+    assert out[1] == "step 0 seq 0: +5 rows -> ctx_len 5, positions 0..4, 2 pages; pool 2/64 used"
     with pytest.raises(SystemExit):
         main(["demo", "--gamma", "8"])
     capsys.readouterr()

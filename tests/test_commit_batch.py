@@ -32,7 +32,7 @@ def _pair(drafter: Any, target: Any, backend: str, budgets: list[int]) -> tuple[
     """Two identical proposers with one state per budget each (budgets set the windows)."""
     out: list[Any] = []
     for _ in range(2):
-        prop = make_proposer(drafter, target, backend=backend, max_seq_len=400, num_blocks=200)
+        prop = make_proposer(drafter, target, backend=backend, max_seq_len=400, num_pages=200)
         out += [prop, [prop.alloc_state_for(b) for b in budgets]]
     return out[0], out[1], out[2], out[3]
 
@@ -87,7 +87,7 @@ def test_batch_commit_equals_one_commit_per_sequence(
     for prop, states in ((batch, b_states), (single, s_states)):
         for s in states:
             prop.free_state(s)
-        assert prop.pool.num_free == prop.pool.num_blocks
+        assert prop.pool.num_free == prop.pool.num_pages
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -168,7 +168,7 @@ def test_batch_commit_rejects_bad_input_and_changes_nothing(drafter: Any, target
     for s in states[:2]:
         prop.free_state(s)
     other.free_state(foreign)
-    assert prop.pool.num_free == prop.pool.num_blocks
+    assert prop.pool.num_free == prop.pool.num_pages
 
 
 @pytest.mark.skipif(not triton_available(), reason="Triton is not importable here")
@@ -208,7 +208,7 @@ def test_triton_batch_commit_is_one_kernel_launch(
 def test_positions_as_any_iterable_of_ints(drafter: Any, target: Any) -> None:
     """Positions may be a list, tuple, range, int tensor or any iterable of ints; a
     non-iterable is a clear ``TypeError``."""
-    prop = make_proposer(drafter, target, max_seq_len=64, num_blocks=32)
+    prop = make_proposer(drafter, target, max_seq_len=64, num_pages=32)
     st = prop.alloc_state_for(30)
     rows = torch.randn(8, K_H, generator=torch.Generator().manual_seed(3))
     prop.commit_ctx(st, rows[:2], (0, 1))

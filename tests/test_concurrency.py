@@ -41,10 +41,10 @@ def pair() -> tuple[Any, Any]:
     return tiny_target(), tiny_drafter()
 
 
-def make(pair: tuple[Any, Any], pool: BlockPool | None = None, num_blocks: int = 64) -> DFlashProposer:
+def make(pair: tuple[Any, Any], pool: BlockPool | None = None, num_pages: int = 64) -> DFlashProposer:
     target, drafter = pair
     return DFlashProposer(
-        drafter, target, max_seq_len=48, num_blocks=num_blocks, page_size=4,
+        drafter, target, max_seq_len=48, num_pages=num_pages, page_size=4,
         max_batch=4, backend="torch", pool=pool,
     )
 
@@ -122,7 +122,7 @@ def run_threads(work: Callable[[int], Any]) -> list[Any]:
 
 def finish(pool: BlockPool, tallies: list[list[int]]) -> None:
     check_world(pool, [])
-    assert pool.num_free == pool.num_blocks, f"{pool.num_used} blocks still held"
+    assert pool.num_free == pool.num_pages, f"{pool.num_used} pages still held"
     score.operations += sum(t[0] for t in tallies)
 
 
@@ -137,7 +137,7 @@ def test_separate_proposers_on_one_pool_draft_as_if_alone(pair: tuple[Any, Any])
 
 
 def test_one_proposer_shared_by_threads_owning_their_states(pair: tuple[Any, Any]) -> None:
-    prop = make(pair, num_blocks=96)
+    prop = make(pair, num_pages=96)
     tallies = [[0, 0] for _ in range(N_THREADS)]
     alone = [script(make(pair), 200 + i, [0, 0]) for i in range(N_THREADS)]
     together = run_threads(lambda i: script(prop, 200 + i, tallies[i]))
@@ -146,7 +146,7 @@ def test_one_proposer_shared_by_threads_owning_their_states(pair: tuple[Any, Any
 
 
 def test_tight_shared_pool_exhausts_and_recovers(pair: tuple[Any, Any]) -> None:
-    """Fewer blocks than the threads need at once: proposals meet PoolExhaustedError (nothing
+    """Fewer pages than the threads need at once: proposals meet PoolExhaustedError (nothing
     changes, the thread carries on), invariants hold, and the pool ends exactly full."""
     pool = BlockPool(6, 4)
     props = [make(pair, pool) for _ in range(N_THREADS)]

@@ -1,7 +1,7 @@
 """The bad-input catalogue for the Rust core.
 
 Every case runs against the same small world (a pool, a state with committed and uncommitted
-rows, a second state of another owner, a freed state, raw blocks, leftover plans) and asserts:
+rows, a second state of another owner, a freed state, raw pages, leftover plans) and asserts:
 the exact exception type, a message naming the problem (each ``words`` entry is a regex that must
 match), and a world snapshot identical before and after. A Rust panic would surface as pyo3's
 ``PanicException`` (a ``BaseException``) and fail the case.
@@ -114,12 +114,12 @@ PLAN = "plan|another state|foreign|stale|version"
 
 CASES: list[Case] = [
     # --- BlockPool construction
-    C("pool num_blocks zero", ValueError, "num_blocks", lambda w: BlockPool(0, 4)),
-    C("pool num_blocks negative", ValueError, "num_blocks", lambda w: BlockPool(-3, 4)),
+    C("pool num_pages zero", ValueError, "num_pages", lambda w: BlockPool(0, 4)),
+    C("pool num_pages negative", ValueError, "num_pages", lambda w: BlockPool(-3, 4)),
     C("pool page_size zero", ValueError, "page_size", lambda w: BlockPool(4, 0)),
     C("pool page_size negative", ValueError, "page_size", lambda w: BlockPool(4, -1)),
-    C("pool num_blocks str", TypeError, "num_blocks", lambda w: BlockPool("4", 4)),  # type: ignore[arg-type]
-    C("pool num_blocks float", TypeError, "num_blocks", lambda w: BlockPool(4.0, 4)),  # type: ignore[arg-type]
+    C("pool num_pages str", TypeError, "num_pages", lambda w: BlockPool("4", 4)),  # type: ignore[arg-type]
+    C("pool num_pages float", TypeError, "num_pages", lambda w: BlockPool(4.0, 4)),  # type: ignore[arg-type]
     C("pool page_size None", TypeError, "page_size", lambda w: BlockPool(4, None)),  # type: ignore[arg-type]
     # --- BlockPool.alloc / free
     C("alloc negative", ValueError, NEG, lambda w: w.pool.alloc(-1)),
@@ -138,9 +138,9 @@ CASES: list[Case] = [
         lambda w: w.pool.free([w.raw[0], next(b for b in range(8) if not w.pool.is_allocated(b))]),
     ),
     C("free twice in one call", InvalidStateError, "twice|duplicate|more than once", lambda w: w.pool.free([w.raw[0], w.raw[1], w.raw[0]])),
-    C("free str", TypeError, "blocks", lambda w: w.pool.free("12")),  # type: ignore[arg-type]
-    C("free None", TypeError, "blocks", lambda w: w.pool.free(None)),  # type: ignore[arg-type]
-    C("free float ids", TypeError, "blocks", lambda w: w.pool.free([1.0])),  # type: ignore[list-item]
+    C("free str", TypeError, "pages", lambda w: w.pool.free("12")),  # type: ignore[arg-type]
+    C("free None", TypeError, "pages", lambda w: w.pool.free(None)),  # type: ignore[arg-type]
+    C("free float ids", TypeError, "pages", lambda w: w.pool.free([1.0])),  # type: ignore[list-item]
     # --- window policy
     C("window max_seq_len zero", ValueError, "max_seq_len", lambda w: ctx_window(0, 4)),
     C("window max_seq_len negative", ValueError, "max_seq_len", lambda w: ctx_window(-5, 4)),

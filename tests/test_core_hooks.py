@@ -27,14 +27,14 @@ def test_plan_proposals_takes_fail_at_only_as_a_fault_point() -> None:
     plans = _core.plan_proposals("propose_batch", states, [1, 1], [2, 2], 8, 1, fail_at=None)
     assert len(plans) == 2
     _core.abort_plans(plans)
-    with pytest.raises(PoolExhaustedError, match="fault injection: pool_blocks at sequence 1 of 2"):
+    with pytest.raises(PoolExhaustedError, match="fault injection: pool_pages at sequence 1 of 2"):
         _core.plan_proposals("propose_batch", states, [1, 1], [2, 2], 8, 1, fail_at=1)
     assert pool.num_free == 8
 
 
 def test_faults_refuse_to_arm_without_test_hooks(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(_core, "TEST_HOOKS", False)
-    for arm in (lambda: faults.inject("pool_blocks", 1), faults.record):
+    for arm in (lambda: faults.inject("pool_pages", 1), faults.record):
         with pytest.raises(RuntimeError, match="no test hooks.*--features test-hooks"):
             with arm():
                 pass  # pragma: no cover - never armed

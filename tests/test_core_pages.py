@@ -142,9 +142,9 @@ class PagesMachine(RuleBasedStateMachine):
 
     # ---- set-up and creation -------------------------------------------------------------
 
-    @initialize(num_blocks=st.integers(1, 32), page_size=st.integers(1, 4))
-    def make_pool(self, num_blocks: int, page_size: int) -> None:
-        self.pool = BlockPool(num_blocks, page_size)
+    @initialize(num_pages=st.integers(1, 32), page_size=st.integers(1, 4))
+    def make_pool(self, num_pages: int, page_size: int) -> None:
+        self.pool = BlockPool(num_pages, page_size)
         score.operations += 1
 
     @rule(target=live, capacity=st.integers(1, 14), owner=st.sampled_from([OWNER] * 4 + [OTHER]))
@@ -155,7 +155,7 @@ class PagesMachine(RuleBasedStateMachine):
         if need > pool.num_free:
             event("create: exhausted")
             before = self.snapshot()
-            with expect_clear_error(PoolExhaustedError, "exhausted", f"{need} blocks requested"):
+            with expect_clear_error(PoolExhaustedError, "exhausted", f"{need} pages requested"):
                 SeqPages(pool, capacity, owner)
             assert self.snapshot() == before
             return multiple()
@@ -404,7 +404,7 @@ class PagesMachine(RuleBasedStateMachine):
             assert seq.free() is True
             self.mark_freed(seq)
         # With every sequence freed the pool is exactly full again.
-        assert self.pool.num_free == self.pool.num_blocks and self.pool.num_used == 0
+        assert self.pool.num_free == self.pool.num_pages and self.pool.num_used == 0
         self.pool.check_invariants()
         for seq in self.freed_seqs:
             assert_seq_freed(seq)
@@ -449,7 +449,7 @@ def test_forward_plan_equals_a_recomputation(
     check_pages_world(pool, seqs, raw)
     assert free_all("free", seqs, OWNER) == len(seqs)
     pool.free(raw)
-    assert pool.num_free == pool.num_blocks
+    assert pool.num_free == pool.num_pages
     score.sequences += 1
     score.operations += 2 + len(seqs)
 

@@ -89,7 +89,7 @@ CASES: list[Case] = [
     C("owner negative", ValueError, "owner", lambda w: SeqPages(w.pool, 4, -1)),
     C("pool is a sequence", TypeError, "pool", lambda w: SeqPages(w.a, 4)),  # type: ignore[arg-type]
     C("pool None", TypeError, "pool", lambda w: SeqPages(None, 4)),  # type: ignore[arg-type]
-    C("capacity past the free pages", PoolExhaustedError, ("exhausted", "7 blocks requested", "6 free"),
+    C("capacity past the free pages", PoolExhaustedError, ("exhausted", "7 pages requested", "6 free"),
       lambda w: SeqPages(w.pool, 25)),
     C("capacity past the whole pool", PoolExhaustedError, "exhausted", lambda w: SeqPages(w.pool, 10**6)),
     # --- one sequence's methods

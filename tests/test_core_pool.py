@@ -14,7 +14,7 @@ from scorecard import expect_clear_error, score
 
 def test_fresh_pool_is_full() -> None:
     pool = BlockPool(7, 16)
-    assert (pool.num_blocks, pool.page_size) == (7, 16)
+    assert (pool.num_pages, pool.page_size) == (7, 16)
     assert (pool.num_free, pool.num_used) == (7, 0)
     assert not any(pool.is_allocated(b) for b in range(7))
     pool.check_invariants()
@@ -60,13 +60,13 @@ def test_is_allocated_out_of_range_is_false() -> None:
 
 def test_free_then_realloc_round_trip() -> None:
     pool = BlockPool(4, 4)
-    blocks = pool.alloc(4)
-    pool.free(blocks[1:3])
+    pages = pool.alloc(4)
+    pool.free(pages[1:3])
     assert pool.num_free == 2
-    assert not pool.is_allocated(blocks[1]) and pool.is_allocated(blocks[0])
+    assert not pool.is_allocated(pages[1]) and pool.is_allocated(pages[0])
     again = pool.alloc(2)
-    assert sorted(again) == sorted(blocks[1:3])
-    pool.free(blocks[:1] + again + blocks[3:])
+    assert sorted(again) == sorted(pages[1:3])
+    pool.free(pages[:1] + again + pages[3:])
     assert pool.num_free == 4
     pool.check_invariants()
 
@@ -100,11 +100,11 @@ def test_free_validates_everything_before_changing_anything(case: str) -> None:
 
 def test_double_free_across_calls_is_rejected() -> None:
     pool = BlockPool(3, 4)
-    blocks = pool.alloc(2)
-    pool.free(blocks[:1])
+    pages = pool.alloc(2)
+    pool.free(pages[:1])
     before = pool_snapshot(pool)
     with expect_clear_error(InvalidStateError):
-        pool.free(blocks[:1])
+        pool.free(pages[:1])
     assert pool_snapshot(pool) == before
 
 
@@ -132,9 +132,9 @@ _ops = st.lists(
 )
 
 
-@given(num_blocks=st.integers(1, 24), page_size=st.integers(1, 64), ops=_ops)
-def test_pool_matches_model(num_blocks: int, page_size: int, ops: list[tuple[str, object]]) -> None:
-    pool = BlockPool(num_blocks, page_size)
+@given(num_pages=st.integers(1, 24), page_size=st.integers(1, 64), ops=_ops)
+def test_pool_matches_model(num_pages: int, page_size: int, ops: list[tuple[str, object]]) -> None:
+    pool = BlockPool(num_pages, page_size)
     held: list[int] = []
     score.sequences += 1
     for kind, arg in ops:
@@ -159,11 +159,11 @@ def test_pool_matches_model(num_blocks: int, page_size: int, ops: list[tuple[str
             held = [b for b in held if b not in chosen]
         else:
             assert isinstance(arg, int)
-            if not (0 <= arg < num_blocks) or arg not in held:
+            if not (0 <= arg < num_pages) or arg not in held:
                 with pytest.raises(InvalidStateError):
                     pool.free([arg])
                 assert pool_snapshot(pool) == before
         check_world(pool, [], extra_held=held)
-        assert {b for b in range(num_blocks) if pool.is_allocated(b)} == set(held)
+        assert {b for b in range(num_pages) if pool.is_allocated(b)} == set(held)
     pool.free(held)
-    assert pool.num_free == num_blocks
+    assert pool.num_free == num_pages

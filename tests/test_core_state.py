@@ -60,17 +60,17 @@ def test_slide_keeps_the_newest_rows_and_resets_committed() -> None:
     state = ContextState(pool, 6)
     append(state, [10, 11, 12, 13, 14])
     precompute(state)
-    assert state.ctx_committed == 5 and len(state.block_table) == 3
+    assert state.ctx_committed == 5 and len(state.page_table) == 3
     plan = state.plan_append([20, 21, 22])
     assert plan.slide is not None
     # keep = window - new rows = 3, the newest ones: source rows [2, 5).
     assert (plan.slide.src_start, plan.slide.keep) == (2, 3)
     assert (plan.dst_start, plan.n_rows) == (3, 3)
-    assert pool.num_free == 5, "planning a slide must not release blocks"
+    assert pool.num_free == 5, "planning a slide must not release pages"
     state.apply_append(plan)
     assert state.ctx_positions == [12, 13, 14, 20, 21, 22]
     assert state.ctx_committed == 0
-    assert state.block_table == [] and pool.num_free == 8
+    assert state.page_table == [] and pool.num_free == 8
     check_world(pool, [state])
 
 
@@ -89,22 +89,22 @@ def test_precompute_plan_slots_and_positions() -> None:
     append(state, list(range(100, 106)))
     plan = state.plan_precompute()
     assert (plan.row_start, plan.row_end) == (0, 6)
-    assert len(plan.new_blocks) == 2 and not plan.resolved
-    assert pool.num_free == 4 and all(pool.is_allocated(b) for b in plan.new_blocks)
-    table = plan.new_blocks
+    assert len(plan.new_pages) == 2 and not plan.resolved
+    assert pool.num_free == 4 and all(pool.is_allocated(b) for b in plan.new_pages)
+    table = plan.new_pages
     assert plan.slots == [table[r // 4] * 4 + r % 4 for r in range(6)]
     assert plan.positions == list(range(100, 106))
-    assert state.ctx_committed == 0 and state.block_table == [], "not applied before confirm"
+    assert state.ctx_committed == 0 and state.page_table == [], "not applied before confirm"
     state.confirm_precompute(plan)
     assert plan.resolved
-    assert state.ctx_committed == 6 and state.block_table == table
+    assert state.ctx_committed == 6 and state.page_table == table
     assert state.slot_mapping() == plan.slots
 
     # The next rows continue in the half-used last block before taking a new one.
     append(state, [106, 107, 108])
     plan = state.plan_precompute()
-    assert (plan.row_start, plan.row_end) == (6, 9) and len(plan.new_blocks) == 1
-    full = table + plan.new_blocks
+    assert (plan.row_start, plan.row_end) == (6, 9) and len(plan.new_pages) == 1
+    full = table + plan.new_pages
     assert plan.slots == [full[r // 4] * 4 + r % 4 for r in range(6, 9)]
     state.confirm_precompute(plan)
     assert state.slot_mapping() == [full[r // 4] * 4 + r % 4 for r in range(9)]
@@ -115,7 +115,7 @@ def test_empty_precompute_takes_nothing() -> None:
     pool = BlockPool(2, 4)
     state = ContextState(pool, 8)
     plan = state.plan_precompute()
-    assert (plan.row_start, plan.row_end, plan.new_blocks, plan.slots) == (0, 0, [], [])
+    assert (plan.row_start, plan.row_end, plan.new_pages, plan.slots) == (0, 0, [], [])
     assert pool.num_free == 2
     state.confirm_precompute(plan)
     assert state.ctx_committed == 0
@@ -179,7 +179,7 @@ def test_second_outstanding_plan_is_rejected() -> None:
     precompute(state)
 
 
-def test_dropping_an_unresolved_plan_returns_its_blocks() -> None:
+def test_dropping_an_unresolved_plan_returns_its_pages() -> None:
     pool = BlockPool(5, 2)
     state = ContextState(pool, 16)
     append(state, [0, 1, 2])
@@ -195,13 +195,13 @@ def test_dropping_an_unresolved_plan_returns_its_blocks() -> None:
     check_world(pool, [state])
 
 
-def test_dropping_a_confirmed_plan_keeps_the_blocks() -> None:
+def test_dropping_a_confirmed_plan_keeps_the_pages() -> None:
     pool = BlockPool(5, 2)
     state = ContextState(pool, 16)
     append(state, [0, 1, 2])
     precompute(state)  # the plan is dropped right here
     gc.collect()
-    assert pool.num_free == 3 and len(state.block_table) == 2
+    assert pool.num_free == 3 and len(state.page_table) == 2
     check_world(pool, [state])
 
 
@@ -233,7 +233,7 @@ def test_version_increases_on_changes_only() -> None:
     assert state.version > v1
 
 
-def test_free_returns_blocks_and_resets_counters() -> None:
+def test_free_returns_pages_and_resets_counters() -> None:
     pool = BlockPool(6, 2)
     state = ContextState(pool, 8, owner=3)
     append(state, [0, 1, 2, 3, 4])
@@ -332,12 +332,12 @@ def test_appends_and_slides_match_reference(
             state.confirm_precompute(pre)
             score.operations += 2
             assert state.slot_mapping() == [
-                state.block_table[r // page_size] * page_size + r % page_size
+                state.page_table[r // page_size] * page_size + r % page_size
                 for r in range(state.ctx_len)
             ]
         check_world(pool, [state])
     state.free()
-    assert pool.num_free == pool.num_blocks
+    assert pool.num_free == pool.num_pages
 
 
 def test_last_position_tracks_the_newest_row_through_slides() -> None:

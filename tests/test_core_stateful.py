@@ -84,9 +84,9 @@ class CoreMachine(RuleBasedStateMachine):
 
     # ---- set-up and states ---------------------------------------------------------------
 
-    @initialize(num_blocks=st.integers(1, 16), page_size=st.integers(1, 4))
-    def make_pool(self, num_blocks: int, page_size: int) -> None:
-        self.pool = BlockPool(num_blocks, page_size)
+    @initialize(num_pages=st.integers(1, 16), page_size=st.integers(1, 4))
+    def make_pool(self, num_pages: int, page_size: int) -> None:
+        self.pool = BlockPool(num_pages, page_size)
         score.operations += 1
 
     @rule(target=live, window=st.integers(1, 24), owner=st.integers(0, 3))
@@ -149,7 +149,7 @@ class CoreMachine(RuleBasedStateMachine):
             assert plan.dst_start == keep
         if apply == 0:
             return  # an unapplied plan is just dropped
-        held = len(state.block_table)
+        held = len(state.page_table)
         free_before = self.pool.num_free
         state.apply_append(plan)
         score.operations += 1
@@ -161,7 +161,7 @@ class CoreMachine(RuleBasedStateMachine):
             m.positions = kept + new
             m.committed = 0
             assert state.ctx_positions[: plan.slide.keep] == kept
-            assert state.ctx_committed == 0 and state.block_table == []
+            assert state.ctx_committed == 0 and state.page_table == []
             assert self.pool.num_free == free_before + held
             score.invariant_checks += 1
         assert state.ctx_positions == m.positions
@@ -198,7 +198,7 @@ class CoreMachine(RuleBasedStateMachine):
         assert self.pool is not None
         m = self.model(state)
         ps = self.pool.page_size
-        need = ceil_div(len(m.positions), ps) - len(state.block_table)
+        need = ceil_div(len(m.positions), ps) - len(state.page_table)
         before = self.snapshot()
         score.operations += 1
         if need > self.pool.num_free:
@@ -210,13 +210,13 @@ class CoreMachine(RuleBasedStateMachine):
         plan = state.plan_precompute()
         event(f"precompute: {outcome} {'with' if need else 'without'} new blocks")
         assert (plan.row_start, plan.row_end) == (m.committed, len(m.positions))
-        assert len(plan.new_blocks) == need and not plan.resolved
+        assert len(plan.new_pages) == need and not plan.resolved
         assert self.pool.num_free == before[0][2] - need  # type: ignore[index]
-        table = state.block_table + plan.new_blocks
+        table = state.page_table + plan.new_pages
         assert plan.slots == [table[r // ps] * ps + r % ps for r in range(plan.row_start, plan.row_end)]
         assert plan.positions == m.positions[plan.row_start : plan.row_end]
-        # Conservation holds with the plan's blocks counted as held by the caller.
-        check_world(self.pool, self.live_states, self.raw_held() + plan.new_blocks)
+        # Conservation holds with the plan's pages counted as held by the caller.
+        check_world(self.pool, self.live_states, self.raw_held() + plan.new_pages)
         if again:
             mid = self.snapshot()
             with expect_clear_error(InvalidStateError):
@@ -225,7 +225,7 @@ class CoreMachine(RuleBasedStateMachine):
         if outcome == "confirm":
             state.confirm_precompute(plan)
             m.committed = len(m.positions)
-            assert plan.resolved and state.block_table == table
+            assert plan.resolved and state.page_table == table
             assert state.slot_mapping() == [table[r // ps] * ps + r % ps for r in range(m.committed)]
             after = self.snapshot()
             with expect_clear_error(InvalidStateError):
@@ -272,8 +272,8 @@ class CoreMachine(RuleBasedStateMachine):
         old = state.plan_append([m.next_position])
         score.operations += 1
         if via_precompute:
-            # Needs rows without K/V and the blocks to hold them, or confirm changes nothing.
-            need = ceil_div(len(m.positions), self.pool.page_size) - len(state.block_table)
+            # Needs rows without K/V and the pages to hold them, or confirm changes nothing.
+            need = ceil_div(len(m.positions), self.pool.page_size) - len(state.page_table)
             if m.committed == len(m.positions) or need > self.pool.num_free:
                 return
             pre = state.plan_precompute()
@@ -311,7 +311,7 @@ class CoreMachine(RuleBasedStateMachine):
         assert self.pool is not None
         m = self.model(state)
         self.pre_free_plans[id(state)] = state.plan_append([m.next_position])
-        held = list(state.block_table)
+        held = list(state.page_table)
         free_before = self.pool.num_free
         assert state.free() is True
         score.operations += 2
@@ -374,7 +374,7 @@ class CoreMachine(RuleBasedStateMachine):
             assert (state.last_num_drafted, state.last_num_accepted) == (m.last_drafted, m.last_accepted)
             score.invariant_checks += 1
         for state in self.freed_states:
-            assert state.freed and state.block_table == []
+            assert state.freed and state.page_table == []
             score.invariant_checks += 1
 
     def teardown(self) -> None:
@@ -385,8 +385,8 @@ class CoreMachine(RuleBasedStateMachine):
         for group in self.raw:
             self.pool.free(group)
         # Invariant 7: with every state freed the pool is exactly full again.
-        assert self.pool.num_free == self.pool.num_blocks and self.pool.num_used == 0
-        assert not any(self.pool.is_allocated(b) for b in range(self.pool.num_blocks))
+        assert self.pool.num_free == self.pool.num_pages and self.pool.num_used == 0
+        assert not any(self.pool.is_allocated(b) for b in range(self.pool.num_pages))
         self.pool.check_invariants()
         for state in self.live_states + self.freed_states:
             assert_fresh(state)

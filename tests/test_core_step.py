@@ -28,7 +28,7 @@ def states_with_rows(pool: BlockPool, rows: list[int], window: int = 32) -> list
 
 
 def view(st: ContextState) -> tuple[object, ...]:
-    return (st.ctx_positions, st.ctx_committed, st.block_table, st.seq_len, st.last_num_drafted,
+    return (st.ctx_positions, st.ctx_committed, st.page_table, st.seq_len, st.last_num_drafted,
             st.version)
 
 
@@ -60,7 +60,7 @@ def test_plan_proposals_fault_point_gives_back_the_earlier_plans() -> None:
     assert pool.num_free == 16
     plans = _core.plan_proposals("propose_batch", states, [1, 1, 1], [3, 3, 3], 64, OWNER)
     _core.abort_plans(plans)
-    assert pool.num_free == 16 and not any(s.block_table for s in states)
+    assert pool.num_free == 16 and not any(s.page_table for s in states)
 
 
 def test_plan_proposals_bad_anchors_and_states_change_nothing() -> None:
@@ -92,7 +92,7 @@ def test_plan_proposals_bad_anchors_and_states_change_nothing() -> None:
 
 def test_plan_proposals_refuses_a_state_without_context() -> None:
     # the lifecycle is alloc -> commit context -> propose: a fresh state anywhere in the call
-    # refuses the whole call before any plan takes blocks
+    # refuses the whole call before any plan takes pages
     pool = BlockPool(16, 4)
     a, fresh = states_with_rows(pool, [5, 0])
     before = [view(s) for s in (a, fresh)]
@@ -208,7 +208,7 @@ def test_graph_meta_writes_the_call() -> None:
         5, [], [(0, 0, 3), (1, 0, 2)])
     assert not host2[:, src:].any() and torch.equal(host2[:, :src], host[:, :src])
     assert host[:2, :3].tolist() == [[3, 7, 3], [2, 8, 2]] and host[2, :3].tolist() == [0, mask, 0]
-    assert host[0, 3:5].tolist() == plans[0].new_blocks and host[1, 3:4].tolist() == plans[1].new_blocks
+    assert host[0, 3:5].tolist() == plans[0].new_pages and host[1, 3:4].tolist() == plans[1].new_pages
     # staged rows: a's 3 rows fill meta row 0; b's 2 rows start meta row 1
     assert host[0, pc:sc].tolist() == [0, 1, 2] and host[1, pc : pc + 2].tolist() == [0, 1]
     assert host[0, sc:src].tolist() == plans[0].slots

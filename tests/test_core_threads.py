@@ -4,7 +4,7 @@ Threads start together on a ``threading.Barrier`` and hammer the pool with raw a
 ContextState lifecycles and target sequences (``SeqPages``: creation, forwards, accepts,
 ``free_all``, and whole-step calls over sequences shared by every thread, in different orders).
 A shared ownership set (updated before a free and after an alloc, so it never reports a false
-double grant) catches a block handed to two owners at once; at the end the pool is exactly full
+double grant) catches a page handed to two owners at once; at the end the pool is exactly full
 and consistent.
 """
 
@@ -36,23 +36,23 @@ def eager_thread_switching() -> Iterator[None]:
 
 
 class Ownership:
-    """Blocks currently granted to some owner, across threads."""
+    """Pages currently granted to some owner, across threads."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._held: set[int] = set()
 
-    def grant(self, blocks: list[int]) -> None:
+    def grant(self, pages: list[int]) -> None:
         with self._lock:
-            again = self._held.intersection(blocks)
-            assert not again, f"blocks {sorted(again)} granted to two owners"
-            assert len(set(blocks)) == len(blocks), f"one grant lists a block twice: {blocks}"
-            self._held.update(blocks)
+            again = self._held.intersection(pages)
+            assert not again, f"pages {sorted(again)} granted to two owners"
+            assert len(set(pages)) == len(pages), f"one grant lists a page twice: {pages}"
+            self._held.update(pages)
 
-    def release(self, blocks: list[int]) -> None:
+    def release(self, pages: list[int]) -> None:
         with self._lock:
-            assert self._held.issuperset(blocks)
-            self._held.difference_update(blocks)
+            assert self._held.issuperset(pages)
+            self._held.difference_update(pages)
 
     def empty(self) -> bool:
         with self._lock:
@@ -126,7 +126,7 @@ def test_shared_pool_raw_alloc_and_state_lifecycles() -> None:
 
     tallies = run_threads(worker)
     assert owned.empty()
-    assert pool.num_free == pool.num_blocks
+    assert pool.num_free == pool.num_pages
     check_world(pool, [])
     # The pool is small enough that contention really ran it dry at times.
     assert sum(t.exhausted for t in tallies) > 0
@@ -141,7 +141,7 @@ def state_lifecycle(pool: BlockPool, owned: Ownership, rng: random.Random, tally
         plan = state.plan_append(list(range(pos, pos + n)))
         pos += n + rng.randint(0, 2)
         if plan.slide is not None:
-            owned.release(state.block_table)  # the slide hands them back inside apply_append
+            owned.release(state.page_table)  # the slide hands them back inside apply_append
         state.apply_append(plan)
         tally.operations += 2
         try:
@@ -149,14 +149,14 @@ def state_lifecycle(pool: BlockPool, owned: Ownership, rng: random.Random, tally
         except PoolExhaustedError:
             tally.exhausted += 1
             continue
-        owned.grant(pre.new_blocks)
+        owned.grant(pre.new_pages)
         if rng.random() < 0.2:
-            owned.release(pre.new_blocks)
+            owned.release(pre.new_pages)
             state.abort_precompute(pre)
         else:
             state.confirm_precompute(pre)
         tally.operations += 2
-    owned.release(state.block_table)
+    owned.release(state.page_table)
     assert state.free() is True
     tally.operations += 1
 
@@ -193,12 +193,12 @@ def test_threads_each_own_a_state_on_a_shared_pool() -> None:
             # Only this thread touches this state: it must match exactly, whatever the others do.
             assert state.ctx_positions == expected
             assert state.ctx_committed == committed
-            assert len(state.block_table) == -(-committed // page_size)
+            assert len(state.page_table) == -(-committed // page_size)
             state.check_invariants()
         assert state.free() is True
 
     run_threads(worker)
-    assert pool.num_free == pool.num_blocks
+    assert pool.num_free == pool.num_pages
     check_world(pool, [])
     assert all(s.freed for s in states)
 
@@ -258,6 +258,6 @@ def test_threads_run_target_sequences_on_a_shared_pool() -> None:
     for seq in shared:
         owned.release(seq.pages)
     assert free_all("free", shared, 99) == len(shared)
-    assert owned.empty() and pool.num_free == pool.num_blocks
+    assert owned.empty() and pool.num_free == pool.num_pages
     check_world(pool, [])
     assert sum(t.exhausted for t in tallies) > 0

@@ -105,19 +105,19 @@ def test_oracle_drafts_long_acceptance_stop_and_max_mid_block(target: Any, draft
     truth = [p + t for p, t in zip(PROMPTS, truth_new)]
     # A stop token that first appears mid-way through one of the continuations.
     stop = truth_new[2][min(5, max_new - 1)]
-    prop = OracleProposer(drafter, target, max_seq_len=64, num_blocks=64, max_batch=4, truth=truth)
+    prop = OracleProposer(drafter, target, max_seq_len=64, num_pages=64, max_batch=4, truth=truth)
     engine = SpeculativeEngine(target, drafter, proposer=prop, max_seq_len=64)
     for stops in (None, [stop]):
         res = engine.generate(PROMPTS, max_new_tokens=max_new, stop_token_ids=stops)
         want = [reference(target, p, max_new, stops) for p in PROMPTS]
         assert res.tokens == want
-        assert prop.pool.num_free == prop.pool.num_blocks
+        assert prop.pool.num_free == prop.pool.num_pages
     if max_new >= 7:
         assert max(max(a) for a in res.stats.acceptance_lengths if a) >= 3
 
 
 def test_fallback_when_batching_declines(target: Any, drafter: Any) -> None:
-    engine = SpeculativeEngine(target, drafter, max_seq_len=64, num_blocks=64, max_batch=4, batched_path=False)
+    engine = SpeculativeEngine(target, drafter, max_seq_len=64, num_pages=64, max_batch=4, batched_path=False)
     res = engine.generate(PROMPTS[:3], max_new_tokens=6)
     assert res.stats.batched_proposals == 0 and res.stats.single_proposals > 0
     assert res.tokens == [reference(target, p, 6) for p in PROMPTS[:3]]
@@ -153,7 +153,7 @@ def test_grammar_bitmask_fn(target: Any, drafter: Any) -> None:
 @pytest.mark.parametrize("runtime", ["blockdraft", "hf"])
 def test_every_state_freed_after_failure(target: Any, drafter: Any, runtime: str,
                                          monkeypatch: pytest.MonkeyPatch) -> None:
-    engine = SpeculativeEngine(target, drafter, runtime=runtime, max_seq_len=64, num_blocks=64,
+    engine = SpeculativeEngine(target, drafter, runtime=runtime, max_seq_len=64, num_pages=64,
                                max_batch=4)
     pool = engine.proposer.pool
     real = engine.target.verify
@@ -171,7 +171,7 @@ def test_every_state_freed_after_failure(target: Any, drafter: Any, runtime: str
         monkeypatch.setattr(engine.target, "verify", flaky)
         with pytest.raises(type(exc)):
             engine.generate(PROMPTS, max_new_tokens=10)
-        assert pool.num_used == 0 and pool.num_free == pool.num_blocks
+        assert pool.num_used == 0 and pool.num_free == pool.num_pages
         pool.check_invariants()
         assert engine.pages_used() == {"target": 0, "drafter": 0}
     monkeypatch.undo()
@@ -204,7 +204,7 @@ def test_sampling_matches_target_distribution(sampled_drafts: bool) -> None:
     target = tiny_target(vocab=vocab, seed=5)
     drafter = tiny_drafter(drafter_config(vocab=vocab, block=4), seed=6)
     prompt = [1, 2, 3]
-    engine = SpeculativeEngine(target, drafter, max_seq_len=16, num_blocks=512, max_batch=16,
+    engine = SpeculativeEngine(target, drafter, max_seq_len=16, num_pages=512, max_batch=16,
                                sampled_drafts=sampled_drafts)
     gen = torch.Generator().manual_seed(1234)
     res = engine.generate([prompt] * n, max_new_tokens=3, temperature=1.3, top_k=6, generator=gen)
@@ -235,7 +235,7 @@ def test_sampling_detects_a_biased_sampler(monkeypatch: pytest.MonkeyPatch) -> N
     target = tiny_target(vocab=vocab, seed=5)
     drafter = tiny_drafter(drafter_config(vocab=vocab, block=4), seed=6)
     prompt = [1, 2, 3]
-    engine = SpeculativeEngine(target, drafter, max_seq_len=16, num_blocks=256, max_batch=16)
+    engine = SpeculativeEngine(target, drafter, max_seq_len=16, num_pages=256, max_batch=16)
     import blockdraft.engine.accept as accept_mod
 
     monkeypatch.setattr(accept_mod, "accept_draft", lambda p, d, q, g: (True, d))  # always accept
@@ -295,7 +295,7 @@ LONG_PROMPTS = [[30], [5, 9], [(7 * i + 3) % 60 for i in range(17)], [(11 * i + 
 
 
 def _engine_for(wrapper: Any, target: Any, drafter: Any) -> SpeculativeEngine:
-    prop = DFlashProposer(drafter, target, max_seq_len=64, num_blocks=96, max_batch=4)
+    prop = DFlashProposer(drafter, target, max_seq_len=64, num_pages=96, max_batch=4)
     return SpeculativeEngine(wrapper, drafter, proposer=prop, max_seq_len=64, runtime="hf")
 
 
@@ -344,11 +344,11 @@ def test_target_without_logits_to_keep(target: Any, drafter: Any) -> None:
 def test_greedy_device_path_matches_target_on_long_prompts(target: Any, drafter: Any) -> None:
     n = 15
     want = [reference(target, p, n) for p in LONG_PROMPTS]
-    engine = SpeculativeEngine(target, drafter, max_seq_len=64, num_blocks=96, max_batch=4)
+    engine = SpeculativeEngine(target, drafter, max_seq_len=64, num_pages=96, max_batch=4)
     # Batched (two waves: 4 + 1) and one at a time.
     assert engine.generate(LONG_PROMPTS, max_new_tokens=n).tokens == want
     assert [engine.generate([p], max_new_tokens=n).tokens[0] for p in LONG_PROMPTS] == want
-    assert engine.proposer.pool.num_free == engine.proposer.pool.num_blocks
+    assert engine.proposer.pool.num_free == engine.proposer.pool.num_pages
 
 
 def test_device_greedy_accept_equals_the_fp32_host_rule() -> None:
@@ -398,7 +398,7 @@ def test_sdpa_backends_default_and_none(target: Any, drafter: Any, monkeypatch: 
     assert DEFAULT_SDPA_BACKENDS == (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH)
     want = [reference(target, p, 6) for p in PROMPTS]
     with _recording_sdpa_kernel(monkeypatch) as seen:
-        engine = SpeculativeEngine(target, drafter, max_seq_len=64, num_blocks=64, max_batch=4,
+        engine = SpeculativeEngine(target, drafter, max_seq_len=64, num_pages=64, max_batch=4,
                                    runtime="hf")
         assert engine.target.sdpa_backends == DEFAULT_SDPA_BACKENDS
         assert engine.generate(PROMPTS, max_new_tokens=6).tokens == want
@@ -406,16 +406,16 @@ def test_sdpa_backends_default_and_none(target: Any, drafter: Any, monkeypatch: 
         assert len(seen) >= len(PROMPTS) + 1
         assert all(c == (list(DEFAULT_SDPA_BACKENDS), True) for c in seen)
         seen.clear()
-        custom = SpeculativeEngine(target, drafter, max_seq_len=64, num_blocks=64, max_batch=4,
+        custom = SpeculativeEngine(target, drafter, max_seq_len=64, num_pages=64, max_batch=4,
                                    sdpa_backends=[SDPBackend.MATH], runtime="hf")
         assert custom.generate(PROMPTS, max_new_tokens=6).tokens == want
         assert seen and all(c == ([SDPBackend.MATH], True) for c in seen)
         seen.clear()
-        single = SpeculativeEngine(target, drafter, max_seq_len=64, num_blocks=64, max_batch=4,
+        single = SpeculativeEngine(target, drafter, max_seq_len=64, num_pages=64, max_batch=4,
                                    sdpa_backends=SDPBackend.MATH, runtime="hf")
         assert single.target.sdpa_backends == (SDPBackend.MATH,)
         seen.clear()
-        untouched = SpeculativeEngine(target, drafter, max_seq_len=64, num_blocks=64, max_batch=4,
+        untouched = SpeculativeEngine(target, drafter, max_seq_len=64, num_pages=64, max_batch=4,
                                       sdpa_backends=None, runtime="hf")
         assert untouched.generate(PROMPTS, max_new_tokens=6).tokens == want
         assert seen == []
@@ -433,7 +433,7 @@ def test_sdpa_backends_without_set_priority(target: Any, drafter: Any, monkeypat
             yield x
 
     monkeypatch.setattr(torch.nn.attention, "sdpa_kernel", old)
-    engine = SpeculativeEngine(target, drafter, max_seq_len=64, num_blocks=64, max_batch=4,
+    engine = SpeculativeEngine(target, drafter, max_seq_len=64, num_pages=64, max_batch=4,
                                runtime="hf")
     assert engine.generate(PROMPTS[:2], max_new_tokens=4).tokens == [reference(target, p, 4) for p in PROMPTS[:2]]
     assert seen and all(b == list(DEFAULT_SDPA_BACKENDS) for b in seen)
@@ -451,7 +451,7 @@ def test_sdpa_backends_without_set_priority(target: Any, drafter: Any, monkeypat
 ])
 def test_sdpa_backends_validated(target: Any, drafter: Any, bad: Any, exc: type[Exception]) -> None:
     with pytest.raises(exc, match="sdpa_backends"):
-        SpeculativeEngine(target, drafter, max_seq_len=64, num_blocks=64, max_batch=4, sdpa_backends=bad)
+        SpeculativeEngine(target, drafter, max_seq_len=64, num_pages=64, max_batch=4, sdpa_backends=bad)
 
 
 def test_sample_rows_draws_one_index_per_row_from_the_generators_stream() -> None:

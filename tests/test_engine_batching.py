@@ -36,7 +36,7 @@ def reference(prompt_index: int, n: int) -> list[int]:
 def small_engine(**kw: Any) -> SpeculativeEngine:
     """Pools that hold about three requests, so others wait."""
     kw = {"runtime": "blockdraft", "max_seq_len": 40, "max_active": 4, "target_pages": 14,
-          "page_size": 4, "num_blocks": 20, "max_batch": 4, **kw}
+          "page_size": 4, "num_pages": 20, "max_batch": 4, **kw}
     return SpeculativeEngine(TARGET, DRAFTER, **kw)
 
 
@@ -45,7 +45,7 @@ def check_pages(engine: SpeculativeEngine) -> None:
     requests hold nothing; the drafter pool is consistent."""
     running = [engine.request(rid) for rid in engine_ids(engine) if engine.request(rid).status is Status.RUNNING]
     assert engine.pages_used()["target"] == sum(r.target_pages for r in running)
-    assert engine.pages_used()["drafter"] <= sum(r.drafter_blocks for r in running)
+    assert engine.pages_used()["drafter"] <= sum(r.drafter_pages for r in running)
     for rid in engine_ids(engine):
         r = engine.request(rid)
         if r.status is not Status.RUNNING:
@@ -151,7 +151,7 @@ def test_a_fault_at_admission_fails_that_request_only() -> None:
     score.fault_points += 1
 
 
-@pytest.mark.parametrize("site", ["target_forward", "workspace", "attention", "pool_blocks"])
+@pytest.mark.parametrize("site", ["target_forward", "workspace", "attention", "pool_pages"])
 def test_a_fault_in_the_batched_step_loses_no_page(site: str) -> None:
     """The running requests of a failed step fail (or, where the fault is absorbed, finish
     right); one that was waiting for pages meanwhile is unaffected."""
@@ -191,7 +191,7 @@ def test_keyboard_interrupt_mid_step_leaves_the_pools_full(monkeypatch: pytest.M
         engine.step()
     assert all(engine.request(r).status is Status.FAILED for r in rids)
     assert engine.pages_used() == {"target": 0, "drafter": 0}
-    assert engine.proposer.pool.num_free == engine.proposer.pool.num_blocks
+    assert engine.proposer.pool.num_free == engine.proposer.pool.num_pages
 
 
 def test_stream_yields_each_token_once_in_order() -> None:

@@ -113,7 +113,7 @@ def test_precompute_in_the_graph_gives_the_plain_drafts(backend: str) -> None:
     drafter = tiny_drafter(drafter_config(block=4, layers=2))
 
     def make(graphs: str, be: str) -> DFlashProposer:
-        return DFlashProposer(drafter, target, max_seq_len=120, num_blocks=90, page_size=4,
+        return DFlashProposer(drafter, target, max_seq_len=120, num_pages=90, page_size=4,
                               max_batch=4, graphs=graphs, backend=be)  # type: ignore[arg-type]
 
     plain_eager: list[int] = []
@@ -155,7 +155,7 @@ def test_graph_staging_after_double_commits_and_slides(backend: str) -> None:
     drafter = tiny_drafter(drafter_config(block=4, layers=2))
 
     def run(graphs: str) -> tuple[list[list[list[int]]], int]:
-        prop = DFlashProposer(drafter, target, max_seq_len=40, num_blocks=60, page_size=4,
+        prop = DFlashProposer(drafter, target, max_seq_len=40, num_pages=60, page_size=4,
                               max_batch=2, graphs=graphs, backend=backend)  # type: ignore[arg-type]
         rows = torch.randn(400, 64, generator=torch.Generator().manual_seed(9))
         states = [prop.alloc_state_for(12), prop.alloc_state_for(30)]  # windows 17 and 35
@@ -190,7 +190,7 @@ def test_graph_staging_after_double_commits_and_slides(backend: str) -> None:
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_graph_path_declining_a_wide_table_leaves_no_stale_staging(backend: str) -> None:
-    """A call whose block table is wider than the graphs falls back to the plain path before
+    """A call whose page table is wider than the graphs falls back to the plain path before
     anything is staged. The bucket's staged entries from before must still be cleared by its
     next graph call: here they name slots of a freed sequence whose blocks a new sequence now
     holds, and storing them again would overwrite the new sequence's K/V with old rows.
@@ -203,7 +203,7 @@ def test_graph_path_declining_a_wide_table_leaves_no_stale_staging(backend: str)
 
     def run(graphs: str) -> list[list[list[int]]]:
         # 11 blocks: a and b at their largest take 10; the pool hands a's freed ones to e
-        prop = DFlashProposer(drafter, target, max_seq_len=120, num_blocks=11, page_size=4,
+        prop = DFlashProposer(drafter, target, max_seq_len=120, num_pages=11, page_size=4,
                               max_batch=2, graphs=graphs, backend=backend)  # type: ignore[arg-type]
         if graphs == "static":
             # graphs 4 blocks wide: longer tables take the plain path
@@ -245,7 +245,7 @@ def test_graph_path_declining_a_wide_table_leaves_no_stale_staging(backend: str)
         batch("be")
         for k in "be":
             prop.free_state(st[k])
-        assert prop.pool.num_free == prop.pool.num_blocks
+        assert prop.pool.num_free == prop.pool.num_pages
         return out
 
     assert run("static") == run("off")
@@ -262,7 +262,7 @@ def test_drafts_without_autograd_whether_or_not_the_caller_has_it_on(graphs: str
     rows = torch.randn(20, 64, generator=torch.Generator().manual_seed(4))
     got = []
     for ctx in (torch.enable_grad, torch.inference_mode):
-        prop = DFlashProposer(drafter, target, max_seq_len=40, num_blocks=20, page_size=4,
+        prop = DFlashProposer(drafter, target, max_seq_len=40, num_pages=20, page_size=4,
                               graphs=graphs)  # type: ignore[arg-type]
         st = prop.alloc_state_for(20)
         with ctx():
@@ -279,7 +279,7 @@ def test_drafts_without_autograd_whether_or_not_the_caller_has_it_on(graphs: str
 def test_stage_caps() -> None:
     target = tiny_target()
     drafter = tiny_drafter(drafter_config(block=8, layers=1))
-    prop = DFlashProposer(drafter, target, max_seq_len=64, num_blocks=40, page_size=4,
+    prop = DFlashProposer(drafter, target, max_seq_len=64, num_pages=40, page_size=4,
                           max_batch=4, graphs="static")
     runner = prop.graph_runner
     assert runner is not None

@@ -5,15 +5,15 @@ by one fault-free call; then, for every (site, n-th hit), it builds the same wor
 that one fault and runs the call again. Afterwards:
 
 * a raised error is the injected one, and the pool and every state (core bookkeeping,
-  accumulator rows, device block table) are byte-identical to before (TESTING.md invariant 5);
+  accumulator rows, device page table) are byte-identical to before (TESTING.md invariant 5);
 * a ``propose_batch`` that swallowed the fault declined (``None``) and also changed nothing;
 * a ``generate`` that absorbed the fault (a batch declined, the per-sequence path took over)
   returned exactly the fault-free tokens;
 * the next, fault-free call returns exactly the fault-free result (no corrupt K/V or
-  accumulator rows), and once every state is freed the pool is exactly full (no leaked block).
+  accumulator rows), and once every state is freed the pool is exactly full (no leaked page).
 
-Each (scenario, site, hit) is one ``score.fault_points``; blocks missing from the pool at the end
-go to ``score.leaked_blocks`` (and fail the test).
+Each (scenario, site, hit) is one ``score.fault_points``; pages missing from the pool at the end
+go to ``score.leaked_pages`` (and fail the test).
 """
 
 from __future__ import annotations
@@ -50,20 +50,20 @@ def snapshot(prop: DFlashProposer, states: list[DFlashState]) -> Any:
     pool = prop.pool
     return (
         pool.num_free,
-        tuple(pool.is_allocated(b) for b in range(pool.num_blocks)),
+        tuple(pool.is_allocated(b) for b in range(pool.num_pages)),
         [
             (
                 s.freed,
                 s.ctx_len,
                 s.ctx_committed,
                 tuple(s.ctx_positions),
-                tuple(s.block_table),
+                tuple(s.page_table),
                 s.seq_len,
                 s.prefill_done,
                 s.last_num_drafted,
                 s.last_num_accepted,
                 None if s.acc is None else s.acc.clone(),
-                None if s.block_table_dev is None else s.block_table_dev.clone(),
+                None if s.page_table_dev is None else s.page_table_dev.clone(),
             )
             for s in states
         ],
@@ -99,16 +99,16 @@ def free_all_and_count_leaks(world: World) -> None:
     pool = world.prop.pool
     pool.check_invariants()
     leaked = pool.num_used
-    score.leaked_blocks += leaked
-    assert leaked == 0 and pool.num_free == pool.num_blocks, f"{leaked} blocks leaked"
+    score.leaked_pages += leaked
+    assert leaked == 0 and pool.num_free == pool.num_pages, f"{leaked} pages leaked"
     score.invariant_checks += 1
 
 
 def make_world(drafter: Any, target: Any, n: int, **kw: Any) -> World:
     """``n`` states with different context lengths; odd ones already proposed once, so a
-    proposal takes new blocks for some sequences and none for others."""
+    proposal takes new pages for some sequences and none for others."""
     kw.setdefault("max_seq_len", 64)
-    kw.setdefault("num_blocks", 8 * 12)
+    kw.setdefault("num_pages", 8 * 12)
     prop = DFlashProposer(
         drafter, target, page_size=BLOCK, max_batch=8, backend="torch", **kw
     )
@@ -305,7 +305,7 @@ def test_real_pool_exhaustion_at_every_batch_position(drafter: Any, target: Any)
     ref_world = make_world(drafter, target, n)
     need = []
     for st in ref_world.states:
-        need.append(-(-st.ctx_len // BLOCK) - len(st.block_table))
+        need.append(-(-st.ctx_len // BLOCK) - len(st.page_table))
     reference = ref_world.prop.propose_batch(ref_world.states, ref_world.anchors, ref_world.positions, 3)
     assert reference is not None
     free_all_and_count_leaks(ref_world)
@@ -338,7 +338,7 @@ def test_generate_every_site_every_position(drafter: Any, target: Any) -> None:
     """Faults anywhere inside a multi-prompt generate: it either raises the injected error with
     every state freed, or (a batched proposal declined) finishes with the exact tokens."""
     engine = SpeculativeEngine(
-        target, drafter, max_seq_len=64, num_blocks=4 * 8, max_batch=4, page_size=BLOCK
+        target, drafter, max_seq_len=64, num_pages=4 * 8, max_batch=4, page_size=BLOCK
     )
     pool = engine.proposer.pool
 
@@ -348,7 +348,7 @@ def test_generate_every_site_every_position(drafter: Any, target: Any) -> None:
     with faults.record() as rec:
         reference = run()
     points = [(site, k) for site in faults.SITES for k in range(1, rec.hits[site] + 1)]
-    assert {"target_forward", "target_pages", "workspace", "pool_blocks", "attention",
+    assert {"target_forward", "target_pages", "workspace", "pool_pages", "attention",
             "accumulator"} <= set(rec.hits)
     assert engine.target_runtime == "blockdraft"
     absorbed = 0
@@ -364,8 +364,8 @@ def test_generate_every_site_every_position(drafter: Any, target: Any) -> None:
         assert plan.fired
         pool.check_invariants()
         leaked = pool.num_used + engine.pages_used()["target"]
-        score.leaked_blocks += leaked
-        assert leaked == 0, f"{site} #{k}: {leaked} blocks / target pages leaked"
+        score.leaked_pages += leaked
+        assert leaked == 0, f"{site} #{k}: {leaked} drafter / target pages leaked"
         score.fault_points += 1
         score.invariant_checks += 2
     # The batched path declined (and the per-sequence path recovered) at least once.
@@ -375,7 +375,7 @@ def test_generate_every_site_every_position(drafter: Any, target: Any) -> None:
 
 def test_switch_is_off_and_arms_one_plan_at_a_time() -> None:
     assert faults._ACTIVE is None
-    faults.hit("pool_blocks")  # off: nothing happens
+    faults.hit("pool_pages")  # off: nothing happens
     with faults.inject("kv_cache", 2) as plan:
         faults.hit("kv_cache")
         with pytest.raises(torch.OutOfMemoryError, match="fault injection"):

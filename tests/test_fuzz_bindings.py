@@ -81,14 +81,14 @@ def test_split_bands(tokens: Any, n: Any, block: Any, mask: Any, cap: Any) -> No
         assert all(len(band) <= block for band in bands)
 
 
-@given(num_blocks=anything, page_size=anything)
-def test_pool_constructor(num_blocks: Any, page_size: Any) -> None:
+@given(num_pages=anything, page_size=anything)
+def test_pool_constructor(num_pages: Any, page_size: Any) -> None:
     # Keep real pools small: the bookkeeping of a valid huge pool is really allocated.
-    if isinstance(num_blocks, int) and not isinstance(num_blocks, bool) and 10_000 < num_blocks < 2**36:
-        num_blocks = -num_blocks
-    ok, pool = call(BlockPool, num_blocks, page_size)
+    if isinstance(num_pages, int) and not isinstance(num_pages, bool) and 10_000 < num_pages < 2**36:
+        num_pages = -num_pages
+    ok, pool = call(BlockPool, num_pages, page_size)
     if ok:
-        assert pool.num_free == pool.num_blocks == num_blocks and pool.page_size == page_size
+        assert pool.num_free == pool.num_pages == num_pages and pool.page_size == page_size
 
 
 @given(ops=st.lists(st.tuples(st.integers(0, 7), anything, anything), min_size=1, max_size=25))
@@ -137,7 +137,7 @@ def test_pool_and_state_methods(ops: list[tuple[int, Any, Any]]) -> None:
     state.free()
     for h in held:
         pool.free(h)
-    assert pool.num_free == pool.num_blocks
+    assert pool.num_free == pool.num_pages
     score.sequences += 1
 
 

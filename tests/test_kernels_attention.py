@@ -15,27 +15,27 @@ CPU = torch.device("cpu")
 
 def make_attention_case(
     device: torch.device, dtype: torch.dtype, ctx_lens: list[int], num_q: int, heads: int,
-    kv_heads: int, dim: int, page: int, num_blocks: int, seed: int = 0,
+    kv_heads: int, dim: int, page: int, num_pages: int, seed: int = 0,
     caches: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-    block_offset: int = 0,
+    page_offset: int = 0,
 ) -> dict[str, torch.Tensor]:
-    """Random queries/keys; each sequence gets distinct random blocks ``>= block_offset``.
+    """Random queries/keys; each sequence gets distinct random pages ``>= page_offset``.
 
     ``caches`` (k_cache, v_cache, slot_pos) may be given (e.g. sparse-file backed); only the
-    blocks in the tables are written.
+    pages in the tables are written.
     """
     gen = torch.Generator().manual_seed(seed)
     n = len(ctx_lens)
     width = max(1, max((c + page - 1) // page for c in ctx_lens)) + 1  # one spare column
-    chosen = torch.randperm(num_blocks - block_offset, generator=gen)[: n * width] + block_offset
+    chosen = torch.randperm(num_pages - page_offset, generator=gen)[: n * width] + page_offset
     tables = chosen.view(n, width).to(torch.int32)
     if caches is None:
-        k_cache = nan_like([num_blocks, page, kv_heads, dim], dtype, CPU)
-        v_cache = nan_like([num_blocks, page, kv_heads, dim], dtype, CPU)
-        slot_pos = torch.full((num_blocks * page,), -(10**6), dtype=torch.int32)
+        k_cache = nan_like([num_pages, page, kv_heads, dim], dtype, CPU)
+        v_cache = nan_like([num_pages, page, kv_heads, dim], dtype, CPU)
+        slot_pos = torch.full((num_pages * page,), -(10**6), dtype=torch.int32)
     else:
         k_cache, v_cache, slot_pos = caches
-    # write the used blocks (unused tokens of a used block keep garbage that must be ignored)
+    # write the used pages (unused tokens of a used page keep garbage that must be ignored)
     for blk in tables.flatten().tolist():
         k_cache[blk] = torch.randn(page, kv_heads, dim, generator=gen).to(dtype)
         v_cache[blk] = torch.randn(page, kv_heads, dim, generator=gen).to(dtype)
@@ -52,7 +52,7 @@ def make_attention_case(
         q=torch.randn(n, num_q, heads, dim, generator=gen).to(dtype),
         k_blk=torch.randn(n, num_q, kv_heads, dim, generator=gen).to(dtype),
         v_blk=torch.randn(n, num_q, kv_heads, dim, generator=gen).to(dtype),
-        block_tables=tables,
+        page_tables=tables,
         ctx_lens=torch.tensor(ctx_lens, dtype=torch.int32),
         q_pos=q_pos,
     )
@@ -68,17 +68,17 @@ def make_attention_case(
 def run_attention(x: dict[str, torch.Tensor], backend: str, **kw: object) -> torch.Tensor:
     dim = x["q"].shape[-1]
     out: torch.Tensor = K.ops(backend).block_attention(  # type: ignore[arg-type]
-        x["q"], x["k_blk"], x["v_blk"], x["k_cache"], x["v_cache"], x["block_tables"],
+        x["q"], x["k_blk"], x["v_blk"], x["k_cache"], x["v_cache"], x["page_tables"],
         x["ctx_lens"], x["q_pos"], x["slot_pos"], scale=dim**-0.5, **kw)
     return out
 
 
 def case_attention(device: torch.device, dtype: torch.dtype, ctx_lens: list[int], num_q: int,
-                   heads: int, kv_heads: int, dim: int, page: int, num_blocks: int,
+                   heads: int, kv_heads: int, dim: int, page: int, num_pages: int,
                    sliding_window: int | None = None, causal_block: bool = False,
                    num_splits: int | None = None, seed: int = 0) -> None:
     x = make_attention_case(device, dtype, ctx_lens, num_q, heads, kv_heads, dim, page,
-                            num_blocks, seed)
+                            num_pages, seed)
     kw = dict(sliding_window=sliding_window, causal_block=causal_block)
     want = run_attention(x, "torch", **kw)
     if num_splits is None:
@@ -86,7 +86,7 @@ def case_attention(device: torch.device, dtype: torch.dtype, ctx_lens: list[int]
     else:
         ba = importlib.import_module("blockdraft.kernels.paged_attention")
         got = ba.block_attention(
-            x["q"], x["k_blk"], x["v_blk"], x["k_cache"], x["v_cache"], x["block_tables"],
+            x["q"], x["k_blk"], x["v_blk"], x["k_cache"], x["v_cache"], x["page_tables"],
             x["ctx_lens"], x["q_pos"], x["slot_pos"], scale=dim**-0.5,
             out=nan_like(list(x["q"].shape), dtype, device), num_splits=num_splits, **kw)
     assert not got.isnan().any(), "an output element was not written"
@@ -99,7 +99,7 @@ def case_attention(device: torch.device, dtype: torch.dtype, ctx_lens: list[int]
         ([0], 1, 1, 1, 64, 4, None),
         ([5, 17, 40], 4, 8, 2, 64, 8, 3),
         ([63], 16, 8, 1, 128, 16, 4),  # GQA 8
-        ([1, 30, 100], 3, 4, 4, 64, 4, 2),  # GQA 1, many blocks
+        ([1, 30, 100], 3, 4, 4, 64, 4, 2),  # GQA 1, many pages
         ([129], 8, 8, 2, 128, 16, None),
     ],
 )
@@ -126,7 +126,7 @@ def test_attention_reference_is_softmax_over_visible_keys() -> None:
     page = 4
     keys, values = [], []
     for t in range(6):
-        slot = int(x["block_tables"][0, t // page]) * page + t % page
+        slot = int(x["page_tables"][0, t // page]) * page + t % page
         keys.append(x["k_cache"].view(-1, 1, 64)[slot, 0])
         values.append(x["v_cache"].view(-1, 1, 64)[slot, 0])
     keys += [x["k_blk"][0, 0, 0], x["k_blk"][0, 1, 0]]
@@ -137,21 +137,21 @@ def test_attention_reference_is_softmax_over_visible_keys() -> None:
     torch.testing.assert_close(got[0, 1, 1], want, atol=1e-5, rtol=1e-5)
 
 
-def test_attention_block_ids_above_65535_and_offsets_above_2_pow_31(tmp_path: Path) -> None:
-    """Blocks with ids > 2**17 in caches whose element offsets pass 2**31 (sparse files)."""
+def test_attention_page_ids_above_65535_and_offsets_above_2_pow_31(tmp_path: Path) -> None:
+    """Pages with ids > 2**17 in caches whose element offsets pass 2**31 (sparse files)."""
     need_triton(CPU)
     page, kv_heads, dim = 16, 8, 128
-    num_blocks = (1 << 31) // (page * kv_heads * dim) + 64  # 131136 blocks, 4.3 GB per cache
-    numel = num_blocks * page * kv_heads * dim
-    shape = (num_blocks, page, kv_heads, dim)
+    num_pages = (1 << 31) // (page * kv_heads * dim) + 64  # 131136 pages, 4.3 GB per cache
+    numel = num_pages * page * kv_heads * dim
+    shape = (num_pages, page, kv_heads, dim)
     caches = (
         sparse_tensor(tmp_path / "k", numel, torch.float16).view(shape),
         sparse_tensor(tmp_path / "v", numel, torch.float16).view(shape),
-        sparse_tensor(tmp_path / "sp", num_blocks * page, torch.int32),
+        sparse_tensor(tmp_path / "sp", num_pages * page, torch.int32),
     )
     x = make_attention_case(CPU, torch.float16, [21, 40], 4, 16, kv_heads, dim, page,
-                            num_blocks, caches=caches, block_offset=num_blocks - 64)
-    assert int(x["block_tables"].min()) > 65535
+                            num_pages, caches=caches, page_offset=num_pages - 64)
+    assert int(x["page_tables"].min()) > 65535
     want = run_attention(x, "torch")
     got = run_attention(x, "triton")
     assert_close(got, want, "attention output")

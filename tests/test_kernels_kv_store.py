@@ -12,12 +12,12 @@ from kernel_support import K, assert_close, nan_like, need_triton, sparse_tensor
 CPU = torch.device("cpu")
 
 
-def _inputs(rows: int, layers: int, heads: int, dim: int, page: int, num_blocks: int,
+def _inputs(rows: int, layers: int, heads: int, dim: int, page: int, num_pages: int,
             dtype: torch.dtype, device: torch.device, seed: int) -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
     kv = torch.randn(rows, layers, 2, heads, dim, generator=gen).to(dtype)
     positions = torch.randint(0, 40_000, (rows,), generator=gen)
-    slots = torch.randperm(num_blocks * page, generator=gen)[:rows].to(torch.int64)
+    slots = torch.randperm(num_pages * page, generator=gen)[:rows].to(torch.int64)
     slots[::5] = K.PAD_SLOT
     k_norm_w = (1 + 0.3 * torch.randn(layers, dim, generator=gen)).to(dtype)
     inv_freq = 1.0 / (1e6 ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
@@ -26,21 +26,21 @@ def _inputs(rows: int, layers: int, heads: int, dim: int, page: int, num_blocks:
 
 
 def case_kv_store(device: torch.device, dtype: torch.dtype, rows: int, layers: int, heads: int,
-                  dim: int, page: int, num_blocks: int, list_caches: bool, seed: int = 0) -> None:
+                  dim: int, page: int, num_pages: int, list_caches: bool, seed: int = 0) -> None:
     """Both backends write the same slots with the same values; nothing else changes."""
-    x = _inputs(rows, layers, heads, dim, page, num_blocks, dtype, device, seed)
-    shape = [layers, num_blocks, page, heads, dim]
+    x = _inputs(rows, layers, heads, dim, page, num_pages, dtype, device, seed)
+    shape = [layers, num_pages, page, heads, dim]
     results = {}
     for backend in ("triton", "torch"):
         k_c, v_c = nan_like(shape, dtype, device), nan_like(shape, dtype, device)
-        slot_pos = torch.full((num_blocks * page,), -7, dtype=torch.int32, device=device)
+        slot_pos = torch.full((num_pages * page,), -7, dtype=torch.int32, device=device)
         k_arg = list(k_c.unbind(0)) if list_caches else k_c
         v_arg = list(v_c.unbind(0)) if list_caches else v_c
         K.ops(backend).ctx_kv_store(x["kv"], x["positions"], x["slots"], x["k_norm_w"],  # type: ignore[arg-type]
                                     x["inv_freq"], 1.25, 1e-6, k_arg, v_arg, slot_pos)
         results[backend] = (k_c, v_c, slot_pos)
     (k_t, v_t, sp_t), (k_r, v_r, sp_r) = results["triton"], results["torch"]
-    written = torch.zeros(num_blocks * page, dtype=torch.bool, device=device)
+    written = torch.zeros(num_pages * page, dtype=torch.bool, device=device)
     live = x["slots"][x["slots"] >= 0]
     written[live] = True
     # every written slot filled, every other slot untouched (still NaN / sentinel)
@@ -56,7 +56,7 @@ def case_kv_store(device: torch.device, dtype: torch.dtype, rows: int, layers: i
 
 
 @pytest.mark.parametrize(
-    ("rows", "layers", "heads", "dim", "page", "num_blocks", "list_caches"),
+    ("rows", "layers", "heads", "dim", "page", "num_pages", "list_caches"),
     [
         (1, 1, 1, 64, 4, 3, False),
         (3, 2, 4, 128, 8, 5, True),
@@ -66,9 +66,9 @@ def case_kv_store(device: torch.device, dtype: torch.dtype, rows: int, layers: i
 )
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_kv_store_matches_reference(rows: int, layers: int, heads: int, dim: int, page: int,
-                                    num_blocks: int, list_caches: bool, dtype: torch.dtype) -> None:
+                                    num_pages: int, list_caches: bool, dtype: torch.dtype) -> None:
     need_triton(CPU)
-    case_kv_store(CPU, dtype, rows, layers, heads, dim, page, num_blocks, list_caches)
+    case_kv_store(CPU, dtype, rows, layers, heads, dim, page, num_pages, list_caches)
 
 
 def test_kv_store_thousand_rows() -> None:
@@ -115,7 +115,7 @@ def test_kv_store_slots_beyond_2_pow_31(tmp_path: Path) -> None:
     for i, slot in enumerate(slots.tolist()):
         if slot < 0:
             continue
-        # the reference on a one-block cache gives the expected row for this slot
+        # the reference on a one-page cache gives the expected row for this slot
         sp_small = torch.zeros(page, dtype=torch.int32)
         K.reference.ctx_kv_store(x["kv"][i : i + 1], x["positions"][i : i + 1],
                        torch.tensor([slot % page]), x["k_norm_w"], x["inv_freq"], 1.0, 1e-6,

@@ -46,7 +46,7 @@ def test_kv_store_rejects(arg: str, bad: torch.Tensor) -> None:
 def _attn_args() -> dict[str, object]:
     return dict(q=torch.zeros(2, 3, 4, 16), k_blk=torch.zeros(2, 3, 2, 16),
                 v_blk=torch.zeros(2, 3, 2, 16), k_cache=torch.zeros(6, 4, 2, 16),
-                v_cache=torch.zeros(6, 4, 2, 16), block_tables=torch.zeros(2, 3, dtype=torch.int32),
+                v_cache=torch.zeros(6, 4, 2, 16), page_tables=torch.zeros(2, 3, dtype=torch.int32),
                 ctx_lens=torch.zeros(2, dtype=torch.int32), q_pos=torch.zeros(2, 3, dtype=torch.int64),
                 slot_pos=torch.zeros(24, dtype=torch.int32))
 
@@ -57,7 +57,7 @@ def _attn_args() -> dict[str, object]:
     ("v_blk", torch.zeros(2, 3, 2, 16, dtype=torch.float16)),
     ("k_cache", torch.zeros(6, 4, 16, 2).transpose(2, 3)),
     ("v_cache", torch.zeros(7, 4, 2, 16)),
-    ("block_tables", torch.zeros(2, 3, dtype=torch.int64)),
+    ("page_tables", torch.zeros(2, 3, dtype=torch.int64)),
     ("ctx_lens", torch.zeros(3, dtype=torch.int32)),
     ("q_pos", torch.zeros(2, 4, dtype=torch.int64)),
     ("slot_pos", torch.zeros(23, dtype=torch.int32)),

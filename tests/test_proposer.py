@@ -34,7 +34,7 @@ def snapshot(prop: DFlashProposer, states: list[DFlashState]) -> Any:
                 s.ctx_len,
                 s.ctx_committed,
                 s.ctx_positions,
-                s.block_table,
+                s.page_table,
                 s.last_num_drafted,
                 s.seq_len,
                 s.prefill_done,
@@ -118,10 +118,10 @@ def test_commit_slides_keeping_newest_rows(drafter: Any, target: Any) -> None:
     data = rows(14, 1)
     prop.commit_ctx(st, data[:6], range(6))
     prop.propose(st, 3, 6, 2)
-    assert st.ctx_committed == 6 and st.block_table
+    assert st.ctx_committed == 6 and st.page_table
     prop.commit_ctx(st, data[6:11], range(6, 11))  # 11 rows > 8: slide
     assert st.ctx_committed == 0
-    assert st.block_table == []  # blocks back; K/V is recomputed by the next propose
+    assert st.page_table == []  # pages back; K/V is recomputed by the next propose
     assert st.ctx_positions == list(range(3, 11))
     assert st.acc is not None and torch.equal(st.acc, data[3:11])
     score.invariant_checks += 3
@@ -177,14 +177,14 @@ def test_propose_computes_kv_for_uncommitted_rows_only(drafter: Any, target: Any
     assert len(drafts) == prop.block_gamma - 1
     assert all(0 <= t < prop.vocab_size for t in drafts)
     assert st.ctx_committed == 6 and st.last_num_drafted == len(drafts) and st.seq_len == 7
-    assert len(st.block_table) == math.ceil(6 / prop.page_size)
+    assert len(st.page_table) == math.ceil(6 / prop.page_size)
     k_before = prop.cache.k.clone()
     prop.commit_ctx(st, rows(2, 6), [6, 7])
     prop.propose(st, 1, 8, 1)
     changed = (prop.cache.k != k_before).any(dim=(0, 3, 4)).nonzero().tolist()
-    # Exactly the two new rows' slots (rows 6 and 7 of the block table) were written.
+    # Exactly the two new rows' slots (rows 6 and 7 of the page table) were written.
     slots = {b * prop.page_size + o for b, o in changed}
-    table = st.block_table
+    table = st.page_table
     assert slots == {table[r // 4] * 4 + r % 4 for r in (6, 7)}
 
 
@@ -208,7 +208,7 @@ def test_propose_bad_inputs(drafter: Any, target: Any) -> None:
 
 
 def test_propose_pool_exhausted_changes_nothing(drafter: Any, target: Any) -> None:
-    prop = make(drafter, target, num_blocks=2)
+    prop = make(drafter, target, num_pages=2)
     st = filled(prop, 12, 8)  # needs 3 blocks of 4
     before = snapshot(prop, [st])
     with pytest.raises(PoolExhaustedError):
@@ -217,7 +217,7 @@ def test_propose_pool_exhausted_changes_nothing(drafter: Any, target: Any) -> No
     score.fault_points += 1
 
 
-def test_forward_failure_in_propose_gives_blocks_back(
+def test_forward_failure_in_propose_gives_pages_back(
     drafter: Any, target: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     prop = make(drafter, target)
@@ -306,7 +306,7 @@ def test_propose_batch_equals_single_proposals(
 def test_propose_batch_declines_leave_everything_unchanged(
     drafter: Any, target: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    prop = make(drafter, target, max_batch=3, num_blocks=8)
+    prop = make(drafter, target, max_batch=3, num_pages=8)
     a, b, c, d = (filled(prop, 5, 30 + i) for i in range(4))
     states = [a, b, c, d]
     freed = filled(prop, 2, 39)
@@ -386,13 +386,13 @@ def test_free_state_idempotent_and_resets(drafter: Any, target: Any) -> None:
     prop.propose(st, 1, 10, 2)
     assert prop.pool.num_used > 0
     prop.free_state(st)
-    assert prop.pool.num_free == prop.pool.num_blocks
-    assert st.acc is None and st.block_table_dev is None and st.freed
+    assert prop.pool.num_free == prop.pool.num_pages
+    assert st.acc is None and st.page_table_dev is None and st.freed
     for name in ("ctx_len", "ctx_committed", "seq_len", "last_num_drafted", "last_num_accepted"):
         assert getattr(st, name) == getattr(fresh, name) == 0
-    assert st.ctx_positions == [] and st.block_table == [] and not st.prefill_done
+    assert st.ctx_positions == [] and st.page_table == [] and not st.prefill_done
     prop.free_state(st)  # second call: nothing
-    assert prop.pool.num_free == prop.pool.num_blocks
+    assert prop.pool.num_free == prop.pool.num_pages
     prop.free_state(object())  # another kind: ignored
     with expect_clear_error(InvalidStateError, "freed"):
         prop.propose(st, 1, 10, 1)

@@ -2,7 +2,7 @@
 
 Random interleavings of alloc, commit, propose, propose_batch, after_verify, free, double free
 and use after free, with TESTING.md's invariants checked after every step: conservation of
-pool blocks, no block held twice, per-state row/position/block accounting, slides keep the
+pool pages, no page held twice, per-state row/position/block accounting, slides keep the
 newest rows, declined batches change nothing, free resets everything.
 
 Each step runs real tensors through the drafter, so this machine uses fewer examples than the
@@ -38,7 +38,7 @@ class ProposerMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.prop = DFlashProposer(
-            DRAFTER, TARGET, max_seq_len=40, num_blocks=12, page_size=4, max_batch=3, backend="torch"
+            DRAFTER, TARGET, max_seq_len=40, num_pages=12, page_size=4, max_batch=3, backend="torch"
         )
         self.states: list[DFlashState] = []
         self.next_pos: dict[int, int] = {}
@@ -174,11 +174,11 @@ class ProposerMachine(RuleBasedStateMachine):
 
     @rule(target=dead, s=consumes(live))
     def free(self, s: DFlashState) -> DFlashState:
-        blocks_before = self.prop.pool.num_free
-        held = len(s.block_table)
+        pages_before = self.prop.pool.num_free
+        held = len(s.page_table)
         self.prop.free_state(s)
-        assert self.prop.pool.num_free == blocks_before + held  # invariant 6
-        assert s.ctx_len == s.ctx_committed == s.seq_len == 0 and s.block_table == []
+        assert self.prop.pool.num_free == pages_before + held  # invariant 6
+        assert s.ctx_len == s.ctx_committed == s.seq_len == 0 and s.page_table == []
         assert s.acc is None and not s.prefill_done and s.last_num_drafted == 0
         score.operations += 1
         score.invariant_checks += 1
@@ -205,7 +205,7 @@ class ProposerMachine(RuleBasedStateMachine):
     def _snap(self) -> Any:
         return (
             self.prop.pool.num_free,
-            [(s.ctx_len, s.ctx_committed, s.ctx_positions, s.block_table, s.last_num_drafted, s.seq_len)
+            [(s.ctx_len, s.ctx_committed, s.ctx_positions, s.page_table, s.last_num_drafted, s.seq_len)
              for s in self.states],
         )
 
@@ -216,23 +216,23 @@ class ProposerMachine(RuleBasedStateMachine):
         held: list[int] = []
         for s in self.states:
             if s.freed:
-                assert s.block_table == []
+                assert s.page_table == []
                 continue
             s.ctx.check_invariants()
             assert 0 <= s.ctx_committed <= s.ctx_len <= s.window
             pos = s.ctx_positions
             assert len(pos) == s.ctx_len and all(a < b for a, b in zip(pos, pos[1:]))
-            assert len(s.block_table) == math.ceil(s.ctx_committed / pool.page_size)
-            held += s.block_table
+            assert len(s.page_table) == math.ceil(s.ctx_committed / pool.page_size)
+            held += s.page_table
         assert len(held) == len(set(held))  # invariant 2
         assert all(pool.is_allocated(b) for b in held)
-        assert pool.num_free + len(held) == pool.num_blocks  # invariant 1
+        assert pool.num_free + len(held) == pool.num_pages  # invariant 1
         score.invariant_checks += 5
 
     def teardown(self) -> None:
         for s in self.states:
             self.prop.free_state(s)
-        assert self.prop.pool.num_free == self.prop.pool.num_blocks  # invariant 7
+        assert self.prop.pool.num_free == self.prop.pool.num_pages  # invariant 7
         score.invariant_checks += 1
 
 

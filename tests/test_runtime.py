@@ -59,7 +59,7 @@ def test_logits_and_rows_equal_hf(name: str, backend: str) -> None:
         assert rel_err(out.logits[offset : offset + 4], want) < 1e-5
         offset += 4
     rt.free(seqs)
-    assert rt.pool.num_free == rt.pool.num_blocks
+    assert rt.pool.num_free == rt.pool.num_pages
     score.invariant_checks += len(PROMPTS) * 3
 
 
@@ -198,7 +198,7 @@ def test_bad_inputs_change_nothing() -> None:
         rt.forward([seq], [[1]])
     rt.free([seq])  # idempotent
     other.free([foreign])
-    assert rt.pool.num_free == rt.pool.num_blocks and other.pool.num_free == other.pool.num_blocks
+    assert rt.pool.num_free == rt.pool.num_pages and other.pool.num_free == other.pool.num_pages
     with expect_clear_error(ValueError, "empty"):
         blockdraft.decode(model, [[1], []], max_new_tokens=2)
     with expect_clear_error(ValueError, "max_seq_len"):
@@ -224,7 +224,7 @@ def test_fixed_shape_graph_buffers_give_the_eager_output() -> None:
     want = [hf_greedy(target, p, 9) for p in prompts]
     for graphs in ("static", "off"):
         engine = blockdraft.SpeculativeEngine(target, drafter, graphs=graphs, max_seq_len=64,  # type: ignore[arg-type]
-                                              num_blocks=64, max_batch=4)
+                                              num_pages=64, max_batch=4)
         assert engine.generate(prompts, max_new_tokens=9).tokens == want
         rt = engine.runtime
         assert rt is not None

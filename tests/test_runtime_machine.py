@@ -112,7 +112,7 @@ class RuntimeMachine(RuleBasedStateMachine):
     def pool_conserved(self) -> None:
         live = self._live()
         pool = self.rt.pool
-        assert pool.num_free + sum(s.num_pages for s in live) == pool.num_blocks
+        assert pool.num_free + sum(s.num_pages for s in live) == pool.num_pages
         held = [p for s in live for p in s.pages]
         assert len(held) == len(set(held))
         for s in live:
@@ -123,7 +123,7 @@ class RuntimeMachine(RuleBasedStateMachine):
 
     def teardown(self) -> None:
         self.rt.free(self._live())
-        assert self.rt.pool.num_free == self.rt.pool.num_blocks
+        assert self.rt.pool.num_free == self.rt.pool.num_pages
 
 
 TestRuntimeMachine = RuntimeMachine.TestCase

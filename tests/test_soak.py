@@ -1,7 +1,7 @@
 """Lifecycle soak: alloc -> commit -> (propose -> verify -> commit) x k -> free, many times over,
 with random aborts, real pool exhaustion and injected faults, ending with the pool exactly full.
 
-Up to ``LIVE`` sequences are in flight at once and their steps interleave at random, so blocks
+Up to ``LIVE`` sequences are in flight at once and their steps interleave at random, so pages
 are freed and re-taken in every order. Each cycle is one sequence's whole life; it ends in
 ``free_state`` after its k-th verify, or earlier by an abort (1 in 40 steps, or whenever the pool
 is dry). 1 step in 100 arms a random fault site (:mod:`blockdraft.faults`) first; a failed step
@@ -36,9 +36,9 @@ from core_checks import check_world
 
 LIVE = 8
 VOCAB = 64
-# Without injected faults the 40-block pool seldom runs dry (none in 5,000 cycles of seed 3);
-# 24 blocks keep real pool exhaustion in the soak.
-NO_FAULT_BLOCKS = 24
+# Without injected faults the 40-page pool seldom runs dry (none in 5,000 cycles of seed 3);
+# 24 pages keep real pool exhaustion in the soak.
+NO_FAULT_PAGES = 24
 
 
 @dataclass
@@ -67,7 +67,7 @@ def soak(
     device: str = "cpu",
     backend: str = "torch",
     real_every: int = 1,
-    num_blocks: int = 40,
+    num_pages: int = 40,
     seed: int = 0,
     fault_rate: float = 0.01,
 ) -> SoakReport:
@@ -79,7 +79,7 @@ def soak(
     target = tiny_target().to(device)
     drafter = tiny_drafter().to(device)
     prop = DFlashProposer(
-        drafter, target, max_seq_len=64, num_blocks=num_blocks, page_size=4,
+        drafter, target, max_seq_len=64, num_pages=num_pages, page_size=4,
         max_batch=LIVE, backend=backend,  # type: ignore[arg-type]
     )
     rep = SoakReport()
@@ -113,7 +113,7 @@ def soak(
     def guarded(seq: Seq, fn: Any) -> bool:
         """Run one step, sometimes under an injected fault; False when it failed cleanly."""
         armed = rng.random() < fault_rate
-        before = (seq.state.ctx_len, seq.state.ctx_committed, seq.state.block_table)
+        before = (seq.state.ctx_len, seq.state.ctx_committed, seq.state.page_table)
         try:
             if armed:
                 with faults.inject(rng.choice(sites), 1):
@@ -127,7 +127,7 @@ def soak(
             rep.faults += 1
         else:
             return True
-        assert (seq.state.ctx_len, seq.state.ctx_committed, seq.state.block_table) == before
+        assert (seq.state.ctx_len, seq.state.ctx_committed, seq.state.page_table) == before
         return False
 
     while rep.cycles < cycles:
@@ -183,8 +183,8 @@ def soak(
     for seq in list(live):
         prop.free_state(seq.state)
     prop.pool.check_invariants()
-    assert prop.pool.num_free == prop.pool.num_blocks, f"{prop.pool.num_used} blocks leaked"
-    score.leaked_blocks += prop.pool.num_used
+    assert prop.pool.num_free == prop.pool.num_pages, f"{prop.pool.num_used} pages leaked"
+    score.leaked_pages += prop.pool.num_used
     score.sequences += rep.cycles
     score.operations += rep.operations
     score.fault_points += rep.faults
@@ -236,7 +236,7 @@ def test_the_fault_soak_skips_on_a_build_without_test_hooks(monkeypatch: pytest.
 def test_a_soak_without_faults_arms_none(monkeypatch: pytest.MonkeyPatch) -> None:
     """What the release-wheel GPU soak does, on the CPU: it never reaches the test hooks."""
     monkeypatch.setattr(_core, "TEST_HOOKS", False)
-    rep = soak(300, real_every=10, num_blocks=NO_FAULT_BLOCKS, seed=1, fault_rate=0.0)
+    rep = soak(300, real_every=10, num_pages=NO_FAULT_PAGES, seed=1, fault_rate=0.0)
     _check(rep, 300, with_faults=False)
 
 
@@ -256,7 +256,7 @@ def test_soak_gpu_triton() -> None:
 def test_soak_gpu_triton_without_faults() -> None:
     """The same soak with no fault armed: it runs on a release wheel."""
     cycles = int(os.environ.get("BLOCKDRAFT_SOAK_CYCLES", "100000"))
-    rep = soak(cycles, device="cuda", backend="triton", real_every=1, num_blocks=NO_FAULT_BLOCKS, seed=3,
+    rep = soak(cycles, device="cuda", backend="triton", real_every=1, num_pages=NO_FAULT_PAGES, seed=3,
                fault_rate=0.0)
     _check(rep, cycles, with_faults=False)
     print(f"\nsoak (cuda, triton, no faults): {rep}")

@@ -94,11 +94,11 @@ def tiny_drafter(config: DrafterConfig | None = None, *, seed: int = 1) -> DFlas
 
 
 def make_proposer(drafter: Any, target: Any, **kw: Any) -> Any:
-    """A torch-backend proposer over the tiny pair (max_seq_len 256, 64 blocks of 4 tokens,
+    """A torch-backend proposer over the tiny pair (max_seq_len 256, 64 pages of 4 tokens,
     max_batch 4 unless given)."""
     from blockdraft.proposer import DFlashProposer
 
-    for key, value in (("max_seq_len", 256), ("num_blocks", 64), ("page_size", 4),
+    for key, value in (("max_seq_len", 256), ("num_pages", 64), ("page_size", 4),
                        ("max_batch", 4), ("backend", "torch")):
         kw.setdefault(key, value)
     return DFlashProposer(drafter, target, **kw)

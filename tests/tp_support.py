@@ -86,7 +86,7 @@ def runtime_case(group: TPGroup, name: str) -> dict[str, Any]:
     torch.manual_seed(1000 + group.rank)  # ranks whose global random state differs
     sampled = blockdraft.decode(again, PROMPTS, max_new_tokens=10, temperature=1.0).tokens
     return {"sampled": sampled, "last": last.clone(), "verify": out.logits.clone(), "rows": torch.cat(rows),
-            "pages": pages, "free": (free_after, rt.pool.num_blocks), "decoded": decoded,
+            "pages": pages, "free": (free_after, rt.pool.num_pages), "decoded": decoded,
             "num_kv_heads": rt.spec.num_kv_heads, "qkv_rows": rt.forward_pass._layers[0].qkv.shape[0]}
 
 
@@ -97,7 +97,7 @@ def engine_case(group: TPGroup, kind: str) -> dict[str, Any]:
     target = tiny_target(kind)
     drafter = tiny_drafter(drafter_config(block=4))
     engine = SpeculativeEngine(target, drafter, max_seq_len=64, max_active=2, page_size=4,
-                               num_blocks=64, max_batch=2, backend="torch", graphs="static",
+                               num_pages=64, max_batch=2, backend="torch", graphs="static",
                                tp=group)
     rt = engine.runtime
     assert rt is not None

@@ -1,7 +1,7 @@
 """Typed surface of the Rust core (``blockdraft._core``).
 
 The core owns all bookkeeping of the proposer and never touches device memory: which pool
-blocks a sequence holds, which context rows it keeps, at which positions, how many of them have
+pages a sequence holds, which context rows it keeps, at which positions, how many of them have
 K/V in the paged cache, and whether a batch is accepted. Python owns the tensors and moves them
 according to the plans returned here.
 
@@ -32,10 +32,10 @@ class BlockdraftError(Exception):
     """Base class of every error blockdraft raises on purpose."""
 
 class PoolExhaustedError(BlockdraftError):
-    """The shared block pool cannot satisfy an allocation; nothing was changed."""
+    """The shared page pool cannot satisfy an allocation; nothing was changed."""
 
 class InvalidStateError(BlockdraftError):
-    """A state or plan was used out of its lifecycle (freed, foreign, stale, or bad blocks)."""
+    """A state or plan was used out of its lifecycle (freed, foreign, stale, or bad pages)."""
 
 class CheckpointError(BlockdraftError):
     """A drafter checkpoint is missing, unreadable or inconsistent."""
@@ -87,45 +87,45 @@ def read_ctx_cap() -> int:
 
 @final
 class BlockPool:
-    """A fixed set of ``num_blocks`` K/V blocks (pages) of ``page_size`` tokens, shared by
+    """A fixed set of ``num_pages`` K/V pages (pages) of ``page_size`` tokens, shared by
     sequences.
 
     Thread-safe: every method takes an internal lock and releases the GIL while it works.
     Allocation is all-or-nothing; freeing validates every id before changing anything.
     """
 
-    def __new__(cls, num_blocks: int, page_size: int) -> BlockPool:
-        """Raises ``ValueError`` when ``num_blocks < 1`` or ``page_size < 1``, or when the
-        bookkeeping of ``num_blocks`` blocks cannot be allocated (never an abort)."""
+    def __new__(cls, num_pages: int, page_size: int) -> BlockPool:
+        """Raises ``ValueError`` when ``num_pages < 1`` or ``page_size < 1``, or when the
+        bookkeeping of ``num_pages`` pages cannot be allocated (never an abort)."""
 
     @property
-    def num_blocks(self) -> int: ...
+    def num_pages(self) -> int: ...
     @property
     def page_size(self) -> int:
-        """Tokens per block (the KV page size)."""
+        """Tokens per page."""
     @property
     def num_free(self) -> int: ...
     @property
     def num_used(self) -> int: ...
     def alloc(self, n: int) -> list[int]:
-        """Take ``n`` blocks (``n >= 0``).
+        """Take ``n`` pages (``n >= 0``).
 
         Raises:
-            PoolExhaustedError: fewer than ``n`` blocks are free; nothing changed.
+            PoolExhaustedError: fewer than ``n`` pages are free; nothing changed.
             ValueError: ``n`` is negative.
         """
 
-    def free(self, blocks: list[int]) -> None:
-        """Return ``blocks`` to the pool.
+    def free(self, pages: list[int]) -> None:
+        """Return ``pages`` to the pool.
 
         Raises:
             InvalidStateError: an id is out of range (negative ids included), not allocated, or
                 listed twice; nothing changed.
-            TypeError: ``blocks`` is not a sequence of ints.
+            TypeError: ``pages`` is not a sequence of ints.
         """
 
-    def is_allocated(self, block: int) -> bool:
-        """Whether ``block`` is currently allocated (``False`` for out-of-range ids)."""
+    def is_allocated(self, page: int) -> bool:
+        """Whether ``page`` is currently allocated (``False`` for out-of-range ids)."""
 
     def check_invariants(self) -> None:
         """Verify the pool's internal consistency (free list vs allocation bitmap).
@@ -139,7 +139,7 @@ class SlidePlan:
     """What an append must do to the accumulator before writing new rows.
 
     Move source rows ``[src_start, src_start + keep)`` to ``[0, keep)``, in order. Their
-    positions are kept; ``ctx_committed`` becomes 0, and the state's blocks go back to the pool
+    positions are kept; ``ctx_committed`` becomes 0, and the state's pages go back to the pool
     (their K/V is recomputed by the next precompute).
     """
 
@@ -170,11 +170,11 @@ class AppendPlan:
 class PrecomputePlan:
     """K/V work for context rows ``[row_start, row_end)`` of one state.
 
-    ``new_blocks`` were already taken from the pool; ``slots[i]`` is the paged-cache slot
-    (``block_id * page_size + offset``) of row ``row_start + i`` and ``positions[i]`` its
+    ``new_pages`` were already taken from the pool; ``slots[i]`` is the paged-cache slot
+    (``page_id * page_size + offset``) of row ``row_start + i`` and ``positions[i]`` its
     position. Confirm with ``ContextState.confirm_precompute`` after the K/V is written, or
     abort with ``ContextState.abort_precompute`` (dropping an unresolved plan aborts it too),
-    which returns ``new_blocks`` and leaves the state as it was.
+    which returns ``new_pages`` and leaves the state as it was.
     """
 
     @property
@@ -182,7 +182,7 @@ class PrecomputePlan:
     @property
     def row_end(self) -> int: ...
     @property
-    def new_blocks(self) -> list[int]: ...
+    def new_pages(self) -> list[int]: ...
     @property
     def slots(self) -> list[int]: ...
     @property
@@ -196,10 +196,10 @@ class ContextState:
     """Bookkeeping of one sequence's drafter context, without its device memory.
 
     Holds the window, the context rows' positions, how many have K/V in the paged cache, the
-    block table (blocks from ``pool``), and the proposal/verify counters (``seq_len``,
+    page table (pages from ``pool``), and the proposal/verify counters (``seq_len``,
     ``last_num_drafted``, ...). Thread-safe (internal lock).
     Call ``free`` explicitly; a state that is garbage-collected unfreed still returns its
-    blocks, as a safety net against leaks.
+    pages, as a safety net against leaks.
     """
 
     def __new__(cls, pool: BlockPool, window: int, owner: int = 0) -> ContextState:
@@ -225,10 +225,10 @@ class ContextState:
         ``ctx_positions[-1]``, which copies the whole list."""
 
     @property
-    def block_table(self) -> list[int]: ...
+    def page_table(self) -> list[int]: ...
     @property
-    def num_blocks(self) -> int:
-        """``len(block_table)``; blocks of an unresolved ``PrecomputePlan`` are not included."""
+    def num_pages(self) -> int:
+        """``len(page_table)``; pages of an unresolved ``PrecomputePlan`` are not included."""
 
     @property
     def seq_len(self) -> int: ...
@@ -265,7 +265,7 @@ class ContextState:
     def apply_append(self, plan: AppendPlan) -> None:
         """Commit a plan from ``plan_append`` after the accumulator was written.
 
-        A slide resets ``ctx_committed`` to 0 and returns the state's blocks to the pool. Any
+        A slide resets ``ctx_committed`` to 0 and returns the state's pages to the pool. Any
         change makes an outstanding ``PrecomputePlan`` stale (it can then only be aborted).
 
         Raises:
@@ -274,17 +274,17 @@ class ContextState:
         """
 
     def plan_precompute(self) -> PrecomputePlan:
-        """Plan K/V for rows ``[ctx_committed, ctx_len)``, taking the blocks they need.
+        """Plan K/V for rows ``[ctx_committed, ctx_len)``, taking the pages they need.
 
-        Clamps ``ctx_committed`` to ``ctx_len`` first. A plan with no rows takes no blocks.
+        Clamps ``ctx_committed`` to ``ctx_len`` first. A plan with no rows takes no pages.
 
         Raises:
-            PoolExhaustedError: the pool cannot supply the blocks; nothing changed.
+            PoolExhaustedError: the pool cannot supply the pages; nothing changed.
             InvalidStateError: the state was freed, or another plan is outstanding.
         """
 
     def confirm_precompute(self, plan: PrecomputePlan) -> None:
-        """The K/V of the plan's rows is written: adopt its blocks, ``ctx_committed = row_end``.
+        """The K/V of the plan's rows is written: adopt its pages, ``ctx_committed = row_end``.
 
         Raises:
             InvalidStateError: the plan is foreign, stale, or already resolved, or the state was
@@ -292,7 +292,7 @@ class ContextState:
         """
 
     def abort_precompute(self, plan: PrecomputePlan) -> None:
-        """Give the plan's blocks back; the state is as before ``plan_precompute``.
+        """Give the plan's pages back; the state is as before ``plan_precompute``.
 
         Aborting an already-resolved plan (or one whose state was freed) does nothing.
 
@@ -320,7 +320,7 @@ class ContextState:
         """
 
     def free(self, owner: int | None = None) -> bool:
-        """Return every block (including an unresolved plan's) and reset every counter.
+        """Return every page (including an unresolved plan's) and reset every counter.
 
         Idempotent: returns ``True`` the first time, ``False`` afterwards (nothing done).
         With ``owner``, the state must belong to that proposer (checked first, on a freed state
@@ -333,10 +333,10 @@ class ContextState:
         """
 
     def check_invariants(self) -> None:
-        """Verify the state's invariant and that every held block is allocated in the pool.
+        """Verify the state's invariant and that every held page is allocated in the pool.
 
         The invariant: ``0 <= ctx_committed <= ctx_len <= window``, positions strictly
-        increasing and non-negative, ``num_blocks == ceil(ctx_committed / page_size)``, no block
+        increasing and non-negative, ``num_pages == ceil(ctx_committed / page_size)``, no page
         held twice, and a freed state equal to a fresh one.
 
         Raises:
@@ -407,7 +407,7 @@ def plan_proposals(
             ("{what}: the state has no committed context (commit_ctx before propose)").
         TypeError: a token or position that is not an int (``bool`` included).
         ValueError: a bad token or position, a state given twice, lengths that differ.
-        PoolExhaustedError: not enough free blocks for every plan.
+        PoolExhaustedError: not enough free pages for every plan.
     """
 
 def confirm_proposals(
@@ -421,7 +421,7 @@ def confirm_proposals(
     """
 
 def abort_plans(plans: list[PrecomputePlan]) -> None:
-    """Give back every plan's blocks; a resolved plan is ignored."""
+    """Give back every plan's pages; a resolved plan is ignored."""
 
 def verify_all(what: str, states: Sequence[ContextState], accepted: Sequence[int], owner: int) -> None:
     """``after_verify(accepted[i])`` on every state of proposer ``owner``; stops at the first
@@ -481,7 +481,7 @@ def plan_appends(
 @final
 class GraphMeta:
     """The graph path's metadata writer over a pinned host tensor (``blockdraft_core::step``):
-    per call every sequence's scalars, block table and staged context rows, with a mirror of
+    per call every sequence's scalars, page table and staged context rows, with a mirror of
     what each row holds so unchanged tables are not rewritten."""
 
     @staticmethod

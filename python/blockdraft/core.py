@@ -5,7 +5,7 @@ them. Here are the pieces it is built from (all implemented in Rust, ``blockdraf
 
 * per-sequence context bookkeeping: :class:`ContextState` (window, positions, blocks, counters)
   and its plans: :class:`AppendPlan` (with its :class:`SlidePlan`) and
-  :class:`PrecomputePlan` (blocks and slots for new ctx K/V);
+  :class:`PrecomputePlan` (pages and slots for new ctx K/V);
 * the target runtime's page tables: :class:`SeqPages` (one sequence's K/V pages, committed and
   pending tokens) and the whole-step calls over many of them, :func:`plan_forward` (giving a
   :class:`ForwardPlan`), :func:`accept_rows` and :func:`free_all`;

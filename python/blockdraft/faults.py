@@ -13,10 +13,10 @@ Sites (each raises what the real failure raises):
 
 | site | where | raises |
 | --- | --- | --- |
-| ``pool_blocks`` | before each sequence's ``plan_precompute`` (pool blocks for new ctx K/V; in ``plan_proposals``, through :func:`hits`) | ``PoolExhaustedError`` |
+| ``pool_pages`` | before each sequence's ``plan_precompute`` (pool pages for new ctx K/V; in ``plan_proposals``, through :func:`hits`) | ``PoolExhaustedError`` |
 | ``accumulator`` | a state's accumulator, and the staging copies of ``commit_ctx`` | ``torch.OutOfMemoryError`` |
-| ``block_table_dev`` | the device block tables of a proposal | ``torch.OutOfMemoryError`` |
-| ``kv_cache`` | the paged ctx K/V write into newly taken blocks | ``torch.OutOfMemoryError`` |
+| ``page_table_dev`` | the device page tables of a proposal | ``torch.OutOfMemoryError`` |
+| ``kv_cache`` | the paged ctx K/V write into newly taken pages | ``torch.OutOfMemoryError`` |
 | ``forward`` | the drafter forward of a proposal | ``RuntimeError`` |
 | ``attention`` | each layer's paged block attention (a kernel) | ``RuntimeError`` |
 | ``logits`` | the lm_head + draft selection of a proposal | ``RuntimeError`` |
@@ -29,7 +29,7 @@ faults from one thread at a time.
 
 Arming needs a build of the extension with its test hooks (``blockdraft._core.TEST_HOOKS``:
 ``maturin develop --features test-hooks``, as ``bash .ci/dev`` builds it), because the
-``pool_blocks`` site inside ``plan_proposals`` is the core's ``fail_at`` argument, which release
+``pool_pages`` site inside ``plan_proposals`` is the core's ``fail_at`` argument, which release
 wheels do not have. While a plan is armed, callers pass ``fail_at``; otherwise they leave it
 out.
 """
@@ -47,9 +47,9 @@ from blockdraft import _core
 from blockdraft._core import PoolExhaustedError
 
 PROPOSER_SITES: tuple[str, ...] = (
-    "pool_blocks",
+    "pool_pages",
     "accumulator",
-    "block_table_dev",
+    "page_table_dev",
     "kv_cache",
     "forward",
     "attention",
@@ -60,8 +60,8 @@ TARGET_SITES: tuple[str, ...] = ("target_forward", "target_pages", "workspace")
 """The sites of the target's side: its forward and the runtime's allocations."""
 SITES: tuple[str, ...] = PROPOSER_SITES + TARGET_SITES
 
-_OOM_SITES = frozenset({"accumulator", "block_table_dev", "kv_cache", "target_forward", "workspace"})
-_POOL_SITES = frozenset({"pool_blocks", "target_pages"})
+_OOM_SITES = frozenset({"accumulator", "page_table_dev", "kv_cache", "target_forward", "workspace"})
+_POOL_SITES = frozenset({"pool_pages", "target_pages"})
 
 
 @dataclass
@@ -108,7 +108,7 @@ def hit(site: str) -> None:
 
 def hits(site: str, count: int) -> int | None:
     """``count`` hits of ``site`` at once, for a hook that covers many sequences in one core
-    call (``pool_blocks`` in ``plan_proposals``): the 0-based index of the hit that fires the
+    call (``pool_pages`` in ``plan_proposals``): the 0-based index of the hit that fires the
     armed fault, which the caller hands to the core to fail there, or ``None``."""
     plan = _ACTIVE
     if plan is None:

@@ -50,7 +50,7 @@ def test_captured_graphs_give_the_plain_drafts() -> None:
     drafter = bd_bench.build_drafter(shape, dev, torch.float32)
     results = []
     for mode in ("off", "capture"):
-        prop = DFlashProposer(drafter, target, max_seq_len=1024, num_blocks=400, page_size=16,
+        prop = DFlashProposer(drafter, target, max_seq_len=1024, num_pages=400, page_size=16,
                               max_batch=8, graphs=mode)  # type: ignore[arg-type]
         results.append(_run(prop, shape, seed=5))
         if mode == "capture":
@@ -75,7 +75,7 @@ def test_batch_commit_on_the_gpu_equals_single_commits(dtype: torch.dtype) -> No
                for c in [firsts] + steps]
     runs = []
     for batched in (False, True):
-        prop = DFlashProposer(drafter, target, max_seq_len=1024, num_blocks=400,
+        prop = DFlashProposer(drafter, target, max_seq_len=1024, num_pages=400,
                               page_size=16, max_batch=4, graphs="capture")
         assert prop.backend == "triton"
         states = [prop.alloc_state_for(300) for _ in firsts]
@@ -98,6 +98,6 @@ def test_batch_commit_on_the_gpu_equals_single_commits(dtype: torch.dtype) -> No
         runs.append((out, [s.acc[: s.ctx_len].clone() for s in states]))
         for s in states:
             prop.free_state(s)
-        assert prop.pool.num_free == prop.pool.num_blocks
+        assert prop.pool.num_free == prop.pool.num_pages
     assert runs[0][0] == runs[1][0]
     assert all(torch.equal(a, b) for a, b in zip(runs[0][1], runs[1][1]))

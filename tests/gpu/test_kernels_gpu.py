@@ -18,13 +18,13 @@ DTYPES = [torch.bfloat16, torch.float16]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize(("r", "layers", "heads", "dim", "page", "blocks", "as_list"), [
+@pytest.mark.parametrize(("r", "layers", "heads", "dim", "page", "pages", "as_list"), [
     (1, 1, 1, 64, 4, 3, False), (17, 5, 8, 128, 16, 4, True), (63, 3, 2, 64, 8, 40, False),
     (1000, 5, 8, 128, 16, 100, False), (4096, 2, 4, 64, 16, 300, False),
 ])
 def test_kv_store_gpu(dtype: torch.dtype, r: int, layers: int, heads: int, dim: int, page: int,
-                      blocks: int, as_list: bool) -> None:
-    kvs.case_kv_store(GPU, dtype, r, layers, heads, dim, page, blocks, as_list)
+                      pages: int, as_list: bool) -> None:
+    kvs.case_kv_store(GPU, dtype, r, layers, heads, dim, page, pages, as_list)
 
 
 def test_kv_store_gpu_slots_beyond_2_pow_31() -> None:
@@ -57,8 +57,8 @@ def test_kv_store_gpu_slots_beyond_2_pow_31() -> None:
 ])
 def test_attention_gpu(dtype: torch.dtype, ctx_lens: list[int], num_q: int, hq: int, hkv: int,
                        dim: int, page: int, splits: int | None) -> None:
-    blocks = len(ctx_lens) * (max((c + page - 1) // page for c in ctx_lens) + 1) + 8
-    att.case_attention(GPU, dtype, ctx_lens, num_q, hq, hkv, dim, page, blocks, num_splits=splits)
+    pages = len(ctx_lens) * (max((c + page - 1) // page for c in ctx_lens) + 1) + 8
+    att.case_attention(GPU, dtype, ctx_lens, num_q, hq, hkv, dim, page, pages, num_splits=splits)
 
 
 @pytest.mark.parametrize(("window", "causal"), [(None, True), (7, True), (3, False), (300, False)])
@@ -67,14 +67,14 @@ def test_attention_gpu_sliding(window: int | None, causal: bool) -> None:
                        sliding_window=window, causal_block=causal)
 
 
-def test_attention_gpu_block_ids_and_offsets_beyond_2_pow_31() -> None:
+def test_attention_gpu_page_ids_and_offsets_beyond_2_pow_31() -> None:
     page, hkv, dim = 16, 8, 128
-    num_blocks = (1 << 31) // (page * hkv * dim) + 64
-    shape = (num_blocks, page, hkv, dim)
+    num_pages = (1 << 31) // (page * hkv * dim) + 64
+    shape = (num_pages, page, hkv, dim)
     caches = (torch.zeros(shape, dtype=torch.bfloat16), torch.zeros(shape, dtype=torch.bfloat16),
-              torch.zeros(num_blocks * page, dtype=torch.int32))
+              torch.zeros(num_pages * page, dtype=torch.int32))
     x = att.make_attention_case(torch.device("cpu"), torch.bfloat16, [21, 40], 4, 16, hkv, dim,
-                                page, num_blocks, caches=caches, block_offset=num_blocks - 64)
+                                page, num_pages, caches=caches, page_offset=num_pages - 64)
     x = {k: v.to(GPU) for k, v in x.items()}
     del caches
     want = att.run_attention(x, "torch")

@@ -55,7 +55,7 @@ def test_runtime_logits_equal_hf(dtype: torch.dtype) -> None:
         assert float((got - want[len(p):]).abs().max() / scale) < tol
         offset += 16
     rt.free(seqs)
-    assert rt.pool.num_free == rt.pool.num_blocks
+    assert rt.pool.num_free == rt.pool.num_pages
 
 
 def test_fp32_decode_and_generate_equal_hf_greedy() -> None:

@@ -115,7 +115,7 @@ def e2e_blockdraft(
     with uncapped_window():
         engine = SpeculativeEngine(
             target, drafter, max_seq_len=max_seq_len, max_batch=1,
-            num_blocks=math.ceil((max_seq_len + 64) / 16) + 1, page_size=16,
+            num_pages=math.ceil((max_seq_len + 64) / 16) + 1, page_size=16,
             **engine_kwargs,
         )
     prop = engine.proposer

@@ -192,7 +192,7 @@ def host_glue(prop: Any, seqs: Seqs, idx: list[int], calls: int) -> dict[str, An
 
 def bench_core_bookkeeping(page_size: int, shape: Shape, calls: int) -> dict[str, Any]:
     """The Rust core's calls of one steady-state step (append 1 row, plan/confirm the K/V,
-    note the proposal, record the verify) on a fresh state with blocks of ``page_size`` rows,
+    note the proposal, record the verify) on a fresh state with pages of ``page_size`` rows,
     without touching any tensor."""
     from blockdraft import BlockPool
     from blockdraft.core import ContextState

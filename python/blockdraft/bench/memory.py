@@ -20,19 +20,19 @@ def state_memory(prop: Any, st: Any) -> dict[str, Any]:
     elem = torch.empty((), dtype=prop.dtype).element_size()
     acc_measured = int(st.acc.numel() * st.acc.element_size())
     k, v = prop.cache.k, prop.cache.v  # [layers, blocks, page_size, kv_heads, head_dim] each
-    block_bytes = int(k[:, 0].numel() * k.element_size() + v[:, 0].numel() * v.element_size())
-    kv_measured = int(st.ctx.num_blocks * block_bytes)
+    page_bytes = int(k[:, 0].numel() * k.element_size() + v[:, 0].numel() * v.element_size())
+    kv_measured = int(st.ctx.num_pages * page_bytes)
     rows = int(st.ctx_len)
     page = prop.page_size
     acc_formula = int(st.window) * prop.ctx_row_width * elem
-    need_blocks = math.ceil(rows / page)
+    need_pages = math.ceil(rows / page)
     per_row = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * elem
-    kv_formula = need_blocks * page * per_row
+    kv_formula = need_pages * page * per_row
     return {
         "window": int(st.window),
         "ctx_rows": rows,
-        "blocks": int(st.ctx.num_blocks),
-        "blocks_bound": need_blocks,
+        "pages": int(st.ctx.num_pages),
+        "pages_bound": need_pages,
         "acc_bytes": acc_measured,
         "acc_bytes_formula": acc_formula,
         "kv_bytes": kv_measured,
@@ -40,5 +40,5 @@ def state_memory(prop: Any, st: Any) -> dict[str, Any]:
         "kv_bytes_per_row": per_row,
         "total_bytes": acc_measured + kv_measured,
         "equal_to_formula": acc_measured == acc_formula and kv_measured == kv_formula,
-        "blocks_within_bound": int(st.ctx.num_blocks) <= need_blocks,
+        "pages_within_bound": int(st.ctx.num_pages) <= need_pages,
     }

@@ -72,7 +72,7 @@ def _cell(
     if seqs.alloc_bytes:
         mem["acc_alloc_delta_bytes"] = seqs.alloc_bytes[0]
     rec["memory_per_seq"] = mem
-    rec["pool_check"] = all(state_memory(prop, seqs.states[i])["blocks_within_bound"] for i in idx)
+    rec["pool_check"] = all(state_memory(prop, seqs.states[i])["pages_within_bound"] for i in idx)
     log.info(
         "propose ctx %d n %d: %s ms (p90 %s), loop %s ms, plain %s ms",
         ctx,

@@ -36,7 +36,7 @@ def make_proposer(
     drafter: Any, target: Any, shape: Shape, ctx: int, max_batch: int, graphs: str, grow: int
 ) -> Any:
     """A proposer for up to ``max_batch`` sequences of ``ctx`` rows that may each grow by
-    ``grow`` rows, with a pool of 16-row blocks holding all of them and an uncapped window."""
+    ``grow`` rows, with a pool of 16-row pages holding all of them and an uncapped window."""
     from blockdraft import DFlashProposer
 
     max_seq_len = ctx + grow
@@ -46,7 +46,7 @@ def make_proposer(
             drafter,
             target,
             max_seq_len=max_seq_len,
-            num_blocks=max_batch * math.ceil(max_seq_len / page) + 1,
+            num_pages=max_batch * math.ceil(max_seq_len / page) + 1,
             page_size=page,
             max_batch=max_batch,
             graphs=graphs,  # type: ignore[arg-type]
@@ -157,6 +157,6 @@ class Seqs:
             self.prop.after_verify(self.states[i], 0)
 
     def free(self) -> None:
-        """Free every state (their blocks go back to the pool)."""
+        """Free every state (their pages go back to the pool)."""
         for st in self.states:
             self.prop.free_state(st)

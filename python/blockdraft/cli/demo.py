@@ -9,8 +9,8 @@ from blockdraft.cli.common import require_min
 
 # (flag, default, help); every option is a count or a size, so each must be >= 1.
 OPTIONS = (
-    ("--num-blocks", 64, "K/V blocks in the pool"),
-    ("--page-size", 16, "tokens per K/V block"),
+    ("--num-pages", 64, "K/V pages in the pool"),
+    ("--page-size", 16, "tokens per K/V page"),
     ("--max-seq-len", 4096, "longest sequence the target serves"),
     ("--block-size", 8, "B: the drafter's block (anchor + B-1 drafts)"),
     ("--budget", 40, "prompt + new tokens each sequence is allocated for"),
@@ -21,15 +21,15 @@ OPTIONS = (
 
 
 def run_demo(args: argparse.Namespace) -> int:
-    """Show the core's bookkeeping on a small pool: windows, paged blocks, a slide, free."""
+    """Show the core's bookkeeping on a small pool: windows, pages, a slide, free."""
     import blockdraft as bd
 
     for flag, _, _ in OPTIONS:
         require_min(flag, getattr(args, flag[2:].replace("-", "_")))
-    pool = bd.BlockPool(args.num_blocks, args.page_size)
+    pool = bd.BlockPool(args.num_pages, args.page_size)
     window = bd.ctx_window(args.max_seq_len, args.block_size, args.budget)
     print(
-        f"pool: {pool.num_blocks} blocks x {pool.page_size} tokens; "
+        f"pool: {pool.num_pages} pages x {pool.page_size} tokens; "
         f"ctx cap {bd.core.read_ctx_cap()} (env {bd.core.ENV_CTX_CAP}); window for budget "
         f"{args.budget} and B={args.block_size}: {window} rows"
     )
@@ -49,14 +49,14 @@ def run_demo(args: argparse.Namespace) -> int:
             print(
                 f"step {step} seq {i}: +{n} rows -> ctx_len {st.ctx_len}, "
                 f"positions {st.ctx_positions[0]}..{st.ctx_positions[-1]}, "
-                f"{st.num_blocks} blocks{slid}; pool {pool.num_used}/{pool.num_blocks} used"
+                f"{st.num_pages} pages{slid}; pool {pool.num_used}/{pool.num_pages} used"
             )
     for st in states:
         st.free()
         st.free()  # idempotent: the second call does nothing
     pool.check_invariants()
-    print(f"all states freed twice: pool {pool.num_free}/{pool.num_blocks} free")
-    return 0 if pool.num_free == pool.num_blocks else 1
+    print(f"all states freed twice: pool {pool.num_free}/{pool.num_pages} free")
+    return 0 if pool.num_free == pool.num_pages else 1
 
 
 def add_demo_command(sub: Any) -> None:

@@ -257,10 +257,10 @@ def _generate(args: argparse.Namespace, group: Any) -> int:
     stop = getattr(tokenizer, "eos_token_id", None)
     stops = [stop] if isinstance(stop, int) else None
     n = args.max_new_tokens
-    target_pages, drafter_blocks = pool_sizes([len(ids)], n, int(drafter.config.block_size))
+    target_pages, drafter_pages = pool_sizes([len(ids)], n, int(drafter.config.block_size))
     engine = SpeculativeEngine(target, drafter, max_seq_len=len(ids) + n, max_active=1,
                                max_batch=1, page_size=16, target_pages=target_pages,
-                               num_blocks=drafter_blocks, tp=group)
+                               num_pages=drafter_pages, tp=group)
     where = f"; tensor parallel over {ranks} ranks ({group.backend})" if ranks > 1 else ""
     say(f"blockdraft generate: {source.description}; device {device}{where}; "
         f"target on {'blockdraft runtime' if engine.runtime is not None else 'Hugging Face'}")

@@ -59,7 +59,7 @@ def _check_flags(args: argparse.Namespace) -> None:
     require_min("--port", args.port, 0)
     if args.port > 65535:
         raise CliError(f"--port must be <= 65535, not {args.port}")
-    for flag in ("--max-seq-len", "--target-pages", "--drafter-blocks"):
+    for flag in ("--max-seq-len", "--target-pages", "--drafter-pages"):
         value = getattr(args, flag[2:].replace("-", "_"))
         if value is not None:
             require_min(flag, value, 2 if flag == "--max-seq-len" else 1)
@@ -195,7 +195,7 @@ def _serve(args: argparse.Namespace, group: Any) -> str | None:
     from blockdraft.serve import ServeConfig, build_engine, create_app, follow, serve
 
     engine = build_engine(target, drafter, max_seq_len=max_seq_len, max_active=args.max_active,
-                          target_pages=args.target_pages, drafter_blocks=args.drafter_blocks,
+                          target_pages=args.target_pages, drafter_pages=args.drafter_pages,
                           tp=group if ranks > 1 else None)
     rank = 0 if group is None else int(group.rank)
     pid_dir = os.environ.get(PID_DIR_ENV)
@@ -248,8 +248,8 @@ def add_serve_command(sub: Any) -> None:
                           "built-in pair, else the target directory's name)")
     srv.add_argument("--target-pages", type=int, default=None,
                      help="target K/V pages (default: --max-active sequences of --max-seq-len)")
-    srv.add_argument("--drafter-blocks", type=int, default=None,
-                     help="drafter K/V blocks (default: the proposer's, by memory)")
+    srv.add_argument("--drafter-pages", type=int, default=None,
+                     help="drafter K/V pages (default: the proposer's, by memory)")
     srv.add_argument("--shutdown-timeout", type=float, default=30.0,
                      help="seconds a SIGINT/SIGTERM waits for running requests before "
                           "cancelling them (default 30)")

@@ -168,8 +168,8 @@ class SpeculativeEngine:
         if proposer is not None and parallel:
             assert tp is not None
             # Admission reads the pool: every rank's must be the same size.
-            agreed_pool_size(tp, proposer.pool.num_blocks, sized=False)
-        self.block_size = self.proposer.block_size
+            agreed_pool_size(tp, proposer.pool.num_pages, sized=False)
+        self.block_size = self.proposer.block_gamma
         self.target: TargetBackend
         if which == "blockdraft":
             rt = TargetRuntime(
@@ -275,12 +275,12 @@ class SpeculativeEngine:
             stops=frozenset(int(t) for t in (stop_token_ids or ())), mask_fn=grammar_bitmask_fn,
             generator=generator, submitted_at=time.perf_counter(),
         )
-        req.target_pages, req.drafter_blocks = self._needs(req)
-        total_t, total_d = self.target.total_pages, self.proposer.pool.num_blocks
-        if (total_t is not None and req.target_pages > total_t) or req.drafter_blocks > total_d:
+        req.target_pages, req.drafter_pages = self._needs(req)
+        total_t, total_d = self.target.total_pages, self.proposer.pool.num_pages
+        if (total_t is not None and req.target_pages > total_t) or req.drafter_pages > total_d:
             raise ValueError(
-                f"the request needs {req.target_pages} target pages and {req.drafter_blocks} "
-                f"drafter blocks; the pools hold {total_t} and {total_d}: it can never run"
+                f"the request needs {req.target_pages} target pages and {req.drafter_pages} "
+                f"drafter pages; the pools hold {total_t} and {total_d}: it can never run"
             )
         self._requests[rid] = req
         self._waiting.append(req)
@@ -328,7 +328,7 @@ class SpeculativeEngine:
         return {"target": used_t, "drafter": self.proposer.pool.num_used}
 
     def pages_total(self) -> dict[str, int]:
-        return {"target": self.target.total_pages or 0, "drafter": self.proposer.pool.num_blocks}
+        return {"target": self.target.total_pages or 0, "drafter": self.proposer.pool.num_pages}
 
     # ------------------------------------------------------------------ stepping
 
@@ -445,7 +445,7 @@ class SpeculativeEngine:
     # ------------------------------------------------------------------ internals
 
     def _needs(self, req: Request) -> tuple[int, int]:
-        """(target pages, drafter blocks) the request may hold at its longest."""
+        """(target pages, drafter pages) the request may hold at its longest."""
         budget = len(req.prompt) + req.max_new_tokens
         target = self.target.pages_for(budget + self.block_size)
         window = _core.ctx_window(self.max_seq_len, self.block_size, budget,
@@ -456,19 +456,19 @@ class SpeculativeEngine:
         """Start waiting requests in order while their pages fit (no request jumps the queue),
         prefilling them together."""
         total_t = self.target.total_pages
-        total_d = self.proposer.pool.num_blocks
+        total_d = self.proposer.pool.num_pages
         held_t = sum(r.target_pages for r in self._running)
-        held_d = sum(r.drafter_blocks for r in self._running)
+        held_d = sum(r.drafter_pages for r in self._running)
         batch: list[Request] = []
         while self._waiting and len(self._running) + len(batch) < self.max_active:
             req = self._waiting[0]
             if total_t is not None and held_t + req.target_pages > total_t:
                 break
-            if held_d + req.drafter_blocks > total_d:
+            if held_d + req.drafter_pages > total_d:
                 break
             self._waiting.pop(0)
             held_t += req.target_pages
-            held_d += req.drafter_blocks
+            held_d += req.drafter_pages
             try:
                 req.target_seq = self.target.new(len(req.prompt) + req.max_new_tokens + self.block_size)
                 req.state = self.proposer.alloc_state_for(len(req.prompt) + req.max_new_tokens)

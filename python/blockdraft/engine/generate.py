@@ -15,7 +15,7 @@ from blockdraft.results import GenerationResult
 
 def pool_sizes(lengths: Sequence[int], max_new_tokens: int, block_size: int,
                page_size: int = 16) -> tuple[int, int]:
-    """(target pages, drafter blocks) that hold prompts of ``lengths`` at their longest (each
+    """(target pages, drafter pages) that hold prompts of ``lengths`` at their longest (each
     plus ``max_new_tokens`` and one block of look-ahead), and no more."""
     target = sum(-(-(n + max_new_tokens + block_size) // page_size) for n in lengths)
     drafter = sum(-(-(n + max_new_tokens + block_size + 1) // page_size) for n in lengths)
@@ -60,10 +60,10 @@ def generate(
     lengths = [len(p) for p in prompts]
     longest = max(lengths) + max_new_tokens
     page = 16
-    target_pages, drafter_blocks = pool_sizes(lengths, max_new_tokens, block, page)
+    target_pages, drafter_pages = pool_sizes(lengths, max_new_tokens, block, page)
     with SpeculativeEngine(
         target, drafter, runtime=runtime, max_seq_len=longest, max_active=len(prompts),
-        target_pages=target_pages, page_size=page, num_blocks=drafter_blocks,
+        target_pages=target_pages, page_size=page, num_pages=drafter_pages,
         max_batch=min(len(prompts), 16), sampled_drafts=sampled_drafts, tp=tp,
     ) as engine:
         return engine.generate(

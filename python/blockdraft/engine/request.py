@@ -41,7 +41,7 @@ class Request:
         steps: tokens produced per speculative step (accepted drafts + 1).
         finish_reason: ``"stop"``, ``"length"``, ``"cancelled"`` or ``"error"`` once ended.
         error: the message of the failure that ended it, if one did.
-        target_pages / drafter_blocks: the pages its admission reserved.
+        target_pages / drafter_pages: the pages its admission reserved.
     """
 
     id: int
@@ -61,7 +61,7 @@ class Request:
     target_seq: Any = None
     state: DFlashState | None = None
     target_pages: int = 0
-    drafter_blocks: int = 0
+    drafter_pages: int = 0
     reported: int = 0  # tokens already handed out by an event
     exception: BaseException | None = field(default=None, repr=False)
 

@@ -77,7 +77,7 @@ class RuntimeTarget:
 
     @property
     def total_pages(self) -> int | None:
-        return self.runtime.pool.num_blocks
+        return self.runtime.pool.num_pages
 
     @property
     def used_pages(self) -> int:

@@ -3,9 +3,9 @@
 # mypy: disable-error-code="import-untyped,untyped-decorator,no-untyped-def"
 """The draft forward's inputs from the CUDA-graph metadata, in one launch.
 
-The graph path keeps per sequence ``[ctx len, anchor token, anchor position, block table ...]``
+The graph path keeps per sequence ``[ctx len, anchor token, anchor position, page table ...]``
 in one int64 row of ``meta`` (see :mod:`blockdraft.graphs`). This kernel turns it into what the
-drafter layers take: ctx lengths and block tables as int32, the block's embedded tokens
+drafter layers take: ctx lengths and page tables as int32, the block's embedded tokens
 ``[anchor, MASK x (B-1)]`` and their positions. It replaces about eight small torch launches
 (fill, index, arange, add, the embedding gather, two dtype conversions) inside the graph.
 """
@@ -38,7 +38,7 @@ def block_inputs_kernel(
     BLOCK_W: tl.constexpr,
 ):
     # Programs (i, j < B): row j of sequence i's block (embedding + position); (i, B): its
-    # ctx length and block table.
+    # ctx length and page table.
     i = tl.program_id(0).to(tl.int64)
     j = tl.program_id(1)
     row = meta_ptr + i * COLS

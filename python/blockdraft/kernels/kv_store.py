@@ -25,9 +25,9 @@ def ctx_kv_store_kernel(
     slot_ptr,  # [R] int64, negative = skip
     w_ptr,  # [L, D] k_norm weight
     inv_freq_ptr,  # [D/2] fp32
-    k_cache_ptr,  # [num_blocks, block_size, Hkv, D] of layer `layer0` (contiguous per layer)
-    v_cache_ptr,  # [num_blocks, block_size, Hkv, D] of layer `layer0` (contiguous per layer)
-    slot_pos_ptr,  # [num_blocks * block_size] int32
+    k_cache_ptr,  # [num_pages, page_size, Hkv, D] of layer `layer0` (contiguous per layer)
+    v_cache_ptr,  # [num_pages, page_size, Hkv, D] of layer `layer0` (contiguous per layer)
+    slot_pos_ptr,  # [num_pages * page_size] int32
     num_rows,
     layer0,
     cache_layer_stride,  # elements between consecutive layers' caches (0 when one layer)
@@ -102,9 +102,9 @@ def ctx_kv_store(
     """Triton ctx K/V store; same contract as ``reference.ctx_kv_store``.
 
     kv [R, L, 2, Hkv, D]; positions, slots [R] int64; k_norm_w [L, D]; inv_freq [D/2] fp32;
-    k_caches / v_caches: one tensor [L, num_blocks, block_size, Hkv, D] (one launch) or a
-    sequence of L tensors [num_blocks, block_size, Hkv, D] (one launch per layer);
-    slot_pos [num_blocks * block_size] int32.
+    k_caches / v_caches: one tensor [L, num_pages, page_size, Hkv, D] (one launch) or a
+    sequence of L tensors [num_pages, page_size, Hkv, D] (one launch per layer);
+    slot_pos [num_pages * page_size] int32.
     """
     check("kv", kv, shape=[None, None, 2, None, None], dtypes=FLOAT_DTYPES, contiguous=True)
     num_rows, num_layers, _, num_heads, head_dim = kv.shape

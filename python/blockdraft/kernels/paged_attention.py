@@ -5,7 +5,7 @@
 
 Flash-decoding layout: one program per (sequence, K/V head, context split) handles all
 ``B * (Hq / Hkv)`` query rows that share the K/V head, so each K/V byte is read once per
-split. The number of splits is a pure function of shapes (batch, heads, block-table width, SM
+split. The number of splits is a pure function of shapes (batch, heads, page-table width, SM
 count), never of the per-step context lengths, so a launch is CUDA-graph safe; splits beyond a
 sequence's context exit after writing an empty partial. The last split also attends to the
 block's own keys. A second kernel combines the splits' partial softmax states.
@@ -58,19 +58,19 @@ def _attend_tile(
 
 @triton.jit
 def _ctx_tile(
-    q, qp, m_i, l_i, acc, t0, end, seq, kvh, bt_ptr, sbt0, kc_ptr, vc_ptr, slot_pos_ptr,
+    q, qp, m_i, l_i, acc, t0, end, seq, kvh, pt_ptr, spt0, kc_ptr, vc_ptr, slot_pos_ptr,
     qk_scale, window,
     NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     SLIDING: tl.constexpr, CAUSAL: tl.constexpr, IEEE: tl.constexpr,
 ):
     # One tile of BLOCK_N context tokens [t0, t0 + BLOCK_N) clipped to `end`, gathered
-    # token by token through the block table.
+    # token by token through the page table.
     dims = tl.arange(0, BLOCK_D).to(tl.int64)
     toks = t0 + tl.arange(0, BLOCK_N).to(tl.int64)
     n_mask = toks < end
-    blk = tl.load(bt_ptr + seq * sbt0 + toks // PAGE, mask=n_mask, other=0).to(tl.int64)
-    slot = blk * PAGE + toks % PAGE
+    page = tl.load(pt_ptr + seq * spt0 + toks // PAGE, mask=n_mask, other=0).to(tl.int64)
+    slot = page * PAGE + toks % PAGE
     kv_off = slot[:, None] * (NUM_KV_HEADS * HEAD_DIM) + kvh * HEAD_DIM + dims[None, :]
     kv_mask = n_mask[:, None] & (dims[None, :] < HEAD_DIM)
     k = tl.load(kc_ptr + kv_off, mask=kv_mask, other=0.0)
@@ -88,19 +88,19 @@ def block_attention_kernel(
     q_ptr,  # [n, B, Hq, D] (last dim contiguous)
     kb_ptr,  # [n, B, Hkv, D] (last dim contiguous)
     vb_ptr,  # [n, B, Hkv, D] (last dim contiguous)
-    kc_ptr,  # [num_blocks, block_size, Hkv, D] contiguous
-    vc_ptr,  # [num_blocks, block_size, Hkv, D] contiguous
-    bt_ptr,  # [n, max_blocks] int32
+    kc_ptr,  # [num_pages, page_size, Hkv, D] contiguous
+    vc_ptr,  # [num_pages, page_size, Hkv, D] contiguous
+    pt_ptr,  # [n, max_pages] int32
     ctx_ptr,  # [n] int32
     qpos_ptr,  # [n, B] int64 contiguous
-    slot_pos_ptr,  # [num_blocks * block_size] int32
+    slot_pos_ptr,  # [num_pages * page_size] int32
     out_ptr,  # [n, B, Hq, D] contiguous (written when ONE_SPLIT)
     part_o_ptr,  # [n, B, Hq, NUM_SPLITS, D] fp32 (written otherwise)
     part_ml_ptr,  # [n, B, Hq, NUM_SPLITS, 2] fp32: running max (log2 domain), sum
     sq0, sq1, sq2,
     skb0, skb1, skb2,
     svb0, svb1, svb2,
-    sbt0,
+    spt0,
     split_len,  # context tokens per split, a multiple of BLOCK_N
     window,  # sliding window (used when SLIDING)
     qk_scale,  # softmax scale * log2(e)
@@ -151,14 +151,14 @@ def block_attention_kernel(
         t0 = start
         while t0 < end:
             m_i, l_i, acc = _ctx_tile(
-                q, qp, m_i, l_i, acc, t0, end, seq, kvh, bt_ptr, sbt0, kc_ptr, vc_ptr,
+                q, qp, m_i, l_i, acc, t0, end, seq, kvh, pt_ptr, spt0, kc_ptr, vc_ptr,
                 slot_pos_ptr, qk_scale, window, NUM_KV_HEADS, HEAD_DIM, PAGE, BLOCK_N, BLOCK_D,
                 SLIDING, CAUSAL, IEEE)
             t0 += BLOCK_N
     else:
         for t0 in range(start, end, BLOCK_N):
             m_i, l_i, acc = _ctx_tile(
-                q, qp, m_i, l_i, acc, t0, end, seq, kvh, bt_ptr, sbt0, kc_ptr, vc_ptr,
+                q, qp, m_i, l_i, acc, t0, end, seq, kvh, pt_ptr, spt0, kc_ptr, vc_ptr,
                 slot_pos_ptr, qk_scale, window, NUM_KV_HEADS, HEAD_DIM, PAGE, BLOCK_N, BLOCK_D,
                 SLIDING, CAUSAL, IEEE)
 
@@ -235,7 +235,7 @@ def block_attention(
     v_blk: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
+    page_tables: torch.Tensor,
     ctx_lens: torch.Tensor,
     q_pos: torch.Tensor,
     slot_pos: torch.Tensor,
@@ -250,7 +250,7 @@ def block_attention(
 
     Extra keywords: ``num_splits`` overrides the shape-derived split count (tests use it to
     exercise the combine); ``out`` [n, B, Hq, D] contiguous receives the result. ``ctx_lens``
-    must not exceed ``max_blocks * block_size`` (not checked: it lives on the device).
+    must not exceed ``max_pages * page_size`` (not checked: it lives on the device).
     """
     check("q", q, shape=[None, None, None, None], dtypes=FLOAT_DTYPES, last_dim_contiguous=True)
     n, num_q, num_heads, head_dim = q.shape
@@ -266,12 +266,12 @@ def block_attention(
           contiguous=True)
     check("v_cache", v_cache, shape=list(k_cache.shape), dtypes=[dt], device=dev,
           contiguous=True)
-    num_blocks, page = k_cache.shape[0], k_cache.shape[1]
-    check("block_tables", block_tables, shape=[n, None], dtypes=[torch.int32], device=dev,
+    num_pages, page = k_cache.shape[0], k_cache.shape[1]
+    check("page_tables", page_tables, shape=[n, None], dtypes=[torch.int32], device=dev,
           last_dim_contiguous=True)
     check("ctx_lens", ctx_lens, shape=[n], dtypes=[torch.int32], device=dev, contiguous=True)
     check("q_pos", q_pos, shape=[n, num_q], dtypes=[torch.int64], device=dev, contiguous=True)
-    check("slot_pos", slot_pos, shape=[num_blocks * page], dtypes=[torch.int32], device=dev,
+    check("slot_pos", slot_pos, shape=[num_pages * page], dtypes=[torch.int32], device=dev,
           contiguous=True)
     if sliding_window is not None and sliding_window < 1:
         raise ValueError(f"sliding_window: must be >= 1 or None, got {sliding_window}")
@@ -287,7 +287,7 @@ def block_attention(
     block_m = max(16, next_pow2(num_q * group))
     block_d = max(16, next_pow2(head_dim))
     block_n = 64 if block_m <= 64 else 32
-    max_ctx = block_tables.shape[1] * page
+    max_ctx = page_tables.shape[1] * page
     if num_splits is None:
         num_splits = default_num_splits(n, kv_heads, max_ctx, dev, block_n)
     if num_splits < 1:
@@ -301,12 +301,12 @@ def block_attention(
                           device=dev)
     num_warps = 8 if block_m * block_d >= 128 * 128 else 4
     block_attention_kernel[(n, kv_heads, num_splits)](
-        q, k_blk, v_blk, k_cache, v_cache, block_tables, ctx_lens, q_pos, slot_pos,
+        q, k_blk, v_blk, k_cache, v_cache, page_tables, ctx_lens, q_pos, slot_pos,
         out, part_o, part_ml,
         q.stride(0), q.stride(1), q.stride(2),
         k_blk.stride(0), k_blk.stride(1), k_blk.stride(2),
         v_blk.stride(0), v_blk.stride(1), v_blk.stride(2),
-        block_tables.stride(0),
+        page_tables.stride(0),
         split_len, int(sliding_window or 0), float(scale) * _LOG2E,
         NUM_Q=num_q, GROUP=group, NUM_KV_HEADS=kv_heads, HEAD_DIM=head_dim, PAGE=page,
         NUM_SPLITS=num_splits, BLOCK_M=block_m, BLOCK_N=block_n,

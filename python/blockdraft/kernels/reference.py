@@ -63,8 +63,8 @@ def ctx_kv_store(
 
     kv [R, L, 2, Hkv, D] (index 0 = K, 1 = V); positions [R] int64; slots [R] int64
     (negative slots, i.e. ``PAD_SLOT``, are skipped); k_norm_w [L, D]; inv_freq [D/2] fp32;
-    k_caches / v_caches: [L, num_blocks, block_size, Hkv, D] or a sequence of L tensors
-    [num_blocks, block_size, Hkv, D]; slot_pos [num_blocks * block_size] int32 gets each
+    k_caches / v_caches: [L, num_pages, page_size, Hkv, D] or a sequence of L tensors
+    [num_pages, page_size, Hkv, D]; slot_pos [num_pages * page_size] int32 gets each
     written slot's position.
     """
     k_list, v_list = _layer_caches(k_caches), _layer_caches(v_caches)
@@ -73,8 +73,8 @@ def ctx_kv_store(
         slot = int(slots[r])
         if slot < 0:  # PAD_SLOT
             continue
-        block_size = k_list[0].shape[1]
-        block, offset = divmod(slot, block_size)
+        page_size = k_list[0].shape[1]
+        page, offset = divmod(slot, page_size)
         cos, sin = rope_cos_sin(positions[r : r + 1], inv_freq, rope_scale)
         for layer in range(num_layers):
             k = kv[r, layer, 0].to(torch.float32)  # [Hkv, D]
@@ -82,8 +82,8 @@ def ctx_kv_store(
             variance = k.pow(2).mean(dim=-1, keepdim=True)
             k = k * torch.rsqrt(variance + eps) * k_norm_w[layer].to(torch.float32)
             k = k * cos + rotate_half(k) * sin
-            k_list[layer][block, offset] = k.to(k_list[layer].dtype)
-            v_list[layer][block, offset] = v.to(v_list[layer].dtype)
+            k_list[layer][page, offset] = k.to(k_list[layer].dtype)
+            v_list[layer][page, offset] = v.to(v_list[layer].dtype)
         slot_pos[slot] = int(positions[r])
 
 
@@ -109,7 +109,7 @@ def block_attention(
     v_blk: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
+    page_tables: torch.Tensor,
     ctx_lens: torch.Tensor,
     q_pos: torch.Tensor,
     slot_pos: torch.Tensor,
@@ -120,11 +120,11 @@ def block_attention(
 ) -> torch.Tensor:
     """Attention of each sequence's B block queries over its paged context plus its own block.
 
-    q [n, B, Hq, D]; k_blk, v_blk [n, B, Hkv, D]; k_cache, v_cache [num_blocks, block_size,
-    Hkv, D]; block_tables [n, max_blocks] int32; ctx_lens [n] int32 (context row ``t`` of
-    sequence ``s`` lives in slot ``block_tables[s, t // block_size] * block_size + t %
-    block_size``); q_pos [n, B] int64 (block key ``j`` has the position of query ``j``);
-    slot_pos [num_blocks * block_size] int32 (positions of context keys).
+    q [n, B, Hq, D]; k_blk, v_blk [n, B, Hkv, D]; k_cache, v_cache [num_pages, page_size,
+    Hkv, D]; page_tables [n, max_pages] int32; ctx_lens [n] int32 (context row ``t`` of
+    sequence ``s`` lives in slot ``page_tables[s, t // page_size] * page_size + t %
+    page_size``); q_pos [n, B] int64 (block key ``j`` has the position of query ``j``);
+    slot_pos [num_pages * page_size] int32 (positions of context keys).
 
     Visibility of key position ``kp`` from query position ``qp``: ``kp <= qp`` if
     ``causal_block``; with a sliding window W, ``qp - kp < W`` and, when not causal,
@@ -132,13 +132,13 @@ def block_attention(
     """
     n, num_q, num_heads, _ = q.shape
     group = num_heads // k_blk.shape[2]
-    block_size = k_cache.shape[1]
+    page_size = k_cache.shape[1]
     out = torch.empty_like(q)
     for s in range(n):
         ctx = int(ctx_lens[s])
         tokens = torch.arange(ctx, device=q.device)
-        slots = block_tables[s, tokens // block_size].to(torch.int64) * block_size + (
-            tokens % block_size
+        slots = page_tables[s, tokens // page_size].to(torch.int64) * page_size + (
+            tokens % page_size
         )
         k_ctx = k_cache.reshape(-1, *k_cache.shape[2:])[slots]
         v_ctx = v_cache.reshape(-1, *v_cache.shape[2:])[slots]
@@ -343,7 +343,7 @@ def block_inputs(
     """The draft forward's inputs from the graph metadata (see :mod:`blockdraft.graphs`).
 
     meta ``[m, C]`` int64, per row ``[ctx len, anchor token, anchor position, ...]`` with the
-    block table in columns ``table_col .. table_col + width``; embed ``[V, H]`` ->
+    page table in columns ``table_col .. table_col + width``; embed ``[V, H]`` ->
     ``(ctx lens [m] int32, tables [m, width] int32, embeds [m, B, H] dtype, positions [m, B]
     int64)``: the blocks ``[anchor, mask_id x (B-1)]`` embedded, at positions ``anchor
     position + 0..B-1``.

@@ -130,7 +130,7 @@ class DraftForward:
     def block_inputs(
         self, meta: Tensor, table_col: int, width: int
     ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        """The graph metadata ``[m, C]`` -> ``(ctx lens [m] int32, block tables [m, width]
+        """The graph metadata ``[m, C]`` -> ``(ctx lens [m] int32, page tables [m, width]
         int32, embedded blocks [m, B, H], positions [m, B])`` (one kernel on Triton)."""
         spec = self.spec
         return self.ops.block_inputs(
@@ -141,10 +141,10 @@ class DraftForward:
     # ------------------------------------------------------------------ 3. layers
 
     def attention(
-        self, block_tables: Tensor, ctx_lens: Tensor, q_pos: Tensor, *, fault_hooks: bool = True
+        self, page_tables: Tensor, ctx_lens: Tensor, q_pos: Tensor, *, fault_hooks: bool = True
     ) -> AttendFn:
         """The drafter's ``attend``: block queries over each sequence's paged ctx K/V
-        (``block_tables [n, W]`` int32, ``ctx_lens [n]`` int32 rows with K/V) plus the block's
+        (``page_tables [n, W]`` int32, ``ctx_lens [n]`` int32 rows with K/V) plus the block's
         own K/V. ``fault_hooks=False`` for code captured in a CUDA graph, where a hook would
         only run at capture time."""
         spec, cache, attend_op = self.spec, self.cache, self.ops.block_attention
@@ -153,7 +153,7 @@ class DraftForward:
             if fault_hooks and faults._ACTIVE is not None:
                 faults.hit("attention")
             return attend_op(
-                q, k, v, cache.k_layers[layer], cache.v_layers[layer], block_tables, ctx_lens,
+                q, k, v, cache.k_layers[layer], cache.v_layers[layer], page_tables, ctx_lens,
                 q_pos, cache.slot_pos, scale=spec.scale,
                 sliding_window=spec.layer_window[layer], causal_block=spec.layer_causal[layer],
             )
@@ -241,22 +241,22 @@ class DraftForward:
         them)."""
         n = len(proposal.plans)
         self.store_plans(list(zip(proposal.states, proposal.plans)))
-        tables = [ctx.block_table + plan.new_blocks for ctx, plan in zip(proposal.ctxs, proposal.plans)]
+        tables = [ctx.page_table + plan.new_pages for ctx, plan in zip(proposal.ctxs, proposal.plans)]
         width = max(1, max(len(t) for t in tables))
         if faults._ACTIVE is not None:
-            faults.hit("block_table_dev")
-        block_tables = torch.zeros((n, width), dtype=torch.int32)
+            faults.hit("page_table_dev")
+        page_tables = torch.zeros((n, width), dtype=torch.int32)
         for i, t in enumerate(tables):
             if t:
-                block_tables[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
-        block_tables = block_tables.to(self.device)
+                page_tables[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
+        page_tables = page_tables.to(self.device)
         ctx_lens = torch.tensor(
             [plan.row_end for plan in proposal.plans], dtype=torch.int32, device=self.device
         )
         anchors = torch.tensor(proposal.tokens, dtype=torch.int64, device=self.device)
         starts = torch.tensor(proposal.positions, dtype=torch.int64, device=self.device)
         embeds, q_pos = self.embed_blocks(anchors, starts)
-        attend = self.attention(block_tables, ctx_lens, q_pos)
+        attend = self.attention(page_tables, ctx_lens, q_pos)
         if faults._ACTIVE is not None:
             faults.hit("forward")
         hidden = self.layers(embeds, q_pos, attend)  # [n, B, H]

@@ -12,7 +12,7 @@ bucket::
 
     meta [bucket, 3 + W + 3B] int64 on the device:
         column 0: ctx rows with K/V (the plan's row_end), 1: anchor token, 2: anchor position,
-        columns 3..3+W: the block table (W = ceil(ceiling / page_size) entries, zero padded),
+        columns 3..3+W: the page table (W = ceil(ceiling / page_size) entries, zero padded),
         then B positions, B slots and B source addresses of the staged ctx rows (staged row j
         is meta row j // B, entry j % B; unused entries have slot PAD_SLOT = -1, which the
         store skips; the layout is the Rust core's, ``blockdraft_core::step``)
@@ -33,7 +33,7 @@ The host keeps a pinned copy of ``meta``, written in place by the Rust core's
 three scalars, plus the blocks a precompute plan appended (a row's whole table is rewritten
 only when the row holds another state or its table changed in some other way, e.g. after a
 slide), and the staged positions/slots. One host-to-device copy per call moves it. The
-states' device block tables are not made per call (``DFlashState.block_table_dev`` builds one
+states' device page tables are not made per call (``DFlashState.page_table_dev`` builds one
 from the core on access). Rows past ``n`` (bucket padding) have no context and their drafts
 are ignored. Inside the graph the ctx K/V store runs
 on a second stream beside the first layer's input work (:meth:`GraphRunner._store_beside`).
@@ -96,7 +96,7 @@ class GraphRunner:
             are used in place).
         mode: ``"capture"`` records a CUDA graph per bucket on first use and replays it;
             ``"static"`` runs the same buffers eagerly (any device).
-        ceiling: the proposer's window ceiling (the block tables' width follows from it).
+        ceiling: the proposer's window ceiling (the page tables' width follows from it).
         max_batch: the most sequences one call takes.
         buckets: batch sizes with their own buffers (default: :func:`default_buckets`).
 
@@ -221,7 +221,7 @@ class GraphRunner:
 
     def _fill(self, bucket: _Bucket, proposal: Proposal) -> int | None:
         """Write the call into the bucket's buffers; returns the number of staged rows, or
-        ``None`` when a block table is wider than the graphs (nothing stored then).
+        ``None`` when a page table is wider than the graphs (nothing stored then).
 
         The core writes ``meta`` (:class:`~blockdraft._core.GraphMeta`). With the in-graph
         gather it also writes where each staged row lies; elsewhere the staged plans'
@@ -272,8 +272,8 @@ class GraphRunner:
         # attention reads the paged cache, so the drafter's inputs, first norm and q/k/v GEMM
         # run beside it, and the first attention waits for it.
         joined = self._store_beside(meta.device, store)
-        ctx_lens, block_tables, embeds, q_pos = fwd.block_inputs(meta, self._table_col, self.width)
-        paged = fwd.attention(block_tables, ctx_lens, q_pos, fault_hooks=False)
+        ctx_lens, page_tables, embeds, q_pos = fwd.block_inputs(meta, self._table_col, self.width)
+        paged = fwd.attention(page_tables, ctx_lens, q_pos, fault_hooks=False)
 
         def attend(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
             if layer == 0:

@@ -1,6 +1,6 @@
 """The DFlash proposer: the contract a serving engine calls.
 
-The Rust core (:mod:`blockdraft._core`) decides every piece of bookkeeping (which pool blocks a
+The Rust core (:mod:`blockdraft._core`) decides every piece of bookkeeping (which pool pages a
 sequence holds, which context rows it keeps and at which positions, how many rows have K/V in
 the paged cache, whether a batch is accepted, whose state it is and whether it is live); the
 parts of this package own the tensors and move them according to the core's plans:
@@ -10,7 +10,7 @@ parts of this package own the tensors and move them according to the core's plan
 * ``propose`` / ``propose_batch``: ``plan_proposals`` (every anchor checked, every sequence's
   K/V planned, all or nothing) -> :class:`DraftForward` (or its replay,
   :class:`GraphRunner`) -> ``confirm_proposals``. Any failure before the confirm aborts the
-  plans, which gives the blocks back and leaves every state as it was.
+  plans, which gives the pages back and leaves every state as it was.
 
 Each entry point makes one core call per phase for all its sequences, so the per-sequence host
 work of a step is a few list comprehensions.
@@ -60,11 +60,11 @@ class DFlashProposer:
             config are used.
         max_seq_len: the longest sequence the target serves; with the context cap it bounds
             each state's window. Default: the target config's ``max_position_embeddings``.
-        num_blocks: paged K/V blocks in the pool. ``None`` sizes the pool to
+        num_pages: paged K/V pages in the pool. ``None`` sizes the pool to
             ``pool_memory_fraction`` of free device memory, at most what ``max_batch`` full
             windows need.
-        pool_memory_fraction: fraction of free memory for the pool when ``num_blocks`` is None.
-        page_size: tokens per paged K/V block.
+        pool_memory_fraction: fraction of free memory for the pool when ``num_pages`` is None.
+        page_size: tokens per paged K/V page.
         max_batch: the most sequences one ``propose_batch`` accepts.
         backend: "triton", "torch", or "auto" (Triton on CUDA, torch elsewhere).
         device: where the K/V cache and accumulators live (default: the drafter's device).
@@ -94,7 +94,7 @@ class DFlashProposer:
         target: Any,
         *,
         max_seq_len: int | None = None,
-        num_blocks: int | None = None,
+        num_pages: int | None = None,
         pool_memory_fraction: float = 0.25,
         page_size: int = 16,
         max_batch: int = 16,
@@ -141,15 +141,15 @@ class DFlashProposer:
         elem = torch.empty((), dtype=self.dtype).element_size()
         self.ctx_slot_bytes = spec.ctx_row_width * elem
         if pool is None:
-            sized = num_blocks is None
-            if num_blocks is None:
-                num_blocks = DrafterCache.default_num_blocks(
+            sized = num_pages is None
+            if num_pages is None:
+                num_pages = DrafterCache.default_num_pages(
                     spec, page_size, elem, windows=max_batch, window=self.ceiling,
                     fraction=pool_memory_fraction, device=self.device,
                 )
             if tp is not None and tp.size > 1:
-                num_blocks = agreed_pool_size(tp, num_blocks, sized=sized)
-            pool = BlockPool(num_blocks, page_size)
+                num_pages = agreed_pool_size(tp, num_pages, sized=sized)
+            pool = BlockPool(num_pages, page_size)
         self.pool = pool
         self.cache = DrafterCache(pool, spec, self.dtype, self.device)
         self.forward = DraftForward(drafter, spec, head, self.cache, ops, self.dtype, self.device)
@@ -170,13 +170,8 @@ class DFlashProposer:
         return self.spec.block_size
 
     @property
-    def block_size(self) -> int:
-        """The drafter's block size B (the same as :attr:`block_gamma`)."""
-        return self.spec.block_size
-
-    @property
     def page_size(self) -> int:
-        """Tokens per paged K/V block of the pool."""
+        """Tokens per paged K/V page of the pool."""
         return self.pool.page_size
 
     @property
@@ -245,7 +240,7 @@ class DFlashProposer:
 
     def _alloc(self, budget: int | None) -> DFlashState:
         global _cap_logged
-        window = _core.ctx_window(self.max_seq_len, self.block_size, budget, self.levers.ctx_cap)
+        window = _core.ctx_window(self.max_seq_len, self.block_gamma, budget, self.levers.ctx_cap)
         if self.ceiling < self.max_seq_len and not _cap_logged:
             _cap_logged = True
             mib = 1024 * 1024
@@ -266,7 +261,7 @@ class DFlashProposer:
         return DFlashState(ContextState(self.pool, window, self._owner), acc)
 
     def free_state(self, st: object) -> None:
-        """Give back every block and the accumulator; reset every counter. Idempotent.
+        """Give back every page and the accumulator; reset every counter. Idempotent.
 
         A state of another kind is ignored; a DFlash state of another proposer is an error.
 
@@ -380,7 +375,7 @@ class DFlashProposer:
         Raises:
             InvalidStateError: a foreign or freed state, or one with no committed context.
             ValueError: bad token, position, ``num_drafts`` or bitmask (nothing changed).
-            PoolExhaustedError: no blocks for the new context K/V (nothing changed).
+            PoolExhaustedError: no pages for the new context K/V (nothing changed).
         """
         ctxs = self._ctxs([st], "propose")
         take = self._num_take(num_drafts)
@@ -504,7 +499,7 @@ class DFlashProposer:
         """Check every anchor and state and plan every sequence's ctx K/V (all or nothing: on
         an error no plan is outstanding)."""
         args = (what, ctxs, tokens, positions, self.head.vocab_in, self._owner)
-        fail_at = faults.hits("pool_blocks", len(ctxs)) if faults._ACTIVE is not None else None
+        fail_at = faults.hits("pool_pages", len(ctxs)) if faults._ACTIVE is not None else None
         # `fail_at` exists in test builds only (faults cannot be armed in a release build).
         plans = (_core.plan_proposals(*args) if fail_at is None
                  else _core.plan_proposals(*args, fail_at))
@@ -601,8 +596,8 @@ class DFlashProposer:
     def _num_take(self, num_drafts: int) -> int:
         if isinstance(num_drafts, bool) or not isinstance(num_drafts, int):
             raise TypeError(f"num_drafts must be an int, not {type(num_drafts).__name__}")
-        if not 1 <= num_drafts <= self.block_size - 1:
-            raise ValueError(f"num_drafts must be in 1..{self.block_size - 1}, not {num_drafts}")
+        if not 1 <= num_drafts <= self.block_gamma - 1:
+            raise ValueError(f"num_drafts must be in 1..{self.block_gamma - 1}, not {num_drafts}")
         cap = self.levers.draft_cap
         return num_drafts if cap is None else min(num_drafts, cap)
 
@@ -624,14 +619,14 @@ class DFlashProposer:
         return t[:rows].to(self.device).contiguous()
 
 
-def agreed_pool_size(tp: TPGroup, num_blocks: int, *, sized: bool) -> int:
+def agreed_pool_size(tp: TPGroup, num_pages: int, *, sized: bool) -> int:
     """The drafter pool size of every rank of ``tp``: the smallest one found in free memory
     (``sized``), or the given one when every rank was given the same.
 
     Raises:
         ConfigError: sizes that were given (not ``sized``) differ between ranks.
     """
-    sizes = [int(n) for n in tp.gather(num_blocks)]
+    sizes = [int(n) for n in tp.gather(num_pages)]
     if not sized and len(set(sizes)) > 1:
         raise ConfigError(f"tensor-parallel ranks have drafter pools of different sizes: {sizes}")
     return min(sizes)

@@ -12,7 +12,7 @@ from blockdraft._core import ContextState, PrecomputePlan
 
 
 class DFlashState:
-    """One sequence's proposer state: core bookkeeping + accumulator + device block table.
+    """One sequence's proposer state: core bookkeeping + accumulator + device page table.
 
     Attributes:
         ctx: the core's :class:`~blockdraft.core.ContextState` (window, positions, blocks, counters).
@@ -22,7 +22,7 @@ class DFlashState:
             path's gather reach it by address; read once, since every step needs it).
 
     The read-only properties (``window``, ``ctx_len``, ``ctx_committed``, ``ctx_positions``,
-    ``block_table``, ``seq_len``, ``prefill_done``, ``last_num_drafted``,
+    ``page_table``, ``seq_len``, ``prefill_done``, ``last_num_drafted``,
     ``last_num_accepted``, ``freed``, ``owner``) are the same-named getters of ``ctx``.
     """
 
@@ -35,7 +35,7 @@ class DFlashState:
         # (first row, end row, view of acc) of the last commit: the rows a proposal usually
         # stages next (a different plan range means it does not apply).
         self._fresh: tuple[int, int, Tensor] | None = None
-        # (core version, device table): the last table made by `block_table_dev`.
+        # (core version, device table): the last table made by `page_table_dev`.
         self._table: tuple[int, Tensor] | None = None
 
     def rows(self, start: int, end: int) -> Tensor:
@@ -64,8 +64,8 @@ class DFlashState:
         self._table = None
 
     @property
-    def block_table_dev(self) -> Tensor | None:
-        """The block table on the device ``[num_blocks]`` int32 (``None`` before the first
+    def page_table_dev(self) -> Tensor | None:
+        """The page table on the device ``[num_pages]`` int32 (``None`` before the first
         proposal and after free), made from the core's table when it changed since the last
         access: no proposal makes one per sequence."""
         # `prefill_done`: a proposal was confirmed since allocation (free resets it)
@@ -73,7 +73,7 @@ class DFlashState:
             return None
         version = self.ctx.version
         if self._table is None or self._table[0] != version:
-            table = torch.tensor(self.ctx.block_table, dtype=torch.int32, device=self.acc.device)
+            table = torch.tensor(self.ctx.page_table, dtype=torch.int32, device=self.acc.device)
             self._table = (version, table)
         return self._table[1]
 
@@ -98,8 +98,8 @@ class DFlashState:
         return self.ctx.ctx_positions
 
     @property
-    def block_table(self) -> list[int]:
-        return self.ctx.block_table
+    def page_table(self) -> list[int]:
+        return self.ctx.page_table
 
     @property
     def seq_len(self) -> int:
@@ -124,7 +124,7 @@ class DFlashState:
     def __repr__(self) -> str:
         return (
             f"DFlashState(window={self.window}, ctx_len={self.ctx_len}, "
-            f"ctx_committed={self.ctx_committed}, blocks={self.ctx.num_blocks}, "
+            f"ctx_committed={self.ctx_committed}, pages={self.ctx.num_pages}, "
             f"freed={self.freed})"
         )
 
@@ -148,7 +148,7 @@ class Proposal:
         _core.confirm_proposals(self.plans, self.positions, counts)
 
     def abort(self) -> None:
-        """Give back every plan's blocks (confirmed plans are ignored)."""
+        """Give back every plan's pages (confirmed plans are ignored)."""
         _core.abort_plans(self.plans)
 
 

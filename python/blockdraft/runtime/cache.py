@@ -23,7 +23,7 @@ class TargetKVCache:
     def __init__(self, pool: BlockPool, spec: TargetSpec) -> None:
         self.pool = pool
         self.page_size = pool.page_size
-        shape = (spec.num_layers, pool.num_blocks, pool.page_size, spec.num_kv_heads, spec.head_dim)
+        shape = (spec.num_layers, pool.num_pages, pool.page_size, spec.num_kv_heads, spec.head_dim)
         self.k = torch.zeros(shape, dtype=spec.dtype, device=spec.device)
         self.v = torch.zeros(shape, dtype=spec.dtype, device=spec.device)
         # Plain select views: unbind() views refuse in-place writes.

@@ -41,7 +41,7 @@ def build_engine(
     max_seq_len: int,
     max_active: int,
     target_pages: int | None = None,
-    drafter_blocks: int | None = None,
+    drafter_pages: int | None = None,
     tp: TPGroup | None = None,
 ) -> SpeculativeEngine:
     """The engine a server steps: ``max_active`` requests at once, proposals batched up to
@@ -52,8 +52,8 @@ def build_engine(
         ConfigError / TypeError / ValueError: bad settings.
     """
     kwargs: dict[str, Any] = {}
-    if drafter_blocks is not None:
-        kwargs["num_blocks"] = drafter_blocks
+    if drafter_pages is not None:
+        kwargs["num_pages"] = drafter_pages
     return SpeculativeEngine(target, drafter, max_seq_len=max_seq_len, max_active=max_active,
                              target_pages=target_pages, max_batch=min(max_active, 16), tp=tp,
                              **kwargs)

@@ -239,11 +239,11 @@ def evaluate_drafter(
     longest = max(len(p) for p in prompts) + max_new_tokens
     block = int(drafter.config.block_size)
     # One prompt at a time: pools for the longest one alone.
-    target_pages, drafter_blocks = pool_sizes([longest - max_new_tokens], max_new_tokens, block)
+    target_pages, drafter_pages = pool_sizes([longest - max_new_tokens], max_new_tokens, block)
     def make_engine(sampled: bool) -> SpeculativeEngine:
         return SpeculativeEngine(
             target, drafter, max_seq_len=longest, max_active=1, max_batch=1,
-            target_pages=target_pages, num_blocks=drafter_blocks, page_size=16, backend=backend,
+            target_pages=target_pages, num_pages=drafter_pages, page_size=16, backend=backend,
             sdpa_backends=None, sampled_drafts=sampled,
         )
 

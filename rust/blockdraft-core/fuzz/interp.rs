@@ -85,9 +85,9 @@ fn expect_err<T: std::fmt::Debug>(r: blockdraft_core::Result<T>, what: &str) -> 
 }
 
 impl World {
-    fn new(num_blocks: usize, page_size: usize) -> Self {
+    fn new(num_pages: usize, page_size: usize) -> Self {
         Self {
-            pool: BlockPool::new(num_blocks, page_size).expect("valid pool"),
+            pool: BlockPool::new(num_pages, page_size).expect("valid pool"),
             other: BlockPool::new(3, page_size + 1).expect("valid pool"),
             slots: Vec::new(),
             raw: Vec::new(),
@@ -160,7 +160,7 @@ impl World {
             assert_eq!(plan.dst_start, len);
         }
         let free_before = self.pool.num_free();
-        let table = slot.st.block_table().len();
+        let table = slot.st.page_table().len();
         slot.st
             .apply_append(&mut self.pool, &plan)
             .expect("fresh plan applies");
@@ -215,7 +215,7 @@ impl World {
             return;
         }
         let len = slot.positions.len();
-        let need = len.div_ceil(ps) - slot.st.block_table().len();
+        let need = len.div_ceil(ps) - slot.st.page_table().len();
         if need > self.pool.num_free() {
             let e = self.refused(i, "precompute on a dry pool", |s, p| s.plan_precompute(p));
             assert!(matches!(e, Error::PoolExhausted { .. }), "{e:?}");
@@ -239,20 +239,20 @@ impl World {
         let plan = slot
             .st
             .plan_precompute(&mut self.pool)
-            .expect("blocks are free");
+            .expect("pages are free");
         assert_eq!((plan.row_start, plan.row_end), (slot.committed, len));
-        assert_eq!(plan.new_blocks.len(), need);
+        assert_eq!(plan.new_pages.len(), need);
         assert_eq!(plan.slots.len(), len - slot.committed);
         assert_eq!(plan.positions, slot.positions[slot.committed..]);
         for (k, &s) in plan.slots.iter().enumerate() {
             let row = plan.row_start + k;
             let idx = row / ps;
-            let table = slot.st.block_table();
-            let block = table
+            let table = slot.st.page_table();
+            let page = table
                 .get(idx)
                 .copied()
-                .unwrap_or_else(|| plan.new_blocks[idx - table.len()]);
-            assert_eq!(s, block * ps + row % ps, "slot of row {row}");
+                .unwrap_or_else(|| plan.new_pages[idx - table.len()]);
+            assert_eq!(s, page * ps + row % ps, "slot of row {row}");
         }
         slot.plan = Some(plan);
         slot.stale = false;
@@ -297,7 +297,7 @@ impl World {
         let pending = if self.slots[i].freed {
             0
         } else {
-            plan.new_blocks.len()
+            plan.new_pages.len()
         };
         self.slots[i]
             .st
@@ -352,12 +352,12 @@ impl World {
     fn free(&mut self, i: usize) {
         let first = !self.slots[i].freed;
         let slot = &mut self.slots[i];
-        let held = slot.st.block_table().len() + slot.st.pending_blocks().len();
+        let held = slot.st.page_table().len() + slot.st.pending_pages().len();
         let free = self.pool.num_free();
         assert_eq!(slot.st.free(&mut self.pool).expect("free"), first);
         assert_eq!(self.pool.num_free(), free + if first { held } else { 0 });
         assert!(!slot.st.free(&mut self.pool).expect("second free"));
-        assert!(slot.st.block_table().is_empty() && slot.st.ctx_len() == 0);
+        assert!(slot.st.page_table().is_empty() && slot.st.ctx_len() == 0);
         assert_eq!((slot.st.seq_len(), slot.st.last_num_drafted()), (0, 0));
         slot.freed = true;
         slot.positions.clear();
@@ -384,12 +384,12 @@ impl World {
         if self.raw.is_empty() {
             return;
         }
-        let blocks = self.raw.swap_remove(pick % self.raw.len());
-        self.pool.free(&blocks).expect("raw blocks free");
+        let pages = self.raw.swap_remove(pick % self.raw.len());
+        self.pool.free(&pages).expect("raw pages free");
     }
 
     fn bad_free(&mut self, kind: usize, pick: usize) {
-        let n = self.pool.num_blocks();
+        let n = self.pool.num_pages();
         let ids: Vec<usize> = match kind {
             0 => match self.raw.iter().find(|r| !r.is_empty()) {
                 Some(r) => vec![r[0], r[0]],
@@ -406,9 +406,9 @@ impl World {
         assert!(
             matches!(
                 e,
-                Error::DuplicateBlock { .. }
-                    | Error::BlockOutOfRange { .. }
-                    | Error::BlockNotAllocated { .. }
+                Error::DuplicatePage { .. }
+                    | Error::PageOutOfRange { .. }
+                    | Error::PageNotAllocated { .. }
             ),
             "{e:?}"
         );
@@ -487,19 +487,19 @@ impl World {
             );
             assert_eq!(st.ctx_committed(), slot.committed, "committed vs model");
             assert!(st.ctx_len() <= st.window());
-            assert_eq!(st.block_table().len(), slot.committed.div_ceil(ps));
-            held.extend_from_slice(st.block_table());
-            held.extend_from_slice(st.pending_blocks());
+            assert_eq!(st.page_table().len(), slot.committed.div_ceil(ps));
+            held.extend_from_slice(st.page_table());
+            held.extend_from_slice(st.pending_pages());
         }
         assert_eq!(
             self.pool.num_free() + held.len(),
-            self.pool.num_blocks(),
+            self.pool.num_pages(),
             "conservation"
         );
         let mut sorted = held.clone();
         sorted.sort_unstable();
         sorted.dedup();
-        assert_eq!(sorted.len(), held.len(), "a block is held twice");
+        assert_eq!(sorted.len(), held.len(), "a page is held twice");
         assert!(held.iter().all(|&b| self.pool.is_allocated(b)));
         self.stats.checks += 5 + 5 * self.slots.len() as u64;
     }
@@ -508,13 +508,13 @@ impl World {
         for i in 0..self.slots.len() {
             self.free(i);
         }
-        for blocks in std::mem::take(&mut self.raw) {
-            self.pool.free(&blocks).expect("raw blocks free");
+        for pages in std::mem::take(&mut self.raw) {
+            self.pool.free(&pages).expect("raw pages free");
         }
         self.pool.check_invariants().expect("pool invariants");
         assert_eq!(
             self.pool.num_free(),
-            self.pool.num_blocks(),
+            self.pool.num_pages(),
             "pool not full at the end"
         );
         self.stats.checks += 2;
@@ -525,9 +525,9 @@ impl World {
 /// Interpret `data` as an operation sequence; panics on any invariant violation.
 pub fn run(data: &[u8]) -> Stats {
     let mut bytes = Bytes { data, at: 0 };
-    let num_blocks = 1 + bytes.small(40);
+    let num_pages = 1 + bytes.small(40);
     let page_size = 1 + bytes.small(8);
-    let mut world = World::new(num_blocks, page_size);
+    let mut world = World::new(num_pages, page_size);
     while !bytes.done() {
         let op = bytes.small(16);
         let count = world.slots.len();

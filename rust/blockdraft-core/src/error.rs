@@ -6,21 +6,21 @@ use thiserror::Error;
 /// Everything the core can refuse. Operations that fail change nothing.
 #[derive(Debug, Clone, PartialEq, Eq, Error)]
 pub enum Error {
-    /// The pool has fewer free blocks than an allocation asked for.
-    #[error("block pool exhausted: {requested} blocks requested, {free} free")]
+    /// The pool has fewer free pages than an allocation asked for.
+    #[error("page pool exhausted: {requested} pages requested, {free} free")]
     PoolExhausted { requested: usize, free: usize },
 
-    /// A block id outside `0..num_blocks`.
-    #[error("block {block} is out of range (the pool has {num_blocks} blocks)")]
-    BlockOutOfRange { block: usize, num_blocks: usize },
+    /// A page id outside `0..num_pages`.
+    #[error("page {page} is out of range (the pool has {num_pages} pages)")]
+    PageOutOfRange { page: usize, num_pages: usize },
 
-    /// A block id that is not currently allocated.
-    #[error("block {block} is not allocated")]
-    BlockNotAllocated { block: usize },
+    /// A page id that is not currently allocated.
+    #[error("page {page} is not allocated")]
+    PageNotAllocated { page: usize },
 
-    /// A block id listed more than once in one call.
-    #[error("block {block} is listed more than once")]
-    DuplicateBlock { block: usize },
+    /// A page id listed more than once in one call.
+    #[error("page {page} is listed more than once")]
+    DuplicatePage { page: usize },
 
     /// The state was freed; only `free` (a no-op) and reads are allowed.
     #[error("the context state was freed")]
@@ -60,7 +60,7 @@ pub enum Error {
     PlanResolved,
 
     /// A state used with a pool of another geometry than the one it was made from.
-    #[error("pool mismatch: the state uses blocks of {expected} tokens, this pool {actual}")]
+    #[error("pool mismatch: the state uses pages of {expected} tokens, this pool {actual}")]
     PoolMismatch { expected: usize, actual: usize },
 
     /// An internal consistency check failed (see `check_invariants`).

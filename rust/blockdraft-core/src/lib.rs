@@ -1,8 +1,8 @@
 //! Bookkeeping core of blockdraft (no Python, no device memory).
 //!
-//! - [`pool`]: the shared pool of fixed-size K/V blocks.
+//! - [`pool`]: the shared pool of fixed-size K/V pages.
 //! - [`window`]: the per-sequence context window and its environment cap.
-//! - [`state`]: one sequence's context rows, committed K/V and block table, changed only
+//! - [`state`]: one sequence's context rows, committed K/V and page table, changed only
 //!   through two-phase plans.
 //! - [`batch`]: the batch policy of `propose_batch` and band splitting.
 //! - [`step`]: a proposal's rules and the graph path's metadata matrix.
@@ -11,7 +11,7 @@
 //! - [`pages_step`]: whole-step calls over many target sequences (a forward's plan, accepts,
 //!   frees).
 //!
-//! Functions that touch blocks take the pool explicitly (`&mut BlockPool`); the caller decides
+//! Functions that touch pages take the pool explicitly (`&mut BlockPool`); the caller decides
 //! how it is shared. The only global input is the environment variable read by
 //! [`window::read_ctx_cap`].
 //!
@@ -20,16 +20,16 @@
 //! The stateful tests (Rust and Python) and the fuzz target check these after every operation;
 //! tests cite them by number.
 //!
-//! 1. Conservation: free blocks plus the blocks held by live states (and raw allocations)
-//!    equal `num_blocks`.
-//! 2. No block is held twice (by two states, or twice by one), and no free block is held.
+//! 1. Conservation: free pages plus the pages held by live states (and raw allocations)
+//!    equal `num_pages`.
+//! 2. No page is held twice (by two states, or twice by one), and no free page is held.
 //! 3. Every live state: `0 <= ctx_committed <= ctx_len <= window`, positions non-negative and
-//!    strictly increasing, `block_table.len() == ceil(ctx_committed / page_size)`.
+//!    strictly increasing, `page_table.len() == ceil(ctx_committed / page_size)`.
 //! 4. After a slide the kept rows are the newest ones, in order, with their positions, and
 //!    `ctx_committed == 0`.
 //! 5. A refused operation (a failed allocation, a declined batch, a bad argument) leaves the
 //!    pool and every state exactly as they were.
-//! 6. Freeing twice equals freeing once; a freed state equals a fresh one and its blocks are
+//! 6. Freeing twice equals freeing once; a freed state equals a fresh one and its pages are
 //!    back in the pool.
 //! 7. Once every state is freed the pool is exactly full again.
 //!

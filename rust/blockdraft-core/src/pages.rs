@@ -283,8 +283,8 @@ impl SeqPages {
 mod tests {
     use super::*;
 
-    fn setup(num_blocks: usize, page_size: usize, capacity: usize) -> (BlockPool, SeqPages) {
-        let mut pool = BlockPool::new(num_blocks, page_size).unwrap();
+    fn setup(num_pages: usize, page_size: usize, capacity: usize) -> (BlockPool, SeqPages) {
+        let mut pool = BlockPool::new(num_pages, page_size).unwrap();
         let seq = SeqPages::new(&mut pool, capacity, 3).unwrap();
         (pool, seq)
     }

@@ -1,21 +1,21 @@
-//! A fixed pool of equally sized K/V blocks shared by every sequence.
+//! A fixed pool of equally sized K/V pages shared by every sequence.
 //!
-//! Free blocks sit on a stack (O(1) pop/push per block); an allocation bitmap answers "is this
-//! block allocated" in O(1) so that `free` can validate a whole request before touching
+//! Free pages sit on a stack (O(1) pop/push per page); an allocation bitmap answers "is this
+//! page allocated" in O(1) so that `free` can validate a whole request before touching
 //! anything. A failed call leaves the pool exactly as it was.
 
 use crate::error::{Error, Result};
 
 const WORD_BITS: usize = u64::BITS as usize;
 
-/// `num_blocks` blocks of `page_size` tokens; ids are `0..num_blocks`.
+/// `num_pages` pages of `page_size` tokens; ids are `0..num_pages`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct BlockPool {
     page_size: usize,
-    num_blocks: usize,
+    num_pages: usize,
     /// Free ids; the top of the stack is handed out first.
     free: Vec<usize>,
-    /// Bit `i` set iff block `i` is allocated.
+    /// Bit `i` set iff page `i` is allocated.
     allocated: Vec<u64>,
     /// All-zero between calls; `free` marks the ids of one call here to find duplicates
     /// without allocating.
@@ -25,37 +25,37 @@ pub struct BlockPool {
 }
 
 impl BlockPool {
-    /// A pool with every block free. Fresh allocations come out in increasing id order.
+    /// A pool with every page free. Fresh allocations come out in increasing id order.
     ///
     /// # Errors
-    /// [`Error::InvalidArgument`] when `num_blocks` or `page_size` is 0, or the pool's bookkeeping
-    /// for `num_blocks` cannot be allocated.
-    pub fn new(num_blocks: usize, page_size: usize) -> Result<Self> {
-        if num_blocks == 0 {
-            return Err(Error::invalid_argument("num_blocks", "must be >= 1, got 0"));
+    /// [`Error::InvalidArgument`] when `num_pages` or `page_size` is 0, or the pool's bookkeeping
+    /// for `num_pages` cannot be allocated.
+    pub fn new(num_pages: usize, page_size: usize) -> Result<Self> {
+        if num_pages == 0 {
+            return Err(Error::invalid_argument("num_pages", "must be >= 1, got 0"));
         }
         if page_size == 0 {
             return Err(Error::invalid_argument("page_size", "must be >= 1, got 0"));
         }
-        // Reserve fallibly: an absurd `num_blocks` must be an error, not an abort of the process
+        // Reserve fallibly: an absurd `num_pages` must be an error, not an abort of the process
         // (an infallible allocation failure aborts; a capacity overflow panics).
-        let words = num_blocks.div_ceil(WORD_BITS);
+        let words = num_pages.div_ceil(WORD_BITS);
         let (mut free, mut allocated, mut scratch) = (Vec::new(), Vec::new(), Vec::new());
-        if free.try_reserve_exact(num_blocks).is_err()
+        if free.try_reserve_exact(num_pages).is_err()
             || allocated.try_reserve_exact(words).is_err()
             || scratch.try_reserve_exact(words).is_err()
         {
             return Err(Error::invalid_argument(
-                "num_blocks",
-                format!("{num_blocks} blocks do not fit in memory"),
+                "num_pages",
+                format!("{num_pages} pages do not fit in memory"),
             ));
         }
-        free.extend((0..num_blocks).rev());
+        free.extend((0..num_pages).rev());
         allocated.resize(words, 0);
         scratch.resize(words, 0);
         Ok(Self {
             page_size,
-            num_blocks,
+            num_pages,
             free,
             allocated,
             scratch,
@@ -64,8 +64,8 @@ impl BlockPool {
     }
 
     #[must_use]
-    pub fn num_blocks(&self) -> usize {
-        self.num_blocks
+    pub fn num_pages(&self) -> usize {
+        self.num_pages
     }
 
     #[must_use]
@@ -80,19 +80,19 @@ impl BlockPool {
 
     #[must_use]
     pub fn num_used(&self) -> usize {
-        self.num_blocks - self.free.len()
+        self.num_pages - self.free.len()
     }
 
-    /// Whether `block` is allocated; `false` for ids outside the pool.
+    /// Whether `page` is allocated; `false` for ids outside the pool.
     #[must_use]
-    pub fn is_allocated(&self, block: usize) -> bool {
-        block < self.num_blocks && self.bit(block)
+    pub fn is_allocated(&self, page: usize) -> bool {
+        page < self.num_pages && self.bit(page)
     }
 
-    /// Take `n` blocks, all or nothing.
+    /// Take `n` pages, all or nothing.
     ///
     /// # Errors
-    /// [`Error::PoolExhausted`] when fewer than `n` blocks are free; nothing changes.
+    /// [`Error::PoolExhausted`] when fewer than `n` pages are free; nothing changes.
     pub fn alloc(&mut self, n: usize) -> Result<Vec<usize>> {
         if n > self.free.len() {
             return Err(Error::PoolExhausted {
@@ -109,26 +109,26 @@ impl BlockPool {
         Ok(out)
     }
 
-    /// Return `blocks` to the pool after validating every id.
+    /// Return `pages` to the pool after validating every id.
     ///
     /// # Errors
-    /// [`Error::BlockOutOfRange`], [`Error::BlockNotAllocated`] or [`Error::DuplicateBlock`]
+    /// [`Error::PageOutOfRange`], [`Error::PageNotAllocated`] or [`Error::DuplicatePage`]
     /// for the first bad id; nothing changes.
-    pub fn free(&mut self, blocks: &[usize]) -> Result<()> {
+    pub fn free(&mut self, pages: &[usize]) -> Result<()> {
         // Validate first: range, allocated, and duplicates via the scratch bitmap (marks only
         // the ids of this call, and is all-zero again before we return).
         let mut bad = None;
         let mut marked = 0;
-        for &b in blocks {
-            if b >= self.num_blocks {
-                bad = Some(Error::BlockOutOfRange {
-                    block: b,
-                    num_blocks: self.num_blocks,
+        for &b in pages {
+            if b >= self.num_pages {
+                bad = Some(Error::PageOutOfRange {
+                    page: b,
+                    num_pages: self.num_pages,
                 });
             } else if !self.bit(b) {
-                bad = Some(Error::BlockNotAllocated { block: b });
+                bad = Some(Error::PageNotAllocated { page: b });
             } else if get_bit(&self.scratch, b) {
-                bad = Some(Error::DuplicateBlock { block: b });
+                bad = Some(Error::DuplicatePage { page: b });
             }
             if bad.is_some() {
                 break;
@@ -136,19 +136,19 @@ impl BlockPool {
             put_bit(&mut self.scratch, b, true);
             marked += 1;
         }
-        for &b in &blocks[..marked] {
+        for &b in &pages[..marked] {
             put_bit(&mut self.scratch, b, false);
         }
         if let Some(err) = bad {
             return Err(err);
         }
         // Then mutate.
-        for &b in blocks {
+        for &b in pages {
             self.set_bit(b, false);
         }
         // Reverse order so that an alloc right after this free hands the same ids back in the
         // same order (cheap determinism for tests and debugging).
-        self.free.extend(blocks.iter().rev());
+        self.free.extend(pages.iter().rev());
         Ok(())
     }
 
@@ -157,22 +157,22 @@ impl BlockPool {
     /// # Errors
     /// [`Error::Invariant`] describing the first violation found.
     pub fn check_invariants(&self) -> Result<()> {
-        let mut seen = vec![false; self.num_blocks];
+        let mut seen = vec![false; self.num_pages];
         for &b in &self.free {
-            if b >= self.num_blocks {
+            if b >= self.num_pages {
                 return Err(Error::Invariant(format!(
-                    "free list holds out-of-range block {b}"
+                    "free list holds out-of-range page {b}"
                 )));
             }
             if seen[b] {
                 return Err(Error::Invariant(format!(
-                    "block {b} is on the free list twice"
+                    "page {b} is on the free list twice"
                 )));
             }
             seen[b] = true;
             if self.bit(b) {
                 return Err(Error::Invariant(format!(
-                    "block {b} is on the free list but marked allocated"
+                    "page {b} is on the free list but marked allocated"
                 )));
             }
         }
@@ -182,11 +182,11 @@ impl BlockPool {
             ));
         }
         let marked: usize = self.allocated.iter().map(|w| w.count_ones() as usize).sum();
-        if marked + self.free.len() != self.num_blocks {
+        if marked + self.free.len() != self.num_pages {
             return Err(Error::Invariant(format!(
-                "{marked} allocated + {} free != {} blocks",
+                "{marked} allocated + {} free != {} pages",
                 self.free.len(),
-                self.num_blocks
+                self.num_pages
             )));
         }
         Ok(())
@@ -230,7 +230,7 @@ mod tests {
         assert!(matches!(
             BlockPool::new(0, 16),
             Err(Error::InvalidArgument {
-                name: "num_blocks",
+                name: "num_pages",
                 ..
             })
         ));
@@ -264,7 +264,7 @@ mod tests {
     }
 
     #[test]
-    fn free_returns_blocks_for_reuse() {
+    fn free_returns_pages_for_reuse() {
         let mut pool = BlockPool::new(4, 8).unwrap();
         let a = pool.alloc(4).unwrap();
         pool.free(&a[1..3]).unwrap();
@@ -281,18 +281,18 @@ mod tests {
         let before = pool.clone();
         assert_eq!(
             pool.free(&[1, 2, 130]),
-            Err(Error::BlockOutOfRange {
-                block: 130,
-                num_blocks: 130
+            Err(Error::PageOutOfRange {
+                page: 130,
+                num_pages: 130
             })
         );
         assert_eq!(
             pool.free(&[1, 99, 100]),
-            Err(Error::BlockNotAllocated { block: 100 })
+            Err(Error::PageNotAllocated { page: 100 })
         );
         assert_eq!(
             pool.free(&[70, 5, 70]),
-            Err(Error::DuplicateBlock { block: 70 })
+            Err(Error::DuplicatePage { page: 70 })
         );
         assert_eq!(pool, before);
         pool.check_invariants().unwrap();

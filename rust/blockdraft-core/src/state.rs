@@ -1,12 +1,12 @@
 //! Bookkeeping of one sequence's drafter context: which rows it keeps and at which positions,
-//! how many of them have K/V in the paged cache, and which pool blocks hold that K/V.
+//! how many of them have K/V in the paged cache, and which pool pages hold that K/V.
 //!
 //! Every change goes through a two-phase plan: `plan_*` computes what the caller (who owns the
 //! tensors) must do without changing the state, and the state changes only once the caller
 //! reports success. Each change bumps `version`; a plan made for an older version is refused.
 //!
 //! Invariant (3 of the crate docs): `0 <= ctx_committed <= ctx_len <= window`, positions
-//! strictly increasing, and `block_table.len() == ceil(ctx_committed / page_size)`.
+//! strictly increasing, and `page_table.len() == ceil(ctx_committed / page_size)`.
 
 use crate::error::{Error, Result};
 use crate::pool::BlockPool;
@@ -44,8 +44,8 @@ impl AppendPlan {
 
 /// K/V work for rows `[row_start, row_end)`; `slots[i]` belongs to row `row_start + i`.
 ///
-/// The plan is a description only: its `new_blocks` are held by the state as "pending" until
-/// the plan is confirmed (they join the block table) or aborted (they go back to the pool).
+/// The plan is a description only: its `new_pages` are held by the state as "pending" until
+/// the plan is confirmed (they join the page table) or aborted (they go back to the pool).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PrecomputePlan {
     state_id: u64,
@@ -53,7 +53,7 @@ pub struct PrecomputePlan {
     version: u64,
     pub row_start: usize,
     pub row_end: usize,
-    pub new_blocks: Vec<usize>,
+    pub new_pages: Vec<usize>,
     pub slots: Vec<usize>,
     pub positions: Vec<i64>,
 }
@@ -69,7 +69,7 @@ impl PrecomputePlan {
 #[derive(Debug, Clone, PartialEq, Eq)]
 struct Pending {
     plan_id: u64,
-    blocks: Vec<usize>,
+    pages: Vec<usize>,
 }
 
 /// The first adjacent pair `(a, b)` with `a >= b`, if any.
@@ -80,7 +80,7 @@ fn first_unordered(xs: &[i64]) -> Option<(i64, i64)> {
     })
 }
 
-/// One sequence's context bookkeeping: its window, context rows, block table and the
+/// One sequence's context bookkeeping: its window, context rows, page table and the
 /// proposal/verify counters of the proposer (no device memory).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ContextState {
@@ -90,7 +90,7 @@ pub struct ContextState {
     page_size: usize,
     ctx_positions: Vec<i64>,
     ctx_committed: usize,
-    block_table: Vec<usize>,
+    page_table: Vec<usize>,
     seq_len: usize,
     prefill_done: bool,
     last_num_drafted: usize,
@@ -105,7 +105,7 @@ pub struct ContextState {
 }
 
 impl ContextState {
-    /// A fresh, empty state of `window` rows drawing blocks from `pool`.
+    /// A fresh, empty state of `window` rows drawing pages from `pool`.
     ///
     /// # Errors
     /// [`Error::InvalidArgument`] when `window` is 0.
@@ -130,7 +130,7 @@ impl ContextState {
             page_size,
             ctx_positions: Vec::new(),
             ctx_committed: 0,
-            block_table: Vec::new(),
+            page_table: Vec::new(),
             seq_len: 0,
             prefill_done: false,
             last_num_drafted: 0,
@@ -179,8 +179,8 @@ impl ContextState {
         self.ctx_positions.last().copied()
     }
     #[must_use]
-    pub fn block_table(&self) -> &[usize] {
-        &self.block_table
+    pub fn page_table(&self) -> &[usize] {
+        &self.page_table
     }
     #[must_use]
     pub fn seq_len(&self) -> usize {
@@ -220,10 +220,10 @@ impl ContextState {
     pub fn version(&self) -> u64 {
         self.version
     }
-    /// Blocks held by an unresolved precompute plan (empty when none).
+    /// Pages held by an unresolved precompute plan (empty when none).
     #[must_use]
-    pub fn pending_blocks(&self) -> &[usize] {
-        self.pending.as_ref().map_or(&[], |p| &p.blocks)
+    pub fn pending_pages(&self) -> &[usize] {
+        self.pending.as_ref().map_or(&[], |p| &p.pages)
     }
 
     /// Whether `plan` (made by this state) is still unresolved.
@@ -338,9 +338,9 @@ impl ContextState {
 
     /// Commit an append plan after the accumulator rows were written.
     ///
-    /// A slide sets `ctx_committed = 0` and returns every block of the table to the pool: the
+    /// A slide sets `ctx_committed = 0` and returns every page of the table to the pool: the
     /// kept rows move to new row indices, so their cached K/V no longer sits in the slots
-    /// `row -> block_table[row / page_size]` says, and is recomputed by the next precompute.
+    /// `row -> page_table[row / page_size]` says, and is recomputed by the next precompute.
     ///
     /// # Errors
     /// [`Error::Freed`], [`Error::ForeignPlan`], [`Error::StalePlan`], [`Error::PoolMismatch`];
@@ -358,8 +358,8 @@ impl ContextState {
             });
         }
         if let Some(slide) = plan.slide {
-            pool.free(&self.block_table)?;
-            self.block_table.clear();
+            pool.free(&self.page_table)?;
+            self.page_table.clear();
             self.ctx_positions.drain(..slide.src_start);
             self.ctx_committed = 0;
             self.ctx_count_drafter = 0;
@@ -370,9 +370,9 @@ impl ContextState {
         Ok(())
     }
 
-    /// Plan K/V for rows `[ctx_committed, ctx_len)` and take the blocks they need from `pool`.
+    /// Plan K/V for rows `[ctx_committed, ctx_len)` and take the pages they need from `pool`.
     ///
-    /// A plan with no rows takes no blocks; it still has to be confirmed or aborted.
+    /// A plan with no rows takes no pages; it still has to be confirmed or aborted.
     ///
     /// # Errors
     /// [`Error::Freed`], [`Error::PlanOutstanding`], [`Error::PoolMismatch`],
@@ -388,25 +388,25 @@ impl ContextState {
         // well-formed (`row_start <= row_end`) even if the invariant were ever broken.
         let row_start = self.ctx_committed.min(row_end);
         let ps = self.page_size;
-        let need = row_end.div_ceil(ps).saturating_sub(self.block_table.len());
-        let new_blocks = pool.alloc(need)?;
-        let held = self.block_table.len();
+        let need = row_end.div_ceil(ps).saturating_sub(self.page_table.len());
+        let new_pages = pool.alloc(need)?;
+        let held = self.page_table.len();
         let slots = (row_start..row_end)
             .map(|r| {
                 let idx = r / ps;
-                let block = if idx < held {
-                    self.block_table[idx]
+                let page = if idx < held {
+                    self.page_table[idx]
                 } else {
-                    new_blocks[idx - held]
+                    new_pages[idx - held]
                 };
-                block * ps + r % ps
+                page * ps + r % ps
             })
             .collect();
         let plan_id = self.next_plan_id;
         self.next_plan_id += 1;
         self.pending = Some(Pending {
             plan_id,
-            blocks: new_blocks.clone(),
+            pages: new_pages.clone(),
         });
         Ok(PrecomputePlan {
             state_id: self.id,
@@ -414,13 +414,13 @@ impl ContextState {
             version: self.version,
             row_start,
             row_end,
-            new_blocks,
+            new_pages,
             slots,
             positions: self.ctx_positions[row_start..row_end].to_vec(),
         })
     }
 
-    /// The plan's K/V is written: adopt its blocks and set `ctx_committed = row_end`.
+    /// The plan's K/V is written: adopt its pages and set `ctx_committed = row_end`.
     ///
     /// # Errors
     /// [`Error::ForeignPlan`], [`Error::Freed`], [`Error::PlanResolved`],
@@ -442,7 +442,7 @@ impl ContextState {
         let Some(pending) = self.pending.take() else {
             return Err(Error::PlanResolved);
         };
-        self.block_table.extend_from_slice(&pending.blocks);
+        self.page_table.extend_from_slice(&pending.pages);
         self.ctx_committed = plan.row_end;
         self.ctx_count_drafter = plan.row_end;
         self.max_ctx_count_drafter = self.max_ctx_count_drafter.max(plan.row_end);
@@ -450,7 +450,7 @@ impl ContextState {
         Ok(())
     }
 
-    /// Give the plan's blocks back; the state is as before `plan_precompute`. A plan that is
+    /// Give the plan's pages back; the state is as before `plan_precompute`. A plan that is
     /// already resolved (or whose state was freed) is ignored.
     ///
     /// # Errors
@@ -461,7 +461,7 @@ impl ContextState {
         }
         self.ensure_pool(pool)?;
         match &self.pending {
-            Some(p) if self.is_pending(plan) => pool.free(&p.blocks)?,
+            Some(p) if self.is_pending(plan) => pool.free(&p.pages)?,
             _ => return Ok(()),
         }
         self.pending = None;
@@ -473,7 +473,7 @@ impl ContextState {
     pub fn slot_mapping(&self) -> Vec<usize> {
         let ps = self.page_size;
         (0..self.ctx_committed)
-            .map(|r| self.block_table[r / ps] * ps + r % ps)
+            .map(|r| self.page_table[r / ps] * ps + r % ps)
             .collect()
     }
 
@@ -514,21 +514,21 @@ impl ContextState {
         Ok(())
     }
 
-    /// Return every block (table and pending plan) and reset every counter to its fresh value.
+    /// Return every page (table and pending plan) and reset every counter to its fresh value.
     /// Returns `Ok(false)` and does nothing when already freed.
     ///
     /// # Errors
-    /// [`Error::PoolMismatch`], or a pool error if the state holds a block the pool does not
+    /// [`Error::PoolMismatch`], or a pool error if the state holds a page the pool does not
     /// consider allocated (a broken invariant); nothing changes.
     pub fn free(&mut self, pool: &mut BlockPool) -> Result<bool> {
         if self.freed {
             return Ok(false);
         }
         self.ensure_pool(pool)?;
-        let mut all = self.block_table.clone();
-        all.extend_from_slice(self.pending_blocks());
+        let mut all = self.page_table.clone();
+        all.extend_from_slice(self.pending_pages());
         pool.free(&all)?;
-        self.block_table = Vec::new();
+        self.page_table = Vec::new();
         self.pending = None;
         self.ctx_positions = Vec::new();
         self.ctx_committed = 0;
@@ -544,7 +544,7 @@ impl ContextState {
         Ok(true)
     }
 
-    /// Verify invariant 3 (crate docs), that no block is held twice, that every held block is
+    /// Verify invariant 3 (crate docs), that no page is held twice, that every held page is
     /// allocated in `pool`, and that a freed state equals a fresh one.
     ///
     /// # Errors
@@ -565,26 +565,26 @@ impl ContextState {
             return bad("negative context position".into());
         }
         let want = self.ctx_committed.div_ceil(self.page_size);
-        if self.block_table.len() != want {
+        if self.page_table.len() != want {
             return bad(format!(
-                "{} blocks held for {} committed rows of page size {} (want {want})",
-                self.block_table.len(),
+                "{} pages held for {} committed rows of page size {} (want {want})",
+                self.page_table.len(),
                 self.ctx_committed,
                 self.page_size
             ));
         }
         let held: Vec<usize> = self
-            .block_table
+            .page_table
             .iter()
-            .chain(self.pending_blocks())
+            .chain(self.pending_pages())
             .copied()
             .collect();
         for (i, &b) in held.iter().enumerate() {
             if !pool.is_allocated(b) {
-                return bad(format!("held block {b} is not allocated in the pool"));
+                return bad(format!("held page {b} is not allocated in the pool"));
             }
             if held[..i].contains(&b) {
-                return bad(format!("block {b} is held twice by one state"));
+                return bad(format!("page {b} is held twice by one state"));
             }
         }
         if self.freed && (len != 0 || !held.is_empty() || *self != self.fresh_like()) {

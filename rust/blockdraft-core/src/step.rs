@@ -3,7 +3,7 @@
 //!
 //! The graph path replays a CUDA graph per batch-size bucket; per call only a small `i64`
 //! matrix changes. [`GraphMeta`] writes it from the states' plans and keeps a mirror of which
-//! state each row describes, so a row's block table is rewritten only when the row changes
+//! state each row describes, so a row's page table is rewritten only when the row changes
 //! hands or the table changed in a way the plans do not explain (a slide, an aborted plan).
 //!
 //! Layout of the matrix (`rows x cols`, row-major, `cols = 3 + width + 3 * B`, where `B` is the
@@ -14,7 +14,7 @@
 //! | 0 | context rows with K/V (the plan's `row_end`) |
 //! | 1 | anchor token |
 //! | 2 | anchor position |
-//! | `3 .. 3 + width` | block table, zero padded |
+//! | `3 .. 3 + width` | page table, zero padded |
 //! | next `B` | positions of the staged context rows |
 //! | next `B` | slots of the staged context rows ([`PAD_SLOT`](crate::PAD_SLOT) = unused) |
 //! | next `B` | where each staged row is read from: `base + row * stride` (0 without a base) |
@@ -94,7 +94,7 @@ pub struct MetaLayout {
 }
 
 impl MetaLayout {
-    /// The block table's first column (after the three scalars).
+    /// The page table's first column (after the three scalars).
     pub const TABLE_COL: usize = 3;
 
     #[must_use]
@@ -136,7 +136,7 @@ pub struct GraphMeta {
     mask_id: i64,
     /// Bytes between two rows of a source (see the module docs).
     stride: i64,
-    /// Per row: the id of the state it mirrors and how many of its blocks the row holds.
+    /// Per row: the id of the state it mirrors and how many of its pages the row holds.
     owners: Vec<Option<(u64, usize)>>,
     /// Staged rows of the last call (their slots are reset by the next one).
     staged: usize,
@@ -149,12 +149,12 @@ pub struct GraphMeta {
     filled: Filled,
 }
 
-/// A block table too wide for the graphs: the caller takes the plain path.
+/// A page table too wide for the graphs: the caller takes the plain path.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct TooWide;
 
 impl GraphMeta {
-    /// A writer for `rows` sequences with block tables of up to `width` entries and blocks of
+    /// A writer for `rows` sequences with page tables of up to `width` entries and blocks of
     /// `block_size` drafter rows; rows without a sequence carry `mask_id` as their anchor;
     /// source rows lie `stride` bytes apart.
     ///
@@ -241,7 +241,7 @@ impl GraphMeta {
     /// staged rows are read from (row `r` at `base + r * stride`; `None`: 0 in the column).
     ///
     /// # Errors
-    /// [`TooWide`] when the table with the plan's new blocks exceeds `width`: the call must take
+    /// [`TooWide`] when the table with the plan's new pages exceeds `width`: the call must take
     /// the plain path (the row's mirror is dropped; nothing else changed that matters, since
     /// the scalars and staged entries are written by [`Self::finish`] only).
     ///
@@ -286,7 +286,7 @@ impl GraphMeta {
                 table.len()
             }
         };
-        let new = &plan.new_blocks;
+        let new = &plan.new_pages;
         if held + new.len() > width {
             self.owners[seq] = None;
             return Err(TooWide);
@@ -378,7 +378,7 @@ impl GraphMeta {
     }
 }
 
-/// Block ids and row counts come from a pool of at most `isize::MAX` entries.
+/// Page ids and row counts come from a pool of at most `isize::MAX` entries.
 fn as_i64(v: usize) -> i64 {
     i64::try_from(v).expect("a count beyond i64")
 }
@@ -399,7 +399,7 @@ mod tests {
             row[0] = as_i64(plan.row_end);
             row[1] = *tok;
             row[2] = *pos;
-            for (k, b) in table.iter().chain(&plan.new_blocks).enumerate() {
+            for (k, b) in table.iter().chain(&plan.new_pages).enumerate() {
                 row[MetaLayout::TABLE_COL + k] = as_i64(*b);
             }
             let count = plan.row_end - plan.row_start;
@@ -537,7 +537,7 @@ mod tests {
                 let (plan, _) = st.plan_append_newest(&pos).unwrap();
                 st.apply_append(&mut pool, &plan).unwrap();
                 let pre = st.plan_precompute(&mut pool).unwrap();
-                calls.push((st.block_table().to_vec(), pre.clone(), as_i64(i), next[i]));
+                calls.push((st.page_table().to_vec(), pre.clone(), as_i64(i), next[i]));
                 plans.push(pre);
             }
             meta.begin();
@@ -555,7 +555,7 @@ mod tests {
             let filled = meta.finish(&mut buf).clone();
             let tables: Vec<usize> = calls
                 .iter()
-                .map(|(t, p, ..)| t.len() + p.new_blocks.len())
+                .map(|(t, p, ..)| t.len() + p.new_pages.len())
                 .collect();
             assert_eq!(
                 read_view(&meta, &buf, &tables),

@@ -98,11 +98,11 @@ struct Harness {
 }
 
 impl Harness {
-    fn new(num_blocks: usize, page_size: usize) -> Self {
+    fn new(num_pages: usize, page_size: usize) -> Self {
         Self {
-            pool: RefCell::new(BlockPool::new(num_blocks, page_size).unwrap()),
+            pool: RefCell::new(BlockPool::new(num_pages, page_size).unwrap()),
             seqs: Vec::new(),
-            model_free: num_blocks,
+            model_free: num_pages,
         }
     }
 
@@ -396,7 +396,7 @@ impl Harness {
         }
         assert_eq!(
             pool.num_free() + held.len(),
-            pool.num_blocks(),
+            pool.num_pages(),
             "conservation"
         );
     }
@@ -407,7 +407,7 @@ impl Harness {
         for (seq, _) in &mut self.seqs {
             seq.free(&mut pool).unwrap();
         }
-        assert_eq!(pool.num_free(), pool.num_blocks());
+        assert_eq!(pool.num_free(), pool.num_pages());
         pool.check_invariants().unwrap();
     }
 }
@@ -417,11 +417,11 @@ proptest! {
 
     #[test]
     fn sequences_match_the_model(
-        num_blocks in 1usize..24,
+        num_pages in 1usize..24,
         page_size in 1usize..5,
         ops in prop::collection::vec(op(), 1..80),
     ) {
-        let mut h = Harness::new(num_blocks, page_size);
+        let mut h = Harness::new(num_pages, page_size);
         h.run(&Op::New { capacity: 3, foreign: false });
         h.check();
         for op in &ops {

@@ -15,7 +15,7 @@ enum Op {
     NewState {
         window: usize,
     },
-    /// Raw allocation of `n` blocks by someone other than a state.
+    /// Raw allocation of `n` pages by someone other than a state.
     Alloc {
         n: usize,
     },
@@ -78,14 +78,14 @@ fn op() -> impl Strategy<Value = Op> {
     ]
 }
 
-/// The reference model of one state: rows by position, and block counts only.
+/// The reference model of one state: rows by position, and page counts only.
 #[derive(Debug, Clone, PartialEq, Eq)]
 struct Model {
     window: usize,
     positions: Vec<i64>,
     committed: usize,
-    blocks: usize,
-    /// Blocks taken by the outstanding plan and the version it was made at.
+    pages: usize,
+    /// Pages taken by the outstanding plan and the version it was made at.
     pending: Option<(usize, u64)>,
     version: u64,
     freed: bool,
@@ -100,7 +100,7 @@ impl Model {
             window,
             positions: Vec::new(),
             committed: 0,
-            blocks: 0,
+            pages: 0,
             pending: None,
             version: 0,
             freed: false,
@@ -111,7 +111,7 @@ impl Model {
     }
 
     fn held(&self) -> usize {
-        self.blocks + self.pending.map_or(0, |p| p.0)
+        self.pages + self.pending.map_or(0, |p| p.0)
     }
 }
 
@@ -124,12 +124,12 @@ struct Harness {
 }
 
 impl Harness {
-    fn new(num_blocks: usize, page_size: usize) -> Self {
+    fn new(num_pages: usize, page_size: usize) -> Self {
         Self {
-            pool: BlockPool::new(num_blocks, page_size).unwrap(),
+            pool: BlockPool::new(num_pages, page_size).unwrap(),
             states: Vec::new(),
             raw: Vec::new(),
-            model_free: num_blocks,
+            model_free: num_pages,
             checks: 0,
         }
     }
@@ -149,11 +149,11 @@ impl Harness {
             Op::Alloc { n } => {
                 let before = self.pool.clone();
                 match self.pool.alloc(n) {
-                    Ok(blocks) => {
+                    Ok(pages) => {
                         assert!(n <= self.model_free);
-                        assert_eq!(blocks.len(), n);
+                        assert_eq!(pages.len(), n);
                         self.model_free -= n;
-                        self.raw.push(blocks);
+                        self.raw.push(pages);
                     }
                     Err(e) => {
                         assert_eq!(
@@ -173,9 +173,9 @@ impl Harness {
             }
             Op::FreeRaw { pick } => {
                 if !self.raw.is_empty() {
-                    let blocks = self.raw.swap_remove(pick % self.raw.len());
-                    self.pool.free(&blocks).unwrap();
-                    self.model_free += blocks.len();
+                    let pages = self.raw.swap_remove(pick % self.raw.len());
+                    self.pool.free(&pages).unwrap();
+                    self.model_free += pages.len();
                 }
             }
             Op::BadFree { kind, pick } => self.bad_free(kind, pick),
@@ -194,26 +194,26 @@ impl Harness {
 
     fn bad_free(&mut self, kind: u8, pick: usize) {
         let held: Vec<usize> = self.raw.iter().flatten().copied().collect();
-        let blocks = match kind {
+        let pages = match kind {
             0 if !held.is_empty() => {
                 let b = held[pick % held.len()];
                 vec![b, b]
             }
-            1 => match (0..self.pool.num_blocks()).find(|&b| !self.pool.is_allocated(b)) {
+            1 => match (0..self.pool.num_pages()).find(|&b| !self.pool.is_allocated(b)) {
                 // A valid id first, so a pool that mutated before validating would show it.
                 Some(free) => held.iter().take(1).copied().chain([free]).collect(),
                 None => return,
             },
-            _ => vec![self.pool.num_blocks() + pick % 3],
+            _ => vec![self.pool.num_pages() + pick % 3],
         };
         let before = self.pool.clone();
-        let err = self.pool.free(&blocks).unwrap_err();
+        let err = self.pool.free(&pages).unwrap_err();
         assert!(
             matches!(
                 err,
-                Error::DuplicateBlock { .. }
-                    | Error::BlockNotAllocated { .. }
-                    | Error::BlockOutOfRange { .. }
+                Error::DuplicatePage { .. }
+                    | Error::PageNotAllocated { .. }
+                    | Error::PageOutOfRange { .. }
             ),
             "{err}"
         );
@@ -245,8 +245,8 @@ impl Harness {
             // Invariant 4: the newest rows, in order, with their positions; nothing committed.
             m.positions.drain(..len - keep);
             m.committed = 0;
-            self.model_free += m.blocks;
-            m.blocks = 0;
+            self.model_free += m.pages;
+            m.pages = 0;
         } else {
             assert_eq!(plan.slide, None);
         }
@@ -315,7 +315,7 @@ impl Harness {
             return;
         }
         let len = m.positions.len();
-        let need = len.div_ceil(ps) - m.blocks;
+        let need = len.div_ceil(ps) - m.pages;
         if need > self.model_free {
             assert!(matches!(res, Err(Error::PoolExhausted { .. })));
             assert_eq!(self.pool, pool_before, "invariant 5: pool changed");
@@ -324,16 +324,16 @@ impl Harness {
         }
         let plan = res.unwrap();
         assert_eq!((plan.row_start, plan.row_end), (m.committed, len));
-        assert_eq!(plan.new_blocks.len(), need);
+        assert_eq!(plan.new_pages.len(), need);
         assert_eq!(plan.positions, m.positions[m.committed..]);
-        // Every row gets its own slot, inside a block the state holds or just took.
-        let mut owned: HashSet<usize> = st.block_table().iter().copied().collect();
-        owned.extend(&plan.new_blocks);
+        // Every row gets its own slot, inside a page the state holds or just took.
+        let mut owned: HashSet<usize> = st.page_table().iter().copied().collect();
+        owned.extend(&plan.new_pages);
         let mut slots: HashSet<usize> = st.slot_mapping().into_iter().collect();
         for (k, &s) in plan.slots.iter().enumerate() {
             assert!(
                 owned.contains(&(s / ps)),
-                "slot {s} outside the state's blocks"
+                "slot {s} outside the state's pages"
             );
             assert_eq!(s % ps, (plan.row_start + k) % ps, "slot offset");
             assert!(slots.insert(s), "slot {s} used twice");
@@ -347,7 +347,7 @@ impl Harness {
             }
             1 => {
                 st.abort_precompute(&mut self.pool, &plan).unwrap();
-                assert_eq!(*st.block_table(), *st_before.block_table());
+                assert_eq!(*st.page_table(), *st_before.page_table());
                 assert_eq!(st.ctx_committed(), st_before.ctx_committed());
                 self.model_free += need;
                 m.pending = None;
@@ -358,7 +358,7 @@ impl Harness {
 
     fn model_confirm(m: &mut Model, row_end: usize) {
         let (need, _) = m.pending.take().unwrap();
-        m.blocks += need;
+        m.pages += need;
         m.committed = row_end;
         m.version += 1;
     }
@@ -452,28 +452,28 @@ impl Harness {
         let lists = self
             .states
             .iter()
-            .flat_map(|(st, _, _)| [st.block_table(), st.pending_blocks()])
+            .flat_map(|(st, _, _)| [st.page_table(), st.pending_pages()])
             .chain(self.raw.iter().map(Vec::as_slice));
         for list in lists {
             for &b in list {
                 total += 1;
-                assert!(held.insert(b), "invariant 2: block {b} held twice");
+                assert!(held.insert(b), "invariant 2: page {b} held twice");
                 assert!(
                     self.pool.is_allocated(b),
-                    "invariant 2: held block {b} is free"
+                    "invariant 2: held page {b} is free"
                 );
             }
         }
         // Invariant 1: conservation.
-        assert_eq!(self.pool.num_free() + total, self.pool.num_blocks());
+        assert_eq!(self.pool.num_free() + total, self.pool.num_pages());
         let ps = self.page_size();
         for (st, m, _) in &self.states {
             st.check_invariants(&self.pool).unwrap();
             assert_eq!(st.ctx_positions(), m.positions.as_slice());
             assert_eq!(st.ctx_committed(), m.committed);
-            assert_eq!(st.block_table().len(), m.blocks);
-            assert_eq!(m.blocks, m.committed.div_ceil(ps), "invariant 3");
-            assert_eq!(st.pending_blocks().len(), m.pending.map_or(0, |p| p.0));
+            assert_eq!(st.page_table().len(), m.pages);
+            assert_eq!(m.pages, m.committed.div_ceil(ps), "invariant 3");
+            assert_eq!(st.pending_pages().len(), m.pending.map_or(0, |p| p.0));
             assert_eq!(st.version(), m.version);
             assert_eq!(st.freed(), m.freed);
             assert_eq!(
@@ -490,10 +490,10 @@ impl Harness {
             drop(plan.take());
             st.free(&mut self.pool).unwrap();
         }
-        for blocks in self.raw.drain(..) {
-            self.pool.free(&blocks).unwrap();
+        for pages in self.raw.drain(..) {
+            self.pool.free(&pages).unwrap();
         }
-        assert_eq!(self.pool.num_free(), self.pool.num_blocks());
+        assert_eq!(self.pool.num_free(), self.pool.num_pages());
         self.pool.check_invariants().unwrap();
     }
 }
@@ -503,11 +503,11 @@ proptest! {
 
     #[test]
     fn pool_and_states_match_the_model(
-        num_blocks in 1usize..24,
+        num_pages in 1usize..24,
         page_size in 1usize..5,
         ops in prop::collection::vec(op(), 1..80),
     ) {
-        let mut h = Harness::new(num_blocks, page_size);
+        let mut h = Harness::new(num_pages, page_size);
         h.run(&Op::NewState { window: 6 });
         h.check();
         for op in &ops {

@@ -19,13 +19,13 @@ create_exception!(
     blockdraft._core,
     PoolExhaustedError,
     BlockdraftError,
-    "The shared block pool cannot satisfy an allocation; nothing was changed."
+    "The shared page pool cannot satisfy an allocation; nothing was changed."
 );
 create_exception!(
     blockdraft._core,
     InvalidStateError,
     BlockdraftError,
-    "A state or plan was used out of its lifecycle (freed, foreign, stale, or bad blocks)."
+    "A state or plan was used out of its lifecycle (freed, foreign, stale, or bad pages)."
 );
 // Raised by the Python loaders (`blockdraft.config`, `blockdraft.checkpoint`), never by the
 // core; it lives here so that every blockdraft error shares the one base class.
@@ -83,9 +83,9 @@ pub(crate) fn with_message(e: &core::Error, msg: String) -> PyErr {
     match e {
         E::InSequence { source, .. } => with_message(source, msg),
         E::PoolExhausted { .. } => PoolExhaustedError::new_err(msg),
-        E::BlockOutOfRange { .. }
-        | E::BlockNotAllocated { .. }
-        | E::DuplicateBlock { .. }
+        E::PageOutOfRange { .. }
+        | E::PageNotAllocated { .. }
+        | E::DuplicatePage { .. }
         | E::Freed
         | E::ForeignOwner { .. }
         | E::ForeignSequence { .. }

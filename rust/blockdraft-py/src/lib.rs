@@ -129,33 +129,33 @@ fn split_bands(
 
 type SharedPool = Arc<Mutex<core::BlockPool>>;
 
-/// A fixed set of `num_blocks` K/V blocks of `page_size` tokens, shared by sequences
+/// A fixed set of `num_pages` K/V pages of `page_size` tokens, shared by sequences
 /// (thread-safe). See `blockdraft/_core.pyi` for every method.
 #[pyclass(name = "BlockPool", module = "blockdraft._core", frozen)]
 struct PyBlockPool {
     pool: SharedPool,
-    num_blocks: usize,
+    num_pages: usize,
     page_size: usize,
 }
 
 #[pymethods]
 impl PyBlockPool {
     #[new]
-    #[pyo3(signature = (num_blocks, page_size))]
-    fn py_new(num_blocks: &Bound<'_, PyAny>, page_size: &Bound<'_, PyAny>) -> PyResult<Self> {
-        let num_blocks = positive(size_arg(num_blocks, "num_blocks")?, "num_blocks")?;
+    #[pyo3(signature = (num_pages, page_size))]
+    fn py_new(num_pages: &Bound<'_, PyAny>, page_size: &Bound<'_, PyAny>) -> PyResult<Self> {
+        let num_pages = positive(size_arg(num_pages, "num_pages")?, "num_pages")?;
         let page_size = positive(size_arg(page_size, "page_size")?, "page_size")?;
-        let pool = core::BlockPool::new(num_blocks, page_size).map_err(CoreError)?;
+        let pool = core::BlockPool::new(num_pages, page_size).map_err(CoreError)?;
         Ok(Self {
             pool: Arc::new(Mutex::new(pool)),
-            num_blocks,
+            num_pages,
             page_size,
         })
     }
 
     #[getter]
-    fn num_blocks(&self) -> usize {
-        self.num_blocks
+    fn num_pages(&self) -> usize {
+        self.num_pages
     }
 
     #[getter]
@@ -179,15 +179,15 @@ impl PyBlockPool {
         Ok(py.detach(|| lock(&self.pool, "pool")?.alloc(n).map_err(CoreError))?)
     }
 
-    #[pyo3(signature = (blocks))]
-    fn free(&self, py: Python<'_>, blocks: &Bound<'_, PyAny>) -> PyResult<()> {
-        let ids = i64_list_arg(blocks, "blocks").map_err(|e| {
-            // An int beyond 64 bits is simply not a block of this pool, like -1 or 99.
+    #[pyo3(signature = (pages))]
+    fn free(&self, py: Python<'_>, pages: &Bound<'_, PyAny>) -> PyResult<()> {
+        let ids = i64_list_arg(pages, "pages").map_err(|e| {
+            // An int beyond 64 bits is simply not a page of this pool, like -1 or 99.
             if e.is_instance_of::<PyValueError>(py) {
                 InvalidStateError::new_err(format!(
-                    "{} (the pool has {} blocks)",
+                    "{} (the pool has {} pages)",
                     e.value(py),
-                    self.num_blocks
+                    self.num_pages
                 ))
             } else {
                 e
@@ -198,8 +198,8 @@ impl PyBlockPool {
             .map(|b| {
                 usize::try_from(b).map_err(|_| {
                     InvalidStateError::new_err(format!(
-                        "block {b} is out of range (the pool has {} blocks)",
-                        self.num_blocks
+                        "page {b} is out of range (the pool has {} pages)",
+                        self.num_pages
                     ))
                 })
             })
@@ -207,14 +207,14 @@ impl PyBlockPool {
         Ok(py.detach(|| lock(&self.pool, "pool")?.free(&ids).map_err(CoreError))?)
     }
 
-    #[pyo3(signature = (block))]
-    fn is_allocated(&self, block: &Bound<'_, PyAny>) -> PyResult<bool> {
-        let Ok(b) = i64_arg(block, "block") else {
+    #[pyo3(signature = (page))]
+    fn is_allocated(&self, page: &Bound<'_, PyAny>) -> PyResult<bool> {
+        let Ok(b) = i64_arg(page, "page") else {
             // Out of the 64-bit range is out of the pool; non-ints still raise TypeError.
-            return if block.is_instance_of::<PyInt>() {
+            return if page.is_instance_of::<PyInt>() {
                 Ok(false)
             } else {
-                i64_arg(block, "block").map(|_| false)
+                i64_arg(page, "page").map(|_| false)
             };
         };
         Ok(usize::try_from(b)
@@ -232,8 +232,8 @@ impl PyBlockPool {
     fn __repr__(&self) -> PyResult<String> {
         let free = lock(&self.pool, "pool")?.num_free();
         Ok(format!(
-            "BlockPool(num_blocks={}, page_size={}, num_free={free})",
-            self.num_blocks, self.page_size
+            "BlockPool(num_pages={}, page_size={}, num_free={free})",
+            self.num_pages, self.page_size
         ))
     }
 }
@@ -257,7 +257,7 @@ impl StateShared {
 }
 
 impl Drop for StateShared {
-    /// A state dropped without `free` still returns its blocks, so forgetting to free cannot
+    /// A state dropped without `free` still returns its pages, so forgetting to free cannot
     /// leak pool capacity. Errors cannot be reported from a destructor and are ignored.
     fn drop(&mut self) {
         let _ = self.with(core::ContextState::free);
@@ -335,7 +335,7 @@ impl PyAppendPlan {
 }
 
 /// K/V work for context rows `[row_start, row_end)` of one state: their positions, slots and
-/// the blocks taken for them; resolve it with `confirm_precompute` or `abort_precompute`.
+/// the pages taken for them; resolve it with `confirm_precompute` or `abort_precompute`.
 #[pyclass(name = "PrecomputePlan", module = "blockdraft._core", frozen)]
 struct PyPrecomputePlan {
     inner: core::PrecomputePlan,
@@ -343,7 +343,7 @@ struct PyPrecomputePlan {
 }
 
 impl Drop for PyPrecomputePlan {
-    /// Dropping an unresolved plan aborts it, so its blocks cannot leak.
+    /// Dropping an unresolved plan aborts it, so its pages cannot leak.
     fn drop(&mut self) {
         let inner = &self.inner;
         let _ = self.owner.with(|s, p| s.abort_precompute(p, inner));
@@ -363,8 +363,8 @@ impl PyPrecomputePlan {
     }
 
     #[getter]
-    fn new_blocks(&self) -> Vec<usize> {
-        self.inner.new_blocks.clone()
+    fn new_pages(&self) -> Vec<usize> {
+        self.inner.new_pages.clone()
     }
 
     #[getter]
@@ -384,16 +384,16 @@ impl PyPrecomputePlan {
 
     fn __repr__(&self) -> PyResult<String> {
         Ok(format!(
-            "PrecomputePlan(row_start={}, row_end={}, new_blocks={:?}, resolved={})",
+            "PrecomputePlan(row_start={}, row_end={}, new_pages={:?}, resolved={})",
             self.inner.row_start,
             self.inner.row_end,
-            self.inner.new_blocks,
+            self.inner.new_pages,
             py_bool(self.resolved()?)
         ))
     }
 }
 
-/// Bookkeeping of one sequence's drafter context: window, counters, block table and the
+/// Bookkeeping of one sequence's drafter context: window, counters, page table and the
 /// two-phase plans. See `blockdraft/_core.pyi`.
 #[pyclass(name = "ContextState", module = "blockdraft._core", frozen)]
 struct PyContextState {
@@ -466,12 +466,12 @@ impl PyContextState {
         self.read(core::ContextState::last_position)
     }
     #[getter]
-    fn block_table(&self) -> PyResult<Vec<usize>> {
-        self.read(|s| s.block_table().to_vec())
+    fn page_table(&self) -> PyResult<Vec<usize>> {
+        self.read(|s| s.page_table().to_vec())
     }
     #[getter]
-    fn num_blocks(&self) -> PyResult<usize> {
-        self.read(|s| s.block_table().len())
+    fn num_pages(&self) -> PyResult<usize> {
+        self.read(|s| s.page_table().len())
     }
     #[getter]
     fn seq_len(&self) -> PyResult<usize> {
@@ -605,11 +605,11 @@ impl PyContextState {
     fn __repr__(&self) -> PyResult<String> {
         self.read(|s| {
             format!(
-                "ContextState(window={}, ctx_len={}, ctx_committed={}, blocks={}, freed={})",
+                "ContextState(window={}, ctx_len={}, ctx_committed={}, pages={}, freed={})",
                 s.window(),
                 s.ctx_len(),
                 s.ctx_committed(),
-                s.block_table().len(),
+                s.page_table().len(),
                 py_bool(s.freed())
             )
         })

@@ -162,7 +162,7 @@ fn plan_all(
     for (i, st) in shared.into_iter().enumerate() {
         if fail_at == Some(i) {
             return Err(PoolExhaustedError::new_err(format!(
-                "fault injection: pool_blocks at sequence {i} of {n} (simulated pool exhaustion)"
+                "fault injection: pool_pages at sequence {i} of {n} (simulated pool exhaustion)"
             )));
         }
         let inner = st
@@ -205,7 +205,7 @@ fn confirm_proposals(
     Ok(())
 }
 
-/// Give back every plan's blocks (a resolved plan is ignored).
+/// Give back every plan's pages (a resolved plan is ignored).
 #[pyfunction]
 #[pyo3(signature = (plans))]
 fn abort_plans(plans: &Bound<'_, PyList>) -> PyResult<()> {
@@ -369,7 +369,7 @@ fn plan_appends(
 }
 
 /// The graph path's metadata writer over a host tensor (see `blockdraft_core::step`): per
-/// call, every sequence's scalars, block table and staged context rows, with a mirror of what
+/// call, every sequence's scalars, page table and staged context rows, with a mirror of what
 /// each row holds so unchanged tables are not rewritten.
 #[pyclass(name = "GraphMeta", module = "blockdraft._core", frozen)]
 struct PyGraphMeta {
@@ -501,7 +501,7 @@ impl PyGraphMeta {
                 .row(
                     buf,
                     state.id(),
-                    state.block_table(),
+                    state.page_table(),
                     &plan.inner,
                     (tokens[i], positions[i]),
                     bases.as_ref().map(|b| b[i]),

@@ -8,15 +8,15 @@ fn view(s: &ContextState) -> (Vec<i64>, usize, Vec<usize>, Vec<usize>, u64, bool
     (
         s.ctx_positions().to_vec(),
         s.ctx_committed(),
-        s.block_table().to_vec(),
-        s.pending_blocks().to_vec(),
+        s.page_table().to_vec(),
+        s.pending_pages().to_vec(),
         s.version(),
         s.freed(),
     )
 }
 
-fn setup(num_blocks: usize, page_size: usize, window: usize) -> (BlockPool, ContextState) {
-    let mut pool = BlockPool::new(num_blocks, page_size).unwrap();
+fn setup(num_pages: usize, page_size: usize, window: usize) -> (BlockPool, ContextState) {
+    let mut pool = BlockPool::new(num_pages, page_size).unwrap();
     let st = ContextState::new(&mut pool, window, 7).unwrap();
     (pool, st)
 }
@@ -40,7 +40,7 @@ fn fresh_state() {
         (st.window(), st.owner(), st.ctx_len(), st.ctx_committed()),
         (16, 7, 0, 0)
     );
-    assert!(st.block_table().is_empty() && !st.freed() && !st.prefill_done());
+    assert!(st.page_table().is_empty() && !st.freed() && !st.prefill_done());
     let mut pool = BlockPool::new(1, 1).unwrap();
     assert!(matches!(
         ContextState::new(&mut pool, 0, 0),
@@ -100,7 +100,7 @@ fn append_then_slide_keeps_newest_rows() {
     let plan = append(&mut st, &mut pool, &[0, 1, 2]);
     assert_eq!((plan.slide, plan.dst_start, plan.n_rows()), (None, 0, 3));
     precompute(&mut st, &mut pool);
-    assert_eq!((st.ctx_committed(), st.block_table().len()), (3, 2));
+    assert_eq!((st.ctx_committed(), st.page_table().len()), (3, 2));
     assert_eq!(pool.num_used(), 2);
 
     let plan = append(&mut st, &mut pool, &[10, 11, 12]);
@@ -114,7 +114,7 @@ fn append_then_slide_keeps_newest_rows() {
     assert_eq!(plan.dst_start, 2);
     assert_eq!(st.ctx_positions(), &[1, 2, 10, 11, 12]);
     assert_eq!(st.ctx_committed(), 0);
-    assert!(st.block_table().is_empty(), "a slide returns every block");
+    assert!(st.page_table().is_empty(), "a slide returns every page");
     assert_eq!(pool.num_used(), 0);
     st.check_invariants(&pool).unwrap();
 
@@ -131,20 +131,20 @@ fn append_then_slide_keeps_newest_rows() {
 }
 
 #[test]
-fn precompute_slots_fill_the_last_block_then_new_ones() {
+fn precompute_slots_fill_the_last_page_then_new_ones() {
     let (mut pool, mut st) = setup(8, 4, 32);
     append(&mut st, &mut pool, &[0, 1, 2]);
     let p = precompute(&mut st, &mut pool);
     assert_eq!(
-        (p.row_start, p.row_end, p.new_blocks.clone()),
+        (p.row_start, p.row_end, p.new_pages.clone()),
         (0, 3, vec![0])
     );
     assert_eq!(p.slots, vec![0, 1, 2]);
-    pool.alloc(1).unwrap(); // someone else takes block 1
+    pool.alloc(1).unwrap(); // someone else takes page 1
     append(&mut st, &mut pool, &[3, 4, 5, 6, 7, 8]);
     let p = st.plan_precompute(&mut pool).unwrap();
     assert_eq!((p.row_start, p.row_end), (3, 9));
-    assert_eq!(p.new_blocks, vec![2, 3]);
+    assert_eq!(p.new_pages, vec![2, 3]);
     assert_eq!(p.slots, vec![3, 8, 9, 10, 11, 12]);
     assert_eq!(p.positions, vec![3, 4, 5, 6, 7, 8]);
     st.confirm_precompute(&p).unwrap();
@@ -152,10 +152,10 @@ fn precompute_slots_fill_the_last_block_then_new_ones() {
     assert_eq!((st.ctx_count_drafter(), st.max_ctx_count_drafter()), (9, 9));
     st.check_invariants(&pool).unwrap();
 
-    // Nothing new: an empty plan that takes no blocks.
+    // Nothing new: an empty plan that takes no pages.
     let p = st.plan_precompute(&mut pool).unwrap();
     assert_eq!((p.row_start, p.row_end), (9, 9));
-    assert!(p.new_blocks.is_empty() && p.slots.is_empty());
+    assert!(p.new_pages.is_empty() && p.slots.is_empty());
     st.confirm_precompute(&p).unwrap();
 }
 
@@ -241,7 +241,7 @@ fn foreign_plans_and_pools_are_refused() {
 }
 
 #[test]
-fn free_is_idempotent_and_returns_pending_blocks() {
+fn free_is_idempotent_and_returns_pending_pages() {
     let (mut pool, mut st) = setup(8, 2, 8);
     append(&mut st, &mut pool, &[0, 1, 2]);
     precompute(&mut st, &mut pool);
@@ -295,7 +295,7 @@ fn check_invariants_detects_corruption() {
     st.check_invariants(&pool).unwrap();
 
     let mut s = st.clone();
-    s.block_table.pop();
+    s.page_table.pop();
     assert!(matches!(
         s.check_invariants(&pool),
         Err(Error::Invariant(_))
@@ -313,13 +313,13 @@ fn check_invariants_detects_corruption() {
         Err(Error::Invariant(_))
     ));
     let mut s = st.clone();
-    s.block_table[1] = s.block_table[0];
+    s.page_table[1] = s.page_table[0];
     assert!(matches!(
         s.check_invariants(&pool),
         Err(Error::Invariant(_))
     ));
     let mut p = pool.clone();
-    p.free(st.block_table()).unwrap();
+    p.free(st.page_table()).unwrap();
     assert!(matches!(st.check_invariants(&p), Err(Error::Invariant(_))));
     let mut s = st.clone();
     s.free(&mut pool).unwrap();
