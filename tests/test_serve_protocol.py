@@ -53,6 +53,9 @@ def test_parse_json_returns_the_object() -> None:
     (b"3", "not a number"),
     (b"null", "not null"),
     (b"true", "not a boolean"),
+    (b'{"prompt": "x", "n": 1' + b"0" * 5000 + b"}", "could not parse"),
+    (b"[" * 100_000 + b"]" * 100_000, "could not parse"),
+    (b'{"a":' * 100_000 + b"1" + b"}" * 100_000, "could not parse"),
 ])
 def test_parse_json_refuses_what_is_not_a_json_object(raw: bytes, words: str) -> None:
     with pytest.raises(APIError) as info:

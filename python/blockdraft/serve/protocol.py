@@ -61,7 +61,10 @@ def parse_json(raw: bytes) -> dict[str, Any]:
     """
     try:
         body = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+    # Beside JSONDecodeError and UnicodeDecodeError (both ValueErrors), the parser raises a
+    # plain ValueError for an integer past Python's digit limit and RecursionError for arrays
+    # or objects nested past the recursion limit: a bad body all the same, not a server fault.
+    except (ValueError, RecursionError) as exc:
         raise invalid(f"could not parse the JSON body of the request: {exc}", code="invalid_json") from None
     if not isinstance(body, dict):
         raise invalid(f"the request body must be a JSON object, not {_json_type(body)}",
