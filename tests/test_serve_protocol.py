@@ -261,6 +261,9 @@ def test_sampling_ranges_at_their_edges() -> None:
     ("temperature", [1], "invalid_type"),
     ("temperature", math.inf, "invalid_value"),
     ("temperature", math.nan, "invalid_value"),
+    # JSON integers past the float range
+    pytest.param("temperature", 10**400, "invalid_value", id="temperature-10**400"),
+    pytest.param("top_p", -(10**400), "invalid_value", id="top_p--10**400"),
     ("top_p", 0, "invalid_value"),
     ("top_p", -0.1, "invalid_value"),
     ("top_p", 1.0000001, "invalid_value"),

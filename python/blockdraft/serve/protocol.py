@@ -227,9 +227,13 @@ def _number(body: dict[str, Any], name: str, default: float) -> float:
         return default
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise _wrong_type(name, "a number", value)
-    if not math.isfinite(value):
-        raise invalid(f"{name} must be finite, not {value}", name)
-    return float(value)
+    try:
+        number = float(value)
+    except OverflowError:  # an integer past the float range (JSON integers are unbounded)
+        number = math.inf if value > 0 else -math.inf
+    if not math.isfinite(number):
+        raise invalid(f"{name} must be finite, not {number}", name)
+    return number
 
 
 def _bool(body: dict[str, Any], name: str, where: str | None = None) -> bool:
