@@ -235,9 +235,11 @@ def test_bad_max_tokens(kind: str, value: Any, code: str) -> None:
     assert (err.param, err.code) == ("max_tokens", code)
 
 
-def test_bad_max_completion_tokens_type_names_it() -> None:
-    err = refused("chat", {"messages": USER, "max_completion_tokens": "5"})
-    assert (err.param, err.code) == ("max_completion_tokens", "invalid_type")
+@pytest.mark.parametrize("value, code", [("5", "invalid_type"), (0, "invalid_value"), (-1, "invalid_value")])
+def test_bad_max_completion_tokens_names_it(value: Any, code: str) -> None:
+    err = refused("chat", {"messages": USER, "max_completion_tokens": value, "max_tokens": 4})
+    assert (err.param, err.code) == ("max_completion_tokens", code)
+    assert "max_completion_tokens" in err.message
 
 
 # ---------------------------------------------------------------------------- sampling

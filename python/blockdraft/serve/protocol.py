@@ -81,16 +81,19 @@ def parse_request(kind: Kind, body: dict[str, Any]) -> GenerationRequest:
     _refuse_unsupported(kind, body)
     prompt: str | list[int] | None = None
     messages: list[dict[str, str]] | None = None
+    limit = "max_tokens"  # the field the token limit came from
     if kind == "completion":
         prompt = _prompt(body)
-        max_tokens = _int(body, "max_tokens")
+        max_tokens = _int(body, limit)
     else:
         messages = _messages(body)
         max_tokens = _int(body, "max_completion_tokens")
         if max_tokens is None:
-            max_tokens = _int(body, "max_tokens")
+            max_tokens = _int(body, limit)
+        else:
+            limit = "max_completion_tokens"
     if max_tokens is not None and max_tokens < 1:
-        raise invalid(f"max_tokens must be >= 1, not {max_tokens}", "max_tokens")
+        raise invalid(f"{limit} must be >= 1, not {max_tokens}", limit)
     temperature = _number(body, "temperature", 1.0)
     if temperature < 0:
         raise invalid(f"temperature must be >= 0 (0 = greedy), not {temperature}", "temperature")
