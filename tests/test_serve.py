@@ -229,34 +229,3 @@ def test_readme_serve_example_runs(server: LiveServer, pair: Pair, capsys: pytes
     exec(compile(code.group(1).replace("http://127.0.0.1:8000", server.url), "README.md", "exec"), {})
     assert capsys.readouterr().out == pair.solo_text(PROMPT, 64) + "\n"
 
-
-class _ByteTokenizer:
-    """Token ids are UTF-8 bytes: a multi-byte character arrives one byte at a time."""
-
-    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
-        return bytes(ids).decode("utf-8", errors="replace")
-
-
-@pytest.mark.parametrize("stops, want", [
-    ((), "héllo STOP wörld ✓"),
-    (("STOP",), "héllo "),
-    (("STOP", "wör"), "héllo "),
-    (("wörld",), "héllo STOP "),
-    (("✓",), "héllo STOP wörld "),
-    (("S!",), "héllo STOP wörld ✓"),  # begins like a stop string, never becomes one
-])
-def test_text_stream_holds_back_partial_characters_and_stop_prefixes(stops: tuple[str, ...], want: str) -> None:
-    from blockdraft.serve.text import TextStream
-
-    raw = "héllo STOP wörld ✓".encode()
-    for step in (1, 2, 3, len(raw)):
-        stream = TextStream(_ByteTokenizer(), stops)
-        pieces = []
-        for i in range(0, len(raw), step):
-            piece = stream.push(list(raw[i:i + step]))
-            assert "\ufffd" not in piece
-            assert not any(s in stream.text for s in stops)
-            pieces.append(piece)
-        pieces.append(stream.finish())
-        assert "".join(pieces) == stream.text == want, step
-        assert stream.stopped == (want != raw.decode())

@@ -61,7 +61,10 @@ def parse_json(raw: bytes) -> dict[str, Any]:
     """
     try:
         body = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+    # Beside JSONDecodeError and UnicodeDecodeError (both ValueErrors), the parser raises a
+    # plain ValueError for an integer past Python's digit limit and RecursionError for arrays
+    # or objects nested past the recursion limit: a bad body all the same, not a server fault.
+    except (ValueError, RecursionError) as exc:
         raise invalid(f"could not parse the JSON body of the request: {exc}", code="invalid_json") from None
     if not isinstance(body, dict):
         raise invalid(f"the request body must be a JSON object, not {_json_type(body)}",
@@ -78,16 +81,19 @@ def parse_request(kind: Kind, body: dict[str, Any]) -> GenerationRequest:
     _refuse_unsupported(kind, body)
     prompt: str | list[int] | None = None
     messages: list[dict[str, str]] | None = None
+    limit = "max_tokens"  # the field the token limit came from
     if kind == "completion":
         prompt = _prompt(body)
-        max_tokens = _int(body, "max_tokens")
+        max_tokens = _int(body, limit)
     else:
         messages = _messages(body)
         max_tokens = _int(body, "max_completion_tokens")
         if max_tokens is None:
-            max_tokens = _int(body, "max_tokens")
+            max_tokens = _int(body, limit)
+        else:
+            limit = "max_completion_tokens"
     if max_tokens is not None and max_tokens < 1:
-        raise invalid(f"max_tokens must be >= 1, not {max_tokens}", "max_tokens")
+        raise invalid(f"{limit} must be >= 1, not {max_tokens}", limit)
     temperature = _number(body, "temperature", 1.0)
     if temperature < 0:
         raise invalid(f"temperature must be >= 0 (0 = greedy), not {temperature}", "temperature")
@@ -224,9 +230,13 @@ def _number(body: dict[str, Any], name: str, default: float) -> float:
         return default
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise _wrong_type(name, "a number", value)
-    if not math.isfinite(value):
-        raise invalid(f"{name} must be finite, not {value}", name)
-    return float(value)
+    try:
+        number = float(value)
+    except OverflowError:  # an integer past the float range (JSON integers are unbounded)
+        number = math.inf if value > 0 else -math.inf
+    if not math.isfinite(number):
+        raise invalid(f"{name} must be finite, not {number}", name)
+    return number
 
 
 def _bool(body: dict[str, Any], name: str, where: str | None = None) -> bool:
