@@ -35,7 +35,7 @@ from blockdraft.checkpoint import load_drafter
 from blockdraft.training.data import collect_python_sources, split_heldout
 from blockdraft.training.evaluate import heldout_prompts
 from blockdraft.training.pair_target import load_target
-from blockdraft.training.recipe import block_loss, loss_weights, target_features, token_hardness
+from blockdraft.training.objective import block_loss, loss_weights, target_features, token_hardness
 from blockdraft.training.rollouts import rollout
 
 PRETRAINED = Path(__file__).resolve().parent.parent / "python" / "blockdraft" / "pretrained"

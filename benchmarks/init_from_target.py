@@ -15,7 +15,7 @@ from pathlib import Path
 
 from blockdraft import pretrained
 from blockdraft.training.data import collect_python_sources, encode_stream, python_source_roots
-from blockdraft.training.recipe import DrafterTrainConfig, train_drafter
+from blockdraft.training.loop import DrafterTrainConfig, train_drafter
 
 
 def main() -> None:

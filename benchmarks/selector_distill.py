@@ -29,7 +29,7 @@ from blockdraft.training.data import collect_python_sources, encode_stream, spli
 from blockdraft.training.evaluate import evaluate_drafter
 from blockdraft.training.pair_presets import PRESETS
 from blockdraft.training.pair_target import load_target
-from blockdraft.training.recipe import DrafterTrainConfig, train_drafter
+from blockdraft.training.loop import DrafterTrainConfig, train_drafter
 from blockdraft.training.rollouts import rollout_stream
 
 PRETRAINED = Path(__file__).resolve().parent.parent / "python" / "blockdraft" / "pretrained"

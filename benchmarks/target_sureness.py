@@ -30,7 +30,7 @@ import torch
 from blockdraft.training.data import collect_python_sources, python_source_roots, split_heldout
 from blockdraft.training.evaluate import distinct_ngram_ratio, heldout_metrics, target_only_greedy
 from blockdraft.training.pair_target import load_target
-from blockdraft.training.recipe import token_hardness
+from blockdraft.training.objective import token_hardness
 
 
 @torch.inference_mode()

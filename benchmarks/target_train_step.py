@@ -19,7 +19,7 @@ import torch
 
 from blockdraft.training.pair_presets import PRESETS
 from blockdraft.training.pair_target import build_target
-from blockdraft.training.recipe import adamw, apply_gradients
+from blockdraft.training.optim import adamw, apply_gradients
 
 
 def run(compiled: bool, steps: int, warmup: int, device: torch.device) -> dict[str, float | list[float]]:

@@ -11,7 +11,7 @@ tokenizer; train a small Qwen3 causal LM from scratch (the target), tune it agai
 loops (:mod:`blockdraft.training.unlikelihood`) and measure it on the held-out files
 (:mod:`blockdraft.training.pair_target`); let it write the rollouts its drafters train on
 (:mod:`blockdraft.training.rollouts`); train the drafters (``--drafters``: DFlash or DFlash2, any
-block sizes) with the recipe (:mod:`blockdraft.training.recipe`), each with the same time
+block sizes) with the recipe (:mod:`blockdraft.training.loop`), each with the same time
 budget; measure tau on held-out prompts with the speculative engine; write everything (bf16)
 with a model card under ``DIR/pair`` (the layout of ``blockdraft/pretrained``). Presets:
 :mod:`blockdraft.training.pair_presets`.
@@ -53,7 +53,7 @@ from blockdraft.training.pair_target import (
     train_and_save_target,
     tune_and_save_target,
 )
-from blockdraft.training.recipe import DrafterTrainConfig, train_drafter
+from blockdraft.training.loop import DrafterTrainConfig, train_drafter
 from blockdraft.training.rollouts import rollout_stream
 
 log = logging.getLogger("blockdraft.make_builtin_pair")

@@ -27,7 +27,7 @@ from blockdraft.training.data import (
 from blockdraft.training.evaluate import distinct_ngram_ratio, heldout_metrics, target_only_greedy
 from blockdraft.training.licences import permissive_python_sources
 from blockdraft.training.pair_presets import Preset
-from blockdraft.training.recipe import BudgetCalibrator, adamw, apply_gradients, cosine_lr
+from blockdraft.training.optim import BudgetCalibrator, adamw, apply_gradients, cosine_lr
 from blockdraft.training.unlikelihood import TuneConfig, tune_target
 
 log = logging.getLogger("blockdraft.make_builtin_pair")
