@@ -9,6 +9,7 @@
 :mod:`~blockdraft.training.optim`               AdamW, the schedule, the time budget
 :mod:`~blockdraft.training.loop`                the training loop (:func:`train_drafter`)
 :mod:`~blockdraft.training.evaluate`            tau and speed on held-out prompts
+:mod:`~blockdraft.training.builtin`             the built-in pair's factory
 ==============================================  ===============================================
 """
 

@@ -4,7 +4,7 @@ Trains a B = 16, 2-layer DFlash drafter for the built-in target twice, the same 
 (3 M characters of the interpreter's standard library), once with ``init_from_target`` and once
 from random weights, and prints the loss and tau estimate every 10 steps of each.
 
-    python benchmarks/init_from_target.py [--steps 80]
+    python benchmarks/builtin/init_from_target.py [--steps 80]
 """
 
 from __future__ import annotations
