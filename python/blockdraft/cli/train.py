@@ -1,4 +1,4 @@
-"""``blockdraft train-drafter`` and ``blockdraft eval-drafter`` (wired into :mod:`blockdraft.cli`)."""
+"""``blockdraft train-drafter`` and ``blockdraft eval-drafter``."""
 
 from __future__ import annotations
 
