@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from blockdraft import bench
-from blockdraft.training.recipe import save_drafter
+from blockdraft.training.drafter import save_drafter
 
 log = logging.getLogger("random_pair")
 

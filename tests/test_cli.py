@@ -374,9 +374,9 @@ def _python(code_or_args: list[str]) -> subprocess.CompletedProcess[str]:
 
 
 def test_training_cli_imports_first_then_the_parser() -> None:
-    """blockdraft.training.cli uses blockdraft.cli.common; importing it first must not need
-    the parser (the parser imports blockdraft.training.cli)."""
-    code = ("import blockdraft.training.cli\n"
+    """blockdraft.cli.train uses blockdraft.cli.common; importing it first must not need
+    the parser (the parser imports blockdraft.cli.train)."""
+    code = ("import blockdraft.cli.train\n"
             "from blockdraft.cli import main\n"
             "raise SystemExit(main(['demo', '--steps', '1']))\n")
     res = _python(["-c", code])

@@ -14,11 +14,11 @@ import pytest
 import torch
 from tinypair import tiny_target
 
-from blockdraft.training import corpus_site
+from blockdraft.training.builtin import corpus_site
 from blockdraft.training.evaluate import distinct_ngram_ratio, heldout_metrics
-from blockdraft.training.licences import permissive_python_sources
-from blockdraft.training.make_builtin_pair import DrafterSpec, main
-from blockdraft.training.pair_presets import PRESETS
+from blockdraft.training.builtin.licences import permissive_python_sources
+from blockdraft.training.builtin.make_builtin_pair import DrafterSpec, main
+from blockdraft.training.builtin.presets import PRESETS
 
 BODY = "def f(x):\n    return x + 1\n" * 20
 
@@ -167,7 +167,7 @@ def test_tiny_build_end_to_end(tmp_path: Path) -> None:
 
 def test_target_training_through_a_failing_compiler_goes_on_eagerly_with_the_same_weights(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    from blockdraft.training.pair_target import build_target, train_target
+    from blockdraft.training.builtin.target import build_target, train_target
 
     p = dataclasses.replace(PRESETS["tiny"], target_steps=3)
     stream = torch.randint(2, p.vocab, (4000,), generator=torch.Generator().manual_seed(1))

@@ -17,17 +17,15 @@ from training_support import assert_matches_reference_and_target
 
 import blockdraft
 from blockdraft.training.data import sample_windows, step_generator
-from blockdraft.training.recipe import (
-    DrafterTrainConfig,
+from blockdraft.training.drafter import drafter_config_dict, new_drafter
+from blockdraft.training.loop import DrafterTrainConfig, train_drafter
+from blockdraft.training.objective import (
     block_attention_mask,
     block_loss,
-    drafter_config_dict,
     loss_weights,
-    new_drafter,
     sample_anchors,
     target_features,
     token_hardness,
-    train_drafter,
 )
 
 VOCAB = 64

@@ -18,15 +18,9 @@ from training_support import assert_matches_reference_and_target
 import blockdraft
 from blockdraft.models import DFlash2Drafter
 from blockdraft.models.layers import grouped_dynamic_conv
-from blockdraft.training.recipe import (
-    DrafterTrainConfig,
-    block_loss,
-    drafter_config_dict,
-    loss_weights,
-    new_drafter,
-    target_features,
-    train_drafter,
-)
+from blockdraft.training.drafter import drafter_config_dict, new_drafter
+from blockdraft.training.loop import DrafterTrainConfig, train_drafter
+from blockdraft.training.objective import block_loss, loss_weights, target_features
 from blockdraft.training.selector import (
     selector_distill_loss,
     selector_loss,

@@ -10,7 +10,7 @@ import torch
 from tinypair import tiny_target
 
 from blockdraft.training.rollouts import document_starts, prompt_starts, rollout, rollout_stream
-from blockdraft.training.unlikelihood import (
+from blockdraft.training.builtin.unlikelihood import (
     TuneConfig,
     kl_to_start,
     own_choice_loss,

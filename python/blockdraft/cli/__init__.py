@@ -2,8 +2,8 @@
 ``demo``, ``bench``).
 
 :mod:`blockdraft.cli.common` holds what the subcommands share; :mod:`blockdraft.cli.app` builds
-the parser. This package module stays free of imports so that subcommand modules elsewhere
-(``blockdraft.training.cli``) can use the shared helpers without importing the parser.
+the parser. This package module stays free of imports so that a subcommand module imported on
+its own (e.g. :mod:`blockdraft.cli.train`) can use the shared helpers without importing the parser.
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ from blockdraft.cli.common import report_failure
 from blockdraft.cli.demo import add_demo_command
 from blockdraft.cli.generate import add_generate_command
 from blockdraft.cli.serve import add_serve_command
-from blockdraft.training.cli import add_training_commands
+from blockdraft.cli.train import add_training_commands
 
 DESCRIPTION = "DFlash speculative decoding: generate, train and evaluate drafters, benchmark the proposer."
 

@@ -1,7 +1,7 @@
 """The built-in trained pair: a small Qwen3 Python-code model and its DFlash drafters.
 
 Shipped inside the package (bf16 safetensors, about 51 MB), made from scratch and offline by
-``python -m blockdraft.training.make_builtin_pair --preset h200``; see ``MODEL_CARD.md`` here.
+``python -m blockdraft.training.builtin.make_builtin_pair --preset h200``; see ``MODEL_CARD.md`` here.
 
 Layout::
 

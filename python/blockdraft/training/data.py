@@ -140,7 +140,7 @@ def collect_python_sources(
     than ``min_file_chars`` or longer than ``max_file_chars`` (generated tables) are skipped;
     ``site-packages`` inside the standard library root is left to its own root. ``keep``, when
     given, must accept a file for it to be read (e.g. a
-    :class:`~blockdraft.training.licences.PermissiveFilter`).
+    :class:`~blockdraft.training.builtin.licences.PermissiveFilter`).
     """
     chosen = list(roots) if roots is not None else python_source_roots()
     seen: set[str] = set()

@@ -19,7 +19,7 @@ def _corpus_lines(c: dict[str, Any]) -> list[str]:
         f"- Python source: the build interpreter's standard library, then {c.get('site', 'site-packages')}; "
         f"{c['files']} files after de-duplication by content, {c['chars'] / 1e6:.1f} M characters.",
         "- Only permissively licensed source (licence read from each distribution's metadata, "
-        "`blockdraft.training.licences`). Distributions and licences: " + (names or "none") + ".",
+        "`blockdraft.training.builtin.licences`). Distributions and licences: " + (names or "none") + ".",
         f"- Held out by content hash (whole files): {c['heldout_files']} files ({c['heldout_tokens']} tokens); "
         f"training: {c['train_files']} files, {c['train_tokens'] / 1e6:.2f} M tokens.",
         f"- Tokenizer: byte-level BPE (`tokenizers`), vocabulary {c['vocab']}, trained on "
@@ -48,7 +48,7 @@ def _target_lines(report: dict[str, Any]) -> list[str]:
         lines.append(
             f"- Then fine-tuned {tuning['steps']} steps in {tuning['seconds']:.0f} s"
             + (f" on {tuning['device']}" if tuning.get("device") else "")
-            + f" with the sequence-level unlikelihood objective (`blockdraft.training.unlikelihood`: tokens that "
+            + f" with the sequence-level unlikelihood objective (`blockdraft.training.builtin.unlikelihood`: tokens that "
             f"complete a repeated {cfg['ngram']}-gram of its own greedy continuations are negatives, weight "
             f"{cfg['ul_weight']:g}, beside the next-token loss{_tuning_terms(cfg)}). Before "
             f"it, on the held-out files: {_metrics(before['heldout'])}; greedy continuations "

@@ -4,7 +4,7 @@ Trains a B = 16, 2-layer DFlash drafter for the built-in target twice, the same 
 (3 M characters of the interpreter's standard library), once with ``init_from_target`` and once
 from random weights, and prints the loss and tau estimate every 10 steps of each.
 
-    python benchmarks/init_from_target.py [--steps 80]
+    python benchmarks/builtin/init_from_target.py [--steps 80]
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from pathlib import Path
 
 from blockdraft import pretrained
 from blockdraft.training.data import collect_python_sources, encode_stream, python_source_roots
-from blockdraft.training.recipe import DrafterTrainConfig, train_drafter
+from blockdraft.training.loop import DrafterTrainConfig, train_drafter
 
 
 def main() -> None:

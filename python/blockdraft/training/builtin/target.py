@@ -25,10 +25,10 @@ from blockdraft.training.data import (
     train_bpe_tokenizer,
 )
 from blockdraft.training.evaluate import distinct_ngram_ratio, heldout_metrics, target_only_greedy
-from blockdraft.training.licences import permissive_python_sources
-from blockdraft.training.pair_presets import Preset
-from blockdraft.training.recipe import BudgetCalibrator, adamw, apply_gradients, cosine_lr
-from blockdraft.training.unlikelihood import TuneConfig, tune_target
+from blockdraft.training.builtin.licences import permissive_python_sources
+from blockdraft.training.builtin.presets import Preset
+from blockdraft.training.optim import BudgetCalibrator, adamw, apply_gradients, cosine_lr
+from blockdraft.training.builtin.unlikelihood import TuneConfig, tune_target
 
 log = logging.getLogger("blockdraft.make_builtin_pair")
 
@@ -205,7 +205,7 @@ def loop_metrics(model: Any, prompts: dict[str, Any], tokenizer: Any, eos_id: in
 
 def tune_and_save_target(p: Preset, seed: int, corpus: Corpus, device: torch.device, target_dir: Path,
                          prompts: dict[str, Any], report: dict[str, Any]) -> None:
-    """Unlikelihood fine-tuning (:mod:`~blockdraft.training.unlikelihood`) of the target in
+    """Unlikelihood fine-tuning (:mod:`~blockdraft.training.builtin.unlikelihood`) of the target in
     ``target_dir``, measured before and after (held-out metrics, the loop metric in fp32),
     saved back in bf16."""
     model = load_target(target_dir, device, torch.float32)

@@ -1,20 +1,20 @@
 """Make the built-in trained target + drafter pair from scratch, offline.
 
-    python -m blockdraft.training.corpus_site SITE            # once, with network: the corpus packages
-    python -m blockdraft.training.make_builtin_pair --preset h200 --corpus-site SITE --out DIR
-    python -m blockdraft.training.make_builtin_pair --preset tiny --out DIR   # CPU smoke run
+    python -m blockdraft.training.builtin.corpus_site SITE            # once, with network: the corpus packages
+    python -m blockdraft.training.builtin.make_builtin_pair --preset h200 --corpus-site SITE --out DIR
+    python -m blockdraft.training.builtin.make_builtin_pair --preset tiny --out DIR   # CPU smoke run
 
 Steps: collect Python source (the interpreter's standard library, then the permissively
 licensed packages under ``--corpus-site``, default the interpreter's own site-packages),
 deduplicated, holding out whole files (by content hash) for evaluation; train a byte-level BPE
 tokenizer; train a small Qwen3 causal LM from scratch (the target), tune it against greedy
-loops (:mod:`blockdraft.training.unlikelihood`) and measure it on the held-out files
-(:mod:`blockdraft.training.pair_target`); let it write the rollouts its drafters train on
+loops (:mod:`blockdraft.training.builtin.unlikelihood`) and measure it on the held-out files
+(:mod:`blockdraft.training.builtin.target`); let it write the rollouts its drafters train on
 (:mod:`blockdraft.training.rollouts`); train the drafters (``--drafters``: DFlash or DFlash2, any
-block sizes) with the recipe (:mod:`blockdraft.training.recipe`), each with the same time
+block sizes) with the recipe (:mod:`blockdraft.training.loop`), each with the same time
 budget; measure tau on held-out prompts with the speculative engine; write everything (bf16)
 with a model card under ``DIR/pair`` (the layout of ``blockdraft/pretrained``). Presets:
-:mod:`blockdraft.training.pair_presets`.
+:mod:`blockdraft.training.builtin.presets`.
 
 Stages run against one wall-clock deadline (``--deadline-s``) so a run on a rented GPU ends in
 time: the target and each drafter get fixed time budgets (steps are fitted after a short
@@ -42,9 +42,9 @@ from blockdraft.devices import default_dtype, sync
 from blockdraft.pretrained import DEFAULT_PROMPT
 from blockdraft.training.data import EOS_TOKEN, SourceFile
 from blockdraft.training.evaluate import EvalReport, distinct_ngram_ratio, evaluate_drafter, heldout_metrics
-from blockdraft.training.model_card import write_model_card
-from blockdraft.training.pair_presets import PRESETS, DrafterSpec, Preset, rollout_kinds
-from blockdraft.training.pair_target import (
+from blockdraft.training.builtin.model_card import write_model_card
+from blockdraft.training.builtin.presets import PRESETS, DrafterSpec, Preset, rollout_kinds
+from blockdraft.training.builtin.target import (
     Corpus,
     build_corpus,
     dir_mb,
@@ -53,7 +53,7 @@ from blockdraft.training.pair_target import (
     train_and_save_target,
     tune_and_save_target,
 )
-from blockdraft.training.recipe import DrafterTrainConfig, train_drafter
+from blockdraft.training.loop import DrafterTrainConfig, train_drafter
 from blockdraft.training.rollouts import rollout_stream
 
 log = logging.getLogger("blockdraft.make_builtin_pair")
@@ -74,7 +74,7 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--drafters", default=None,
                     help="drafters to train, e.g. 16,16:dflash2,8, or none (default: the preset's)")
     ap.add_argument("--corpus-site", type=Path, default=None,
-                    help="site directory of the corpus packages (blockdraft.training.corpus_site); "
+                    help="site directory of the corpus packages (blockdraft.training.builtin.corpus_site); "
                          "default: the interpreter's own site-packages")
     ap.add_argument("--corpus-archive", type=Path, default=None,
                     help="a .tar.xz made by corpus_site --pack, unpacked under OUT/work and used as --corpus-site")
@@ -191,7 +191,7 @@ def build(args: argparse.Namespace, argv: list[str] | None) -> int:
                               "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else
                               platform.processor() or platform.machine(),
                               "python": platform.python_version(), "torch": torch.__version__,
-                              "command": "python -m blockdraft.training.make_builtin_pair " + " ".join(
+                              "command": "python -m blockdraft.training.builtin.make_builtin_pair " + " ".join(
                                   argv if argv is not None else sys.argv[1:])}
 
     def left() -> float:

@@ -1,9 +1,9 @@
 """The corpus packages: pure-Python, permissively licensed distributions from the package index
 whose source joins the standard library in the built-in pair's corpus.
 
-    python -m blockdraft.training.corpus_site DEST            # pip-install them into DEST
-    python -m blockdraft.training.corpus_site DEST --pack F   # and pack their source into F.tar.xz
-    python -m blockdraft.training.corpus_site DEST --packages corpus_packages.txt \
+    python -m blockdraft.training.builtin.corpus_site DEST            # pip-install them into DEST
+    python -m blockdraft.training.builtin.corpus_site DEST --pack F   # and pack their source into F.tar.xz
+    python -m blockdraft.training.builtin.corpus_site DEST --packages corpus_packages.txt \
         --packages corpus_packages_wide.txt                  # the wide corpus: both lists
 
 The pinned list is ``corpus_packages.txt`` beside this module (the shipped pair's corpus);
@@ -11,7 +11,7 @@ The pinned list is ``corpus_packages.txt`` beside this module (the shipped pair'
 large. A ``--packages`` name that is not a file is looked up beside this module. Each is
 installed without its dependencies (``pip install --no-deps --only-binary=:all: --target
 DEST``), so DEST holds exactly these distributions with their ``RECORD`` and metadata: what
-:class:`~blockdraft.training.licences.PermissiveFilter` reads to keep or drop every file. The
+:class:`~blockdraft.training.builtin.licences.PermissiveFilter` reads to keep or drop every file. The
 build takes DEST with ``make_builtin_pair --corpus-site DEST``; ``--pack`` writes the ``.py``
 files the corpus can use (and every ``*.dist-info``) to one archive, for a build machine with no
 network.

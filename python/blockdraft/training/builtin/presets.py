@@ -40,7 +40,7 @@ class Preset:
     dflash2: dict[str, int] = field(default_factory=lambda: dict(
         conv_kernel_size=3, conv_group_size=32, selector_rank=32, selector_top_k=8))
     tune: dict[str, Any] = field(default_factory=dict)
-    """:class:`~blockdraft.training.unlikelihood.TuneConfig` fields of the target's unlikelihood
+    """:class:`~blockdraft.training.builtin.unlikelihood.TuneConfig` fields of the target's unlikelihood
     fine-tuning (empty: none)."""
     tune_budget_s: float = 0.0
     rollout: dict[str, Any] = field(default_factory=dict)

@@ -6,7 +6,7 @@ AdamW, gradient clipping), first eagerly, then through ``torch.compile``. The co
 first step, which compiles, is timed apart. Both runs see the same windows, so the losses of
 their first steps are printed side by side as a check that they train the same model.
 
-    python benchmarks/target_train_step.py [--steps 30] [--warmup 5]
+    python benchmarks/builtin/target_train_step.py [--steps 30] [--warmup 5]
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ import time
 
 import torch
 
-from blockdraft.training.pair_presets import PRESETS
-from blockdraft.training.pair_target import build_target
-from blockdraft.training.recipe import adamw, apply_gradients
+from blockdraft.training.builtin.presets import PRESETS
+from blockdraft.training.builtin.target import build_target
+from blockdraft.training.optim import adamw, apply_gradients
 
 
 def run(compiled: bool, steps: int, warmup: int, device: torch.device) -> dict[str, float | list[float]]:

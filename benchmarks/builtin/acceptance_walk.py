@@ -16,7 +16,7 @@ Also: row-1 accuracy and the target's unsureness of the anchor token (``token_ha
 probability) at the walk's anchors and at all positions, and how many tokens each walk step
 produced. CPU, fp32.
 
-    python benchmarks/acceptance_walk.py [--pair DIR] [--drafters b16,b8] [--new-tokens 128]
+    python benchmarks/builtin/acceptance_walk.py [--pair DIR] [--drafters b16,b8] [--new-tokens 128]
         [--corpus-site SITE]   # also 16 prompts from files of the training split
 """
 
@@ -34,11 +34,11 @@ import torch
 from blockdraft.checkpoint import load_drafter
 from blockdraft.training.data import collect_python_sources, split_heldout
 from blockdraft.training.evaluate import heldout_prompts
-from blockdraft.training.pair_target import load_target
-from blockdraft.training.recipe import block_loss, loss_weights, target_features, token_hardness
+from blockdraft.training.builtin.target import load_target
+from blockdraft.training.objective import block_loss, loss_weights, target_features, token_hardness
 from blockdraft.training.rollouts import rollout
 
-PRETRAINED = Path(__file__).resolve().parent.parent / "python" / "blockdraft" / "pretrained"
+PRETRAINED = Path(__file__).resolve().parents[2] / "python" / "blockdraft" / "pretrained"
 
 
 def training_prompts(site: Path, tokenizer: Any, count: int, length: int, every: int) -> list[list[int]]:

@@ -6,9 +6,9 @@ the shipped drafter and both results on the shipped held-out prompts: greedy τ,
 argmax drafts, and T = 1 τ with drafts sampled from the selector.
 
 Rollout prompts come from files of the corpus site in the build's training split, so the
-corpus packages must be installed (``python -m blockdraft.training.corpus_site SITE``).
+corpus packages must be installed (``python -m blockdraft.training.builtin.corpus_site SITE``).
 
-    python benchmarks/selector_distill.py --corpus-site SITE [--steps 150] [--rollouts 384]
+    python benchmarks/builtin/selector_distill.py --corpus-site SITE [--steps 150] [--rollouts 384]
         [--work DIR]
 """
 
@@ -27,12 +27,12 @@ import torch
 import blockdraft
 from blockdraft.training.data import collect_python_sources, encode_stream, split_heldout
 from blockdraft.training.evaluate import evaluate_drafter
-from blockdraft.training.pair_presets import PRESETS
-from blockdraft.training.pair_target import load_target
-from blockdraft.training.recipe import DrafterTrainConfig, train_drafter
+from blockdraft.training.builtin.presets import PRESETS
+from blockdraft.training.builtin.target import load_target
+from blockdraft.training.loop import DrafterTrainConfig, train_drafter
 from blockdraft.training.rollouts import rollout_stream
 
-PRETRAINED = Path(__file__).resolve().parent.parent / "python" / "blockdraft" / "pretrained"
+PRETRAINED = Path(__file__).resolve().parents[2] / "python" / "blockdraft" / "pretrained"
 
 
 def sampled_rollouts(target: Any, tokenizer: Any, site: Path, num: int, eos: int) -> torch.Tensor:

@@ -28,7 +28,7 @@ from torch import Tensor
 
 from blockdraft.devices import sync
 from blockdraft.training.data import sample_windows, step_generator
-from blockdraft.training.recipe import BudgetCalibrator, adamw, apply_gradients, cosine_lr
+from blockdraft.training.optim import BudgetCalibrator, adamw, apply_gradients, cosine_lr
 from blockdraft.training.rollouts import prompt_starts, rollout
 
 log = logging.getLogger(__name__)

@@ -1,4 +1,4 @@
-"""``blockdraft train-drafter`` and ``blockdraft eval-drafter`` (wired into :mod:`blockdraft.cli`)."""
+"""``blockdraft train-drafter`` and ``blockdraft eval-drafter``."""
 
 from __future__ import annotations
 
@@ -99,7 +99,7 @@ def resolve_mask_token(target: Any, tokenizer: Any, requested: int | None, out: 
 
 def _train(args: argparse.Namespace) -> int:
     from blockdraft.training.data import encode_stream
-    from blockdraft.training.recipe import DrafterTrainConfig, train_drafter
+    from blockdraft.training.loop import DrafterTrainConfig, train_drafter
 
     layer_ids = _ids(args.target_layer_ids)
     device = pick_device(args.device)

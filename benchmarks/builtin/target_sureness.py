@@ -14,7 +14,7 @@ A drafter is accepted when it names the target's argmax several tokens ahead, so
 figure bounds how easy the target is to draft for; the second separates a target that is
 unsure because it predicts code badly from one that is unsure on text it predicts well.
 
-    python benchmarks/target_sureness.py PAIR [PAIR ...] [--new-tokens 128] [--files 32]
+    python benchmarks/builtin/target_sureness.py PAIR [PAIR ...] [--new-tokens 128] [--files 32]
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ import torch
 
 from blockdraft.training.data import collect_python_sources, python_source_roots, split_heldout
 from blockdraft.training.evaluate import distinct_ngram_ratio, heldout_metrics, target_only_greedy
-from blockdraft.training.pair_target import load_target
-from blockdraft.training.recipe import token_hardness
+from blockdraft.training.builtin.target import load_target
+from blockdraft.training.objective import token_hardness
 
 
 @torch.inference_mode()
