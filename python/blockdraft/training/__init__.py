@@ -8,10 +8,8 @@ from blockdraft.training.recipe import (
     block_attention_mask,
     block_loss,
     default_gamma,
-    drafter_config_dict,
     loss_weights,
     sample_anchors,
-    save_drafter,
     token_hardness,
     train_drafter,
 )
@@ -22,10 +20,8 @@ __all__ = [
     "block_attention_mask",
     "block_loss",
     "default_gamma",
-    "drafter_config_dict",
     "loss_weights",
     "sample_anchors",
-    "save_drafter",
     "token_hardness",
     "train_drafter",
 ]
