@@ -139,3 +139,13 @@ def test_load_pair_errors_name_the_flag(which: str, message: str, tmp_path: Path
             "swapped": (str(ddir), str(tdir)), "no built-in": (None, None)}[which]
     with pytest.raises(CliError, match=message):
         load_pair(*args, device="cpu")
+
+
+def test_load_pair_loads_both_models_and_the_tokenizer(tmp_path: Path) -> None:
+    from tp_support import save_pair
+
+    tdir, ddir = save_pair(tmp_path)
+    pair = load_pair(str(tdir), str(ddir), device="cpu")
+    assert pair.max_positions == 512 and pair.target.dtype == torch.float32
+    assert pair.drafter.config.hidden_size == pair.target.config.hidden_size
+    assert pair.tokenizer.encode("w1 w2") == [1, 2]

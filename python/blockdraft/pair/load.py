@@ -93,8 +93,11 @@ class PairSource:
     def load(self, device: Any, dtype: Any = None, *, tokenizer: Any = None) -> Pair:
         """Load the weights on ``device`` (in ``dtype``, else the pair's, else the device's);
         ``tokenizer`` is one already loaded by :attr:`tokenizer`."""
+        import torch
+
         from blockdraft.devices import default_dtype
 
+        device = torch.device(device)
         target, drafter, own = self.models(device, dtype or self.dtype or default_dtype(device))
         if tokenizer is None:
             tokenizer = own if own is not None else self.tokenizer()
