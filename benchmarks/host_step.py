@@ -12,13 +12,13 @@ import timeit
 
 import torch
 
-from blockdraft import bench
+from blockdraft import bench, pair
 from blockdraft.bench.host import stub_launch
 
-shape = bench.SHAPES["tiny"]
+shape = pair.SHAPES["tiny"]
 dev = torch.device("cpu")
-target = bench.build_target(shape, dev, torch.float32)
-drafter = bench.build_drafter(shape, dev, torch.float32)
+target = pair.random_target(shape, dev, torch.float32)
+drafter = pair.random_drafter(shape, dev, torch.float32)
 calls = int(sys.argv[1]) if len(sys.argv) > 1 else 400
 n = 32
 

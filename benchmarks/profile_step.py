@@ -31,6 +31,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from blockdraft import bench, pretrained
+from blockdraft.pair import SHAPES, random_drafter, random_target
 from blockdraft.bench.spec import no_replays
 from blockdraft.devices import sync
 from blockdraft.engine import SpeculativeEngine
@@ -95,7 +96,7 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=4096)
     ap.add_argument("--batches", default="1,32")
     ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--shape", default="qwen3-8b", choices=[*sorted(bench.SHAPES), "builtin"],
+    ap.add_argument("--shape", default="qwen3-8b", choices=[*sorted(SHAPES), "builtin"],
                     help="a random pair's shape (bf16), or the built-in trained pair (fp32)")
     ap.add_argument("--device", default="cuda")
     args = ap.parse_args()
@@ -111,9 +112,9 @@ def main() -> None:
         if args.shape == "builtin":
             target, drafter, _ = pretrained.builtin_pair(device=dev, dtype=torch.float32)
         else:
-            shape = bench.SHAPES[args.shape]
-            target = bench.build_target(shape, dev, torch.bfloat16, 0)
-            drafter = bench.build_drafter(shape, dev, torch.bfloat16, 1)
+            shape = SHAPES[args.shape]
+            target = random_target(shape, dev, torch.bfloat16, 0)
+            drafter = random_drafter(shape, dev, torch.bfloat16, 1)
         for n in (int(b) for b in args.batches.split(",")):
             engine = engine_at(target, drafter, args.context, n, args.steps, gen, dev)
             kernels, wall_ms, busy_ms = device_profile(engine, args.steps, dev)

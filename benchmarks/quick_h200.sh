@@ -15,15 +15,15 @@ from pathlib import Path
 
 import torch
 
-from blockdraft import bench
+from blockdraft import bench, pair
 
 logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
 device, dtype = torch.device("cuda"), torch.bfloat16
-shape = bench.SHAPES["qwen3-8b"]
+shape = pair.SHAPES["qwen3-8b"]
 t0 = time.perf_counter()
 with torch.inference_mode():
-    target = bench.build_target(shape, device, dtype, 0)
-    drafter = bench.build_drafter(shape, device, dtype, 1)
+    target = pair.random_target(shape, device, dtype, 0)
+    drafter = pair.random_drafter(shape, device, dtype, 1)
     torch.cuda.synchronize(device)
     build_s = time.perf_counter() - t0
     records = bench.bench_quick(shape, drafter, target, device, reps=int(os.environ["REPS"]))

@@ -19,8 +19,8 @@ from typing import Any
 
 import torch
 
-from blockdraft import bench
-from blockdraft.training.drafter import save_drafter
+from blockdraft import pair
+from blockdraft.checkpoint import save_drafter
 
 log = logging.getLogger("random_pair")
 
@@ -39,23 +39,23 @@ def word_tokenizer(vocab: int) -> Any:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("out")
-    ap.add_argument("--shape", default="qwen3-8b", choices=sorted(bench.SHAPES))
+    ap.add_argument("--shape", default="qwen3-8b", choices=sorted(pair.SHAPES))
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
-    shape = bench.SHAPES[args.shape]
+    shape = pair.SHAPES[args.shape]
     dtype = getattr(torch, args.dtype)
     device = torch.device(args.device)
     out = Path(args.out)
     t0 = time.perf_counter()
     with torch.inference_mode():
-        target = bench.build_target(shape, device, dtype, 0)
+        target = pair.random_target(shape, device, dtype, 0)
         target.save_pretrained(str(out / "target"))
         del target
         word_tokenizer(shape.vocab).save_pretrained(str(out / "target"))
-        drafter = bench.build_drafter(shape, device, dtype, 1)
-        save_drafter(drafter, bench.drafter_config_dict(shape), out / "drafter", args.dtype)
+        drafter = pair.random_drafter(shape, device, dtype, 1)
+        save_drafter(drafter, shape.drafter.config_dict(), out / "drafter", args.dtype)
     log.info("wrote %s (%s, %s) in %.1f s", out, args.shape, args.dtype, time.perf_counter() - t0)
 
 

@@ -22,7 +22,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 from scorecard import expect_clear_error, score
-from tinypair import K_H, drafter_config, drafter_config_dict, make_proposer, tiny_drafter
+from tinypair import K_H, drafter_config, make_proposer, tiny_drafter, tiny_drafter_shape
 
 from blockdraft import CheckpointError, ConfigError, InvalidStateError
 from blockdraft.checkpoint import load_drafter
@@ -314,7 +314,7 @@ def test_generate_bad_input(engine: SpeculativeEngine, case: Any) -> None:
 
 
 def _config() -> dict[str, Any]:
-    return drafter_config_dict()
+    return tiny_drafter_shape().config_dict()
 
 
 @pytest.fixture(scope="module")

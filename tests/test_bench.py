@@ -23,6 +23,7 @@ from tinypair import drafter_config, tiny_drafter, tiny_target
 
 from blockdraft import ConfigError, DFlashProposer
 from blockdraft import bench as bd_bench
+from blockdraft import pair as bd_pair
 from blockdraft.bench.host import stub_launch
 from blockdraft.cli import main as cli_main
 from blockdraft.cuda_graphs import default_buckets, resolve_mode
@@ -138,10 +139,10 @@ def test_graph_modes_and_buckets() -> None:
 
 
 def test_memory_report_matches_the_formula_to_the_byte() -> None:
-    shape = bd_bench.SHAPES["tiny"]
+    shape = bd_pair.SHAPES["tiny"]
     dtype = torch.float32
-    target = bd_bench.build_target(shape, torch.device("cpu"), dtype)
-    drafter = bd_bench.build_drafter(shape, torch.device("cpu"), dtype)
+    target = bd_pair.random_target(shape, torch.device("cpu"), dtype)
+    drafter = bd_pair.random_drafter(shape, torch.device("cpu"), dtype)
     prop = bd_bench.make_proposer(drafter, target, shape, 37, 2, "off", 20)
     st = prop.alloc_state()
     prop.commit_ctx(st, torch.randn(37, shape.ctx_row_width), range(37))
@@ -185,7 +186,7 @@ def test_bench_tiny_end_to_end(
         assert r["latency_ms"]["n"] == 2 and r["latency_ms"]["median"] > 0
         assert r["latency_ms"]["p90"] >= r["latency_ms"]["median"]
         assert r["memory_per_seq"]["equal_to_formula"] and r["pool_check"]
-        assert set(r["precompute_ms"]) == {"rows_1", f"rows_{bd_bench.SHAPES['tiny'].block_size}"}
+        assert set(r["precompute_ms"]) == {"rows_1", f"rows_{bd_pair.SHAPES['tiny'].block_size}"}
     ref = sec["reference"]
     assert [r["backend"] for r in ref] == ["default"] and ref[0]["forward_ms"]["median"] > 0
     host = sec["host"]
@@ -291,10 +292,10 @@ def test_report_names_the_timing_method_of_the_device(tmp_path: Path) -> None:
 
 def test_quick_bench_logs_rounded_figures(caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.INFO, logger="blockdraft.bench")
-    shape = bd_bench.SHAPES["tiny"]
+    shape = bd_pair.SHAPES["tiny"]
     cpu = torch.device("cpu")
-    target = bd_bench.build_target(shape, cpu, torch.float32)
-    drafter = bd_bench.build_drafter(shape, cpu, torch.float32)
+    target = bd_pair.random_target(shape, cpu, torch.float32)
+    drafter = bd_pair.random_drafter(shape, cpu, torch.float32)
     recs = bd_bench.bench_quick(shape, drafter, target, cpu, cells=[(24, 1), (24, 2)], reps=2,
                                 warmup=1)
     assert [(r["context"], r["batch"]) for r in recs] == [(24, 1), (24, 2)]
@@ -302,9 +303,9 @@ def test_quick_bench_logs_rounded_figures(caplog: pytest.LogCaptureFixture) -> N
 
 
 def test_memory_figures_read_the_cache() -> None:
-    shape = bd_bench.SHAPES["tiny"]
-    target = bd_bench.build_target(shape, torch.device("cpu"), torch.float32)
-    drafter = bd_bench.build_drafter(shape, torch.device("cpu"), torch.float32)
+    shape = bd_pair.SHAPES["tiny"]
+    target = bd_pair.random_target(shape, torch.device("cpu"), torch.float32)
+    drafter = bd_pair.random_drafter(shape, torch.device("cpu"), torch.float32)
     prop = bd_bench.make_proposer(drafter, target, shape, 20, 1, "off", 8)
     assert prop.page_size == 16
     # One block: every layer's K and V rows of 16 slots, fp32 (+ its slot positions).
@@ -312,9 +313,9 @@ def test_memory_figures_read_the_cache() -> None:
 
 
 def test_graphs_off_and_a_stubbed_launch_steer_the_graph_path() -> None:
-    shape = bd_bench.SHAPES["tiny"]
-    target = bd_bench.build_target(shape, torch.device("cpu"), torch.float32)
-    drafter = bd_bench.build_drafter(shape, torch.device("cpu"), torch.float32)
+    shape = bd_pair.SHAPES["tiny"]
+    target = bd_pair.random_target(shape, torch.device("cpu"), torch.float32)
+    drafter = bd_pair.random_drafter(shape, torch.device("cpu"), torch.float32)
     prop = bd_bench.make_proposer(drafter, target, shape, 20, 2, "static", 40)
     runner = prop.graph_runner
     assert runner is not None and runner.mode == "static"

@@ -3,6 +3,7 @@ subcommand, and one-line errors (exit code 2) that name the flag, checked before
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -13,13 +14,15 @@ from typing import Any
 import pytest
 import torch
 from safetensors.torch import save_file
-from tinypair import HIDDEN, drafter_config, drafter_config_dict, tiny_drafter, tiny_target
+from tinypair import HIDDEN, drafter_config, tiny_drafter, tiny_drafter_shape, tiny_target
 
+import blockdraft
 from blockdraft.cli import main
 from blockdraft.cli.app import build_parser
 from blockdraft.cli.common import CliError, check_lengths
 from blockdraft.cli.demo import OPTIONS as DEMO_OPTIONS
-from blockdraft.cli.generate import DEMO_MAX_POSITIONS, build_demo_pair
+from blockdraft.pair import DEMO_SHAPE
+from blockdraft.pair.load import build_demo_pair
 from blockdraft.training.evaluate import EvalReport
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -36,7 +39,7 @@ def _save_pair(root: Path, drafter_hidden: int = HIDDEN) -> tuple[Path, Path]:
     tok = Tokenizer(models.WordLevel(vocab={f"w{i}": i for i in range(64)}, unk_token="w0"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="w0").save_pretrained(tdir)
-    cfg = drafter_config_dict(hidden=drafter_hidden)
+    cfg = tiny_drafter_shape(hidden=drafter_hidden).config_dict()
     drafter = tiny_drafter(drafter_config(hidden=drafter_hidden))
     ddir.mkdir()
     (ddir / "config.json").write_text(json.dumps(cfg))
@@ -59,7 +62,7 @@ def model_loads(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     monkeypatch.setattr("transformers.AutoModelForCausalLM.from_pretrained", refuse("target"))
     monkeypatch.setattr("blockdraft.checkpoint.load_drafter", refuse("drafter"))
     monkeypatch.setattr("blockdraft.pretrained.builtin_pair", refuse("built-in pair"))
-    monkeypatch.setattr("blockdraft.cli.generate.build_demo_pair", refuse("demo pair"))
+    monkeypatch.setattr("blockdraft.pair.load.build_demo_pair", refuse("demo pair"))
     return calls
 
 
@@ -175,6 +178,47 @@ def test_debug_shows_the_traceback_and_still_exits_2(where: str, capsys: pytest.
     assert err[-1] == "blockdraft: error: --sequences must be >= 1, not -1"
 
 
+# ---------------------------------------------------------------- the parser: usage errors, --version, help
+
+TRAINING_COMMANDS = ("train-drafter", "eval-drafter")
+"""Built in ``blockdraft.cli.train``; their flags' help texts are not all written yet."""
+
+
+@pytest.mark.parametrize(("argv", "words"), [
+    (["generate", "--max-new-tokens", "abc"], "argument --max-new-tokens: invalid int value: 'abc'"),
+    (["bench", "--shape", "nope"], "argument --shape: invalid choice: 'nope'"),
+    (["train-drafter"], "the following arguments are required: --target, --corpus, --out"),
+    ([], "the following arguments are required: command"),
+    (["serve", "--port"], "argument --port: expected one argument"),
+])
+def test_usage_errors_are_one_line(argv: list[str], words: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as done:
+        main(argv)
+    assert done.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("blockdraft: error: ") and words in err[0], err
+    assert err[0].endswith(" --help)")
+
+
+def test_version_prints_and_exits_0(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as done:
+        main(["--version"])
+    assert done.value.code == 0
+    assert capsys.readouterr().out.strip() == f"blockdraft {blockdraft.__version__}"
+
+
+@pytest.mark.parametrize("command", sorted(set(REQUIRED) - set(TRAINING_COMMANDS)))
+def test_every_flag_has_help_and_shows_its_default(command: str) -> None:
+    sub = next(a for a in build_parser()._actions if a.dest == "command")
+    parser = (sub.choices or {})[command]
+    text = " ".join(parser.format_help().split())
+    for action in parser._actions:
+        assert action.help, (command, action.option_strings or action.dest)
+        if action.option_strings and isinstance(action.default, (int, float, str)) and not isinstance(
+                action.default, bool) and action.default != argparse.SUPPRESS:
+            assert "default" in action.help or f"(default: {action.default})" in text, (command, action.dest)
+
+
 # ---------------------------------------------------------------- generate: checks before loading
 
 
@@ -186,6 +230,14 @@ def test_non_utf8_prompt_is_named_before_loading(
     assert line == "blockdraft: error: the prompt is not valid UTF-8 (byte 0xff at character 3)"
     line = _one_line_error(capsys, ["generate", "ok \ud800"])
     assert "U+D800" in line
+    assert model_loads == []
+
+
+def test_empty_prompt_is_refused_before_loading(
+    capsys: pytest.CaptureFixture[str], model_loads: list[str]
+) -> None:
+    line = _one_line_error(capsys, ["generate", ""])
+    assert line.startswith("blockdraft: error: the prompt is empty")
     assert model_loads == []
 
 
@@ -237,17 +289,17 @@ def test_max_new_tokens_must_fit_the_target(
     assert "--max-new-tokens" in line and f"at most {TINY_MAX_POSITIONS - 3}" in line
     monkeypatch.setattr("blockdraft.pretrained.available", lambda block_size=8: False)
     line = _one_line_error(capsys, ["generate", "hello", "--max-new-tokens", str(10**12)])
-    assert f"max_position_embeddings is {DEMO_MAX_POSITIONS}" in line and "takes 5 tokens" in line
+    assert f"max_position_embeddings is {DEMO_SHAPE.max_positions}" in line and "takes 5 tokens" in line
     assert model_loads == []
 
 
 def test_length_check_boundaries() -> None:
-    check_lengths(5, DEMO_MAX_POSITIONS - 5, DEMO_MAX_POSITIONS)  # exactly full
+    check_lengths(5, DEMO_SHAPE.max_positions - 5, DEMO_SHAPE.max_positions)  # exactly full
     check_lengths(10**6, 10**9, None)  # no known limit
     with pytest.raises(CliError, match="at most 4091"):
-        check_lengths(5, DEMO_MAX_POSITIONS - 4, DEMO_MAX_POSITIONS)
+        check_lengths(5, DEMO_SHAPE.max_positions - 4, DEMO_SHAPE.max_positions)
     with pytest.raises(CliError, match="is 4096 tokens"):
-        check_lengths(DEMO_MAX_POSITIONS, 1, DEMO_MAX_POSITIONS)
+        check_lengths(DEMO_SHAPE.max_positions, 1, DEMO_SHAPE.max_positions)
 
 
 def test_prompt_longer_than_the_target_is_refused(
@@ -261,7 +313,7 @@ def test_prompt_longer_than_the_target_is_refused(
                     f"is {TINY_MAX_POSITIONS}, which must hold the prompt and at least one new token")
     monkeypatch.setattr("blockdraft.pretrained.available", lambda block_size=8: False)
     line = _one_line_error(capsys, ["generate", "x" * 5000])
-    assert "5000 tokens" in line and str(DEMO_MAX_POSITIONS) in line
+    assert "5000 tokens" in line and str(DEMO_SHAPE.max_positions) in line
     assert model_loads == []
 
 

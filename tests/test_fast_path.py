@@ -291,11 +291,12 @@ def test_stage_caps() -> None:
 
 def test_quick_bench_runs_on_the_tiny_shape() -> None:
     from blockdraft import bench as bd_bench
+    from blockdraft import pair as bd_pair
 
-    shape = bd_bench.SHAPES["tiny"]
+    shape = bd_pair.SHAPES["tiny"]
     cpu = torch.device("cpu")
-    target = bd_bench.build_target(shape, cpu, torch.float32)
-    drafter = bd_bench.build_drafter(shape, cpu, torch.float32)
+    target = bd_pair.random_target(shape, cpu, torch.float32)
+    drafter = bd_pair.random_drafter(shape, cpu, torch.float32)
     recs = bd_bench.bench_quick(shape, drafter, target, cpu, cells=[(32, 1), (32, 2)], reps=2,
                                 warmup=1)
     assert [(r["context"], r["batch"]) for r in recs] == [(32, 1), (32, 2)]

@@ -130,12 +130,11 @@ def test_serve_takes_debug_before_or_after() -> None:
 def test_the_builtin_pair_is_served_in_fp32_on_every_device(device: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """As the main job: greedy answers from the built-in pair are exactly its target's, which
     needs fp32 also on CUDA (checked without one: the loader's choice is what is asserted)."""
-    import argparse
 
     import torch
 
     from blockdraft import pretrained
-    from blockdraft.cli.serve import _pair
+    from blockdraft.pair.load import find_pair
 
     seen: dict[str, Any] = {}
 
@@ -144,8 +143,27 @@ def test_the_builtin_pair_is_served_in_fp32_on_every_device(device: str, monkeyp
         return None, None, None
 
     monkeypatch.setattr(pretrained, "builtin_pair", fake_builtin_pair)
-    pair = _pair(argparse.Namespace(target=None, drafter=None))
+    pair = find_pair(None, None)
     assert "B=16 drafter, fp32" in pair.description
     pair.load(torch.device(device))
     assert seen["device"] == torch.device(device)
     assert seen.get("dtype", torch.float32) == torch.float32
+
+
+def test_a_port_in_use_fails_before_loading(capsys: pytest.CaptureFixture[str],
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    import socket
+
+    from blockdraft import pretrained
+
+    loads: list[str] = []
+    monkeypatch.setattr(pretrained, "builtin_pair", lambda **kw: loads.append("built-in pair"))
+    monkeypatch.setattr("transformers.AutoModelForCausalLM.from_pretrained", lambda *a, **kw: loads.append("target"))
+    with socket.socket() as busy:
+        busy.bind((HOST, 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        assert main(["serve", "--device", "cpu", "--host", HOST, "--port", str(port)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"blockdraft: error: --port {port}: cannot listen on"), err
+    assert loads == []

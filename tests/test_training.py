@@ -17,7 +17,8 @@ from training_support import assert_matches_reference_and_target
 
 import blockdraft
 from blockdraft.training.data import sample_windows, step_generator
-from blockdraft.training.drafter import drafter_config_dict, new_drafter
+from blockdraft.pair import DrafterShape
+from blockdraft.training.drafter import new_drafter
 from blockdraft.training.loop import DrafterTrainConfig, train_drafter
 from blockdraft.training.objective import (
     block_attention_mask,
@@ -90,7 +91,7 @@ def test_each_block_equals_the_inference_forward_and_ignores_the_rest() -> None:
     context before its anchor; later context and other blocks never change it."""
     torch.manual_seed(0)
     target = tiny_target(vocab=VOCAB)
-    raw = drafter_config_dict(target.config, num_layers=2, block_size=4, mask_token_id=MASK)
+    raw = DrafterShape.for_target(target.config, num_layers=2, block_size=4, mask_token_id=MASK).config_dict()
     drafter = new_drafter(raw, seed=1)
     tokens = _stream()[:16][None]
     anchors = torch.tensor([[2, 6, 11]])

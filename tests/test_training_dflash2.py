@@ -18,7 +18,8 @@ from training_support import assert_matches_reference_and_target
 import blockdraft
 from blockdraft.models import DFlash2Drafter
 from blockdraft.models.layers import grouped_dynamic_conv
-from blockdraft.training.drafter import drafter_config_dict, new_drafter
+from blockdraft.pair import DrafterShape
+from blockdraft.training.drafter import new_drafter
 from blockdraft.training.loop import DrafterTrainConfig, train_drafter
 from blockdraft.training.objective import block_loss, loss_weights, target_features
 from blockdraft.training.selector import (
@@ -41,7 +42,7 @@ def _stream(n: int = 4000, seed: int = 0) -> torch.Tensor:
 
 def _random_dflash2(target: Any, block: int = 4, seed: int = 1) -> DFlash2Drafter:
     """A DFlash2 drafter whose convolutions and selector all act (not the identity start)."""
-    raw = drafter_config_dict(target.config, num_layers=2, block_size=block, mask_token_id=MASK, dflash2=SIZES)
+    raw = DrafterShape.for_target(target.config, num_layers=2, block_size=block, mask_token_id=MASK, dflash2=SIZES).config_dict()
     drafter = new_drafter(raw, seed=seed)
     assert isinstance(drafter, DFlash2Drafter)
     gen = torch.Generator().manual_seed(seed)
@@ -73,9 +74,9 @@ def test_fresh_dflash2_drafter_starts_as_its_dflash_part() -> None:
     """Identity convolutions and a selector that adds nothing: picks are the argmax."""
     torch.manual_seed(0)
     target = tiny_target(vocab=VOCAB)
-    raw = drafter_config_dict(target.config, num_layers=2, block_size=4, mask_token_id=MASK, dflash2=SIZES)
+    raw = DrafterShape.for_target(target.config, num_layers=2, block_size=4, mask_token_id=MASK, dflash2=SIZES).config_dict()
     drafter = new_drafter(raw, seed=3)
-    plain_raw = drafter_config_dict(target.config, num_layers=2, block_size=4, mask_token_id=MASK)
+    plain_raw = DrafterShape.for_target(target.config, num_layers=2, block_size=4, mask_token_id=MASK).config_dict()
     plain = new_drafter(plain_raw, seed=3)
     plain.load_state_dict({k: v for k, v in drafter.state_dict().items() if k in plain.state_dict()})
     ctx = torch.randn(7, drafter.config.num_context_layers * drafter.config.hidden_size)
@@ -151,7 +152,7 @@ def test_selector_loss_ignores_rows_whose_label_is_not_a_candidate() -> None:
 def test_distillation_term_is_the_cross_entropy_against_the_target_softmax() -> None:
     torch.manual_seed(0)
     target = tiny_target(vocab=VOCAB)
-    raw = drafter_config_dict(target.config, num_layers=1, block_size=4, mask_token_id=MASK)
+    raw = DrafterShape.for_target(target.config, num_layers=1, block_size=4, mask_token_id=MASK).config_dict()
     drafter = new_drafter(raw, seed=2)
     tokens = _stream()[:16][None]
     anchors = torch.tensor([[3, 9]])

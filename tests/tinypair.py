@@ -12,6 +12,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCau
 
 from blockdraft.config import DrafterConfig
 from blockdraft.models import DFlashDrafter
+from blockdraft.pair import DrafterShape
 
 HIDDEN = 32
 K_H = 2 * HIDDEN  # k * H: the default drafter reads 2 target layers of hidden size 32
@@ -40,11 +41,11 @@ def tiny_target(kind: str = "qwen3", *, vocab: int = 64, layers: int = 3, seed: 
 
 
 def drafter_config(**kw: Any) -> DrafterConfig:
-    """The tiny drafter's config (see :func:`drafter_config_dict` for the arguments)."""
-    return DrafterConfig.from_dict(drafter_config_dict(**kw))
+    """The tiny drafter's config (see :func:`tiny_drafter_shape` for the arguments)."""
+    return DrafterConfig.from_dict(tiny_drafter_shape(**kw).config_dict())
 
 
-def drafter_config_dict(
+def tiny_drafter_shape(
     *,
     vocab: int = 64,
     target_layers: int = 3,
@@ -53,29 +54,14 @@ def drafter_config_dict(
     mask: int | None = None,
     hidden: int = HIDDEN,
     extra: dict[str, Any] | None = None,
-) -> dict[str, Any]:
-    """The tiny drafter's ``config.json`` (z-lab layout): reads target layers 0 and last."""
-    raw: dict[str, Any] = {
-        "architectures": ["DFlashDraftModel"],
-        "hidden_size": hidden,
-        "num_hidden_layers": layers,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": 8,
-        "intermediate_size": 48,
-        "vocab_size": vocab,
-        "rms_norm_eps": 1e-6,
-        "max_position_embeddings": 512,
-        "rope_theta": 10000.0,
-        "num_target_layers": target_layers,
-        "block_size": block,
-        "dflash_config": {
-            "target_layer_ids": [0, target_layers - 1],
-            "mask_token_id": vocab - 1 if mask is None else mask,
-        },
-    }
-    raw.update(extra or {})
-    return raw
+) -> DrafterShape:
+    """The tiny drafter's config fields: it reads target layers 0 and last."""
+    return DrafterShape(
+        hidden_size=hidden, num_layers=layers, num_heads=4, num_kv_heads=2, head_dim=8,
+        intermediate_size=48, vocab_size=vocab, num_target_layers=target_layers, block_size=block,
+        target_layer_ids=(0, target_layers - 1), mask_token_id=vocab - 1 if mask is None else mask,
+        max_positions=512, rope_theta=10000.0, extra=extra or {},
+    )
 
 
 def tiny_drafter(config: DrafterConfig | None = None, *, seed: int = 1) -> DFlashDrafter:

@@ -189,7 +189,7 @@ def save_pair(root: Path) -> tuple[Path, Path]:
     import json
 
     from safetensors.torch import save_file
-    from tinypair import drafter_config_dict
+    from tinypair import tiny_drafter_shape
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -199,7 +199,7 @@ def save_pair(root: Path) -> tuple[Path, Path]:
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="w0").save_pretrained(tdir)
     ddir.mkdir()
-    (ddir / "config.json").write_text(json.dumps(drafter_config_dict()))
+    (ddir / "config.json").write_text(json.dumps(tiny_drafter_shape().config_dict()))
     drafter = tiny_drafter(drafter_config())
     save_file({k: v.contiguous() for k, v in drafter.state_dict().items()}, str(ddir / "model.safetensors"))
     return tdir, ddir

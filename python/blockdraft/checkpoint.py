@@ -195,3 +195,19 @@ def load_drafter(
         list(config.target_layer_ids), target_dtype, dev,
     )
     return drafter
+
+
+def save_drafter(drafter: DFlashDrafter, raw_config: dict[str, Any], out: Path, dtype: str = "bfloat16") -> Path:
+    """Write ``out/config.json`` + ``out/model.safetensors`` (z-lab format, what
+    :func:`load_drafter` reads) with the weights in ``dtype`` (``float32``, ``float16`` or
+    ``bfloat16``); returns ``out``."""
+    from safetensors.torch import save_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = dict(raw_config)
+    cfg["dtype"] = dtype
+    cfg["torch_dtype"] = dtype
+    (out / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    tensors = {k: v.detach().to("cpu", _DTYPE_NAMES[dtype]).contiguous() for k, v in drafter.state_dict().items()}
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out

@@ -23,6 +23,7 @@ from torch.utils.hooks import RemovableHandle
 
 from blockdraft._core import ConfigError
 from blockdraft.config import DrafterConfig
+from blockdraft.pair.checks import check_fits
 
 logger = logging.getLogger(__name__)
 
@@ -144,10 +145,11 @@ class TargetAdapter:
             self._handles.append(module.register_forward_hook(self._make_hook(slot)))
 
     def _check_fit(self, config: DrafterConfig) -> None:
-        if config.hidden_size != self.hidden_size:
-            raise ConfigError(
-                f"drafter hidden_size {config.hidden_size} != target hidden_size {self.hidden_size}"
-            )
+        check_fits(drafter_hidden=config.hidden_size, target_layer_ids=config.target_layer_ids,
+                   mask_token_id=config.mask_token_id, target_hidden=self.hidden_size,
+                   target_layers=self.num_layers, embed_rows=int(self.embedding_weight.shape[0]),
+                   selector_rows=config.vocab_size if config.is_dflash2 else None,
+                   head_rows=self.vocab_size)
         if config.num_target_layers is not None and config.num_target_layers != self.num_layers:
             logger.warning(
                 "drafter was made for a %d-layer target; this target has %d layers",
@@ -156,17 +158,6 @@ class TargetAdapter:
         if self.embedding_weight.shape[0] != self.vocab_size:
             logger.info(
                 "target embedding rows (%d) != lm_head rows (%d)", self.embedding_weight.shape[0], self.vocab_size
-            )
-        mask = config.mask_token_id
-        if mask is not None and mask >= self.embedding_weight.shape[0]:
-            raise ConfigError(
-                f"drafter mask_token_id {mask} is outside the target's embedding table "
-                f"({self.embedding_weight.shape[0]} rows)"
-            )
-        if config.is_dflash2 and config.vocab_size < self.vocab_size:
-            raise ConfigError(
-                f"DFlash2 selector codebooks have {config.vocab_size} rows but the target head "
-                f"has {self.vocab_size} tokens"
             )
 
     def _make_hook(self, slot: int) -> Any:

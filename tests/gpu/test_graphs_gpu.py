@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from blockdraft import DFlashProposer
-from blockdraft import bench as bd_bench
+from blockdraft import pair as bd_pair
 
 pytestmark = pytest.mark.gpu
 
@@ -44,10 +44,10 @@ def _run(prop: DFlashProposer, shape: Any, seed: int) -> list[Any]:
 
 
 def test_captured_graphs_give_the_plain_drafts() -> None:
-    shape = bd_bench.Shape("gpu-test", 6, 256, 8, 2, 32, 512, 4096, 2, (1, 4), 8, 4095)
+    shape = bd_pair.Shape("gpu-test", 6, 256, 8, 2, 32, 512, 4096, 2, (1, 4), 8, 4095)
     dev = torch.device("cuda")
-    target = bd_bench.build_target(shape, dev, torch.float32)
-    drafter = bd_bench.build_drafter(shape, dev, torch.float32)
+    target = bd_pair.random_target(shape, dev, torch.float32)
+    drafter = bd_pair.random_drafter(shape, dev, torch.float32)
     results = []
     for mode in ("off", "capture"):
         prop = DFlashProposer(drafter, target, max_seq_len=1024, num_pages=400, page_size=16,
@@ -64,10 +64,10 @@ def test_captured_graphs_give_the_plain_drafts() -> None:
 def test_batch_commit_on_the_gpu_equals_single_commits(dtype: torch.dtype) -> None:
     """``commit_ctx_batch`` (one accumulator-kernel launch) leaves the accumulators and the
     drafts of one ``commit_ctx`` per sequence, with the graph path on."""
-    shape = bd_bench.Shape("gpu-test", 6, 256, 8, 2, 32, 512, 4096, 2, (1, 4), 8, 4095)
+    shape = bd_pair.Shape("gpu-test", 6, 256, 8, 2, 32, 512, 4096, 2, (1, 4), 8, 4095)
     dev = torch.device("cuda")
-    target = bd_bench.build_target(shape, dev, dtype)
-    drafter = bd_bench.build_drafter(shape, dev, dtype)
+    target = bd_pair.random_target(shape, dev, dtype)
+    drafter = bd_pair.random_drafter(shape, dev, dtype)
     gen = torch.Generator(device=dev).manual_seed(9)
     firsts = [40, 7, 130, 64]
     steps = [[3, 1, 8, 2], [1, 1, 1, 1], [2, 0, 5, 8]]

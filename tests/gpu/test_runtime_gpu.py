@@ -10,15 +10,15 @@ import torch
 
 import blockdraft
 from blockdraft import TargetRuntime
-from blockdraft import bench as bd_bench
+from blockdraft import pair as bd_pair
 
 pytestmark = pytest.mark.gpu
 GPU = torch.device("cuda")
-SHAPE = bd_bench.Shape("gpu-runtime", 6, 512, 8, 2, 64, 1024, 4096, 2, (1, 4), 8, 4095)
+SHAPE = bd_pair.Shape("gpu-runtime", 6, 512, 8, 2, 64, 1024, 4096, 2, (1, 4), 8, 4095)
 
 
 def _target(dtype: torch.dtype) -> Any:
-    return bd_bench.build_target(SHAPE, GPU, dtype, seed=3)
+    return bd_pair.random_target(SHAPE, GPU, dtype, seed=3)
 
 
 def _prompts(n: int, lengths: list[int]) -> list[list[int]]:
@@ -60,7 +60,7 @@ def test_runtime_logits_equal_hf(dtype: torch.dtype) -> None:
 
 def test_fp32_decode_and_generate_equal_hf_greedy() -> None:
     model = _target(torch.float32)
-    drafter = bd_bench.build_drafter(SHAPE, GPU, torch.float32, seed=4)
+    drafter = bd_pair.random_drafter(SHAPE, GPU, torch.float32, seed=4)
     prompts = _prompts(4, [5, 300, 61, 1200])
     want = [_hf_greedy(model, p, 24) for p in prompts]
     assert blockdraft.decode(model, prompts, max_new_tokens=24).tokens == want
@@ -72,7 +72,7 @@ def test_captured_graphs_equal_the_eager_runtime() -> None:
     """Decode and the speculative engine, replayed from CUDA graphs, give the eager runtime's
     tokens (fp32), across batch-size buckets and blocks padded to B rows."""
     model = _target(torch.float32)
-    drafter = bd_bench.build_drafter(SHAPE, GPU, torch.float32, seed=4)
+    drafter = bd_pair.random_drafter(SHAPE, GPU, torch.float32, seed=4)
     prompts = _prompts(5, [3, 250, 900, 40, 1])
     out = {}
     for mode in ("off", "capture"):

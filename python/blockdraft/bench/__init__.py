@@ -30,7 +30,8 @@ Each step of the propose section commits one new ctx row per sequence (a random 
 nothing, so a step adds ``accepted + 1 = 1`` row), so every timed call includes the K/V
 precompute of that row, as in steady state.
 
-The modules: ``shapes`` (shapes and model builders), ``timing``, ``workload`` (the bench's
+The shapes and the random pairs built at them are :mod:`blockdraft.pair`'s.
+The modules: ``timing``, ``workload`` (the bench's
 proposers and live sequences), ``memory``, one module per section (``propose``, ``reference``,
 ``host``, ``kernels``, ``e2e``, ``quick``, ``target``), ``driver`` (one run), ``report``
 (markdown, plots, files) and ``command`` (the CLI options).
@@ -47,16 +48,8 @@ from blockdraft.bench.kernels import bench_kernels
 from blockdraft.bench.memory import state_memory
 from blockdraft.bench.propose import bench_propose
 from blockdraft.bench.quick import QUICK_CELLS, QUICK_TARGETS_MS, bench_quick, quick_markdown
-from blockdraft.bench.reference import bench_reference
+from blockdraft.bench.reference import bench_reference, build_reference_drafter
 from blockdraft.bench.report import plot, to_markdown, write_outputs
-from blockdraft.bench.shapes import (
-    SHAPES,
-    Shape,
-    build_drafter,
-    build_reference_drafter,
-    build_target,
-    drafter_config_dict,
-)
 from blockdraft.bench.timing import timing_method
 from blockdraft.bench.workload import Seqs, make_proposer, release
 
@@ -65,10 +58,8 @@ __all__ = [
     "QUICK_TARGETS_MS",
     "SCHEMA_VERSION",
     "SECTIONS",
-    "SHAPES",
     "BenchConfig",
     "Seqs",
-    "Shape",
     "add_arguments",
     "bench_core_bookkeeping",
     "bench_e2e",
@@ -77,12 +68,9 @@ __all__ = [
     "bench_propose",
     "bench_quick",
     "bench_reference",
-    "build_drafter",
     "build_reference_drafter",
-    "build_target",
     "config_from_args",
     "default_out_dir",
-    "drafter_config_dict",
     "environment",
     "main_from_args",
     "make_proposer",

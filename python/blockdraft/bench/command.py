@@ -11,7 +11,7 @@ from typing import Any
 from blockdraft.bench.config import BenchConfig
 from blockdraft.bench.driver import resolve, run
 from blockdraft.bench.report import to_markdown, write_outputs
-from blockdraft.bench.shapes import SHAPES
+from blockdraft.pair import SHAPES
 
 log = logging.getLogger(__name__)
 
@@ -41,22 +41,24 @@ def _ints(text: str) -> list[int]:
 
 def add_arguments(parser: Any) -> None:
     """The ``bench`` subcommand's options (shared by the CLI and ``python -m``)."""
-    parser.add_argument("--shape", default="tiny", choices=sorted(SHAPES))
+    parser.add_argument("--shape", default="tiny", choices=sorted(SHAPES),
+                        help="the random pair's shape")
     parser.add_argument("--contexts", default=None, help="comma-separated (default 512,4096,16384; tiny: 32,128)")
     parser.add_argument("--batches", default=None, help="comma-separated (default 1,4,16,32,64; tiny: 1,4)")
-    parser.add_argument("--reps", type=int, default=20)
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--loop-reps", type=int, default=5)
-    parser.add_argument("--e2e-steps", type=int, default=24)
+    parser.add_argument("--reps", type=int, default=20, help="timed calls per cell")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed calls before each cell's timed ones")
+    parser.add_argument("--loop-reps", type=int, default=5, help="repeats of the per-sequence loop (n propose calls each)")
+    parser.add_argument("--e2e-steps", type=int, default=24,
+                        help="speculative steps per end-to-end run")
     parser.add_argument("--e2e-repeats", type=int, default=1,
                         help="end-to-end runs per engine (alternating); the median is reported")
     parser.add_argument("--e2e-backends", default="flash,default",
                         help="SDPA settings of the end-to-end section on CUDA, in run order")
     parser.add_argument("--sections", default="propose,reference,e2e,host,kernels",
                         help="comma-separated: propose, reference, e2e, host, kernels, target, spec")
-    parser.add_argument("--device", default="auto")
-    parser.add_argument("--dtype", default="auto")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", default="auto", help="cpu, cuda or cuda:N (auto: CUDA when present)")
+    parser.add_argument("--dtype", default="auto", help="bf16, fp16 or fp32 (auto: bf16 on CUDA, fp32 on the CPU)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the random weights and inputs")
     parser.add_argument(
         "--out",
         default=None,

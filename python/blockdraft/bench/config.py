@@ -10,7 +10,7 @@ class BenchConfig:
     """What one ``blockdraft bench`` run measures.
 
     Attributes:
-        shape: a key of :data:`~blockdraft.bench.SHAPES`.
+        shape: a key of :data:`~blockdraft.pair.SHAPES`.
         contexts: context lengths (ctx rows per sequence).
         batches: batch sizes (sequences per proposal).
         reps / warmup: timed and untimed calls per cell.

@@ -19,7 +19,7 @@ from blockdraft.bench.host import bench_host
 from blockdraft.bench.kernels import bench_kernels
 from blockdraft.bench.propose import bench_propose
 from blockdraft.bench.reference import bench_reference
-from blockdraft.bench.shapes import SHAPES, Shape, build_drafter, build_target
+from blockdraft.pair import SHAPES, Shape, random_drafter, random_target
 from blockdraft.bench.spec import bench_spec
 from blockdraft.bench.target import bench_target
 from blockdraft.devices import sync
@@ -129,8 +129,8 @@ def run(
     }
     torch.manual_seed(cfg.seed)
     tb = time.perf_counter()
-    target = build_target(shape, device, dtype, cfg.seed)
-    drafter = build_drafter(shape, device, dtype, cfg.seed + 1)
+    target = random_target(shape, device, dtype, cfg.seed)
+    drafter = random_drafter(shape, device, dtype, cfg.seed + 1)
     sync(device)
     result["build_s"] = time.perf_counter() - tb
     log.info("bench: built the %s pair on %s in %s s", shape.name, device, fmt(result["build_s"], 1))

@@ -21,7 +21,7 @@ import torch
 
 from blockdraft.bench.config import BenchConfig
 from blockdraft.bench.figures import fmt
-from blockdraft.bench.shapes import Shape
+from blockdraft.pair import Shape
 from blockdraft.devices import sync
 from blockdraft.bench.workload import Seqs, make_proposer, release
 

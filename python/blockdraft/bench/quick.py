@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from blockdraft.bench.figures import fmt
-from blockdraft.bench.shapes import Shape
+from blockdraft.pair import Shape
 from blockdraft.bench.timing import cell_times
 from blockdraft.bench.workload import Seqs, make_proposer, release
 

@@ -11,10 +11,28 @@ import torch
 
 from blockdraft.bench.config import BenchConfig
 from blockdraft.bench.figures import fmt
-from blockdraft.bench.shapes import Shape, build_reference_drafter
 from blockdraft.bench.timing import cell_times
+from blockdraft.pair import Shape, default_dtype
 
 log = logging.getLogger(__name__)
+
+
+def build_reference_drafter(drafter: Any, shape: Shape) -> Any:
+    """The public reference's ``DFlashDraftModel`` holding ``drafter``'s weights (same device
+    and dtype). Raises ImportError without ``dflash``."""
+    from dflash.model import DFlashDraftModel  # type: ignore[import-untyped]
+    from transformers import Qwen3Config
+
+    raw = shape.drafter.config_dict()
+    raw.pop("architectures")
+    cfg = Qwen3Config(**raw)
+    weight = drafter.fc.weight
+    with torch.device(weight.device), default_dtype(weight.dtype):
+        ref = DFlashDraftModel(cfg)
+    missing, unexpected = ref.load_state_dict(drafter.state_dict(), strict=False)
+    if unexpected or any("rotary" not in k for k in missing):
+        raise RuntimeError(f"reference drafter weights differ: missing {missing}, unexpected {unexpected}")
+    return ref.to(device=weight.device, dtype=weight.dtype).eval()
 
 
 def sdpa_context(backend: str) -> Any:
@@ -33,7 +51,7 @@ def bench_reference(
 ) -> list[dict[str, Any]]:
     """The reference drafter forward at batch 1: one new ctx row + a block of B over a cache
     holding ``ctx`` rows, then ``lm_head`` and argmax (what its generate loop does per step)."""
-    from dflash.model import _crop_to, _make_cache  # type: ignore[import-untyped]
+    from dflash.model import _crop_to, _make_cache
 
     ref = build_reference_drafter(drafter, shape)
     embed = target.get_input_embeddings().weight

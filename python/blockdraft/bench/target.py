@@ -25,7 +25,7 @@ import torch
 
 from blockdraft.bench.config import BenchConfig
 from blockdraft.bench.figures import fmt
-from blockdraft.bench.shapes import Shape
+from blockdraft.pair import Shape
 from blockdraft.bench.timing import cell_times
 from blockdraft.devices import sync
 

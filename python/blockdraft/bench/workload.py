@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from blockdraft.bench.shapes import Shape
+from blockdraft.pair import Shape
 
 
 @contextlib.contextmanager

@@ -9,7 +9,8 @@ import traceback
 from collections.abc import Sequence
 
 from blockdraft.bench import add_arguments, main_from_args
-from blockdraft.cli.common import report_failure
+from blockdraft._core import __version__
+from blockdraft.cli.common import ArgumentParser, report_failure
 from blockdraft.cli.demo import add_demo_command
 from blockdraft.cli.generate import add_generate_command
 from blockdraft.cli.serve import add_serve_command
@@ -21,8 +22,10 @@ DEBUG_HELP = "show tracebacks and debug logs"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="blockdraft", description=DESCRIPTION)
+    parser = ArgumentParser(prog="blockdraft", description=DESCRIPTION)
     parser.add_argument("--debug", action="store_true", help=DEBUG_HELP)
+    parser.add_argument("--version", action="version", version=f"blockdraft {__version__}",
+                        help="print the version and exit")
     sub = parser.add_subparsers(dest="command", required=True)
     add_demo_command(sub)
     add_generate_command(sub)

@@ -9,18 +9,43 @@ deep inside transformers.
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import sys
 import traceback
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from blockdraft.config import SUPPORTED_ARCHITECTURES
 
 
 class CliError(Exception):
     """A user-facing problem reported as one line (exit code 2)."""
+
+
+class HelpFormatter(argparse.HelpFormatter):
+    """``--help`` that shows each flag's default, unless its help text already states one."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        shown = not any(action.default is nothing for nothing in (None, False, argparse.SUPPRESS))
+        if action.option_strings and shown and "default" not in text:
+            text += " (default: %(default)s)"
+        return text
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """The parser of ``blockdraft`` and of every subcommand (``add_subparsers`` makes its
+    subcommands of the same class): a usage error is one ``blockdraft: error:`` line naming
+    the flag and what it accepts, exit code 2, as every other error; ``--help`` shows defaults."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        super().__init__(*args, **kwargs)
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"blockdraft: error: {message} (see {self.prog} --help)\n")
 
 
 def error_line(exc: BaseException) -> str:
@@ -178,16 +203,13 @@ def check_lengths(prompt_tokens: int, max_new_tokens: int, limit: int | None,
                   *, what: str = "the prompt") -> None:
     """Prompt plus new tokens must fit the target's ``max_position_embeddings`` (``limit``):
     past it the target's positions are ones it was never trained on and acceptance collapses."""
-    if limit is None:
-        return
-    if prompt_tokens >= limit:
-        raise CliError(f"{what} is {prompt_tokens} tokens; the target's max_position_embeddings is "
-                       f"{limit}, which must hold the prompt and at least one new token")
-    room = limit - prompt_tokens
-    if max_new_tokens > room:
-        raise CliError(f"--max-new-tokens {max_new_tokens} does not fit: the target's "
-                       f"max_position_embeddings is {limit} and {what} takes {prompt_tokens} "
-                       f"tokens (at most {room})")
+    from blockdraft.pair.checks import context_problem
+
+    problem = context_problem(prompt_tokens, max_new_tokens, limit, prompt=what,
+                              limit_name="the target's max_position_embeddings",
+                              new_name="--max-new-tokens")
+    if problem is not None:
+        raise CliError(problem)
 
 
 def load_tokenizer(flag: str, path: str | Path) -> Any:

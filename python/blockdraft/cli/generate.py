@@ -1,7 +1,7 @@
 """``blockdraft generate``: one prompt, decoded speculatively, optionally against the target alone.
 
 Without ``--target/--drafter`` it runs the built-in trained pair, or a small random pair
-(:func:`build_demo_pair`) when that is not installed.
+(:func:`blockdraft.pair.load.build_demo_pair`) when that is not installed.
 
 ``--tp N`` splits the target over N ranks: the command starts N processes itself
 (:func:`blockdraft.parallel.launch`, which stops them all and reports the rank when one
@@ -13,165 +13,20 @@ from __future__ import annotations
 
 import argparse
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from blockdraft.cli.common import (
     CliError,
     check_lengths,
-    check_pair_dirs,
     check_text,
-    load_drafter_dir,
-    load_target_model,
-    load_tokenizer,
-    max_positions,
-    model_dtype,
     pick_device,
-    quiet_transformers,
-    read_model_config,
     require_min,
     require_temperature,
     tp_device,
     tp_sizes,
 )
+from blockdraft.pair.load import PairSource, find_pair
 from blockdraft.pretrained import DEFAULT_PROMPT
-
-DEMO_VOCAB = 320
-DEMO_MASK = 256
-DEMO_MAX_POSITIONS = 4096
-
-
-class ByteTokenizer:
-    """The demo pair's tokenizer: UTF-8 bytes are ids 0..255."""
-
-    eos_token_id: int | None = None
-
-    def encode(self, text: str) -> list[int]:
-        return list(text.encode("utf-8")) or [32]
-
-    def decode(self, ids: Sequence[int]) -> str:
-        return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
-
-
-def build_demo_pair(*, device: Any = "cpu", dtype: Any = None, seed: int = 0) -> tuple[Any, Any]:
-    """A small random Qwen3 target (byte vocabulary) and a matching 1-layer DFlash drafter.
-
-    Deterministic: the same seed gives the same weights on every machine (drawn on the CPU).
-    """
-    import torch
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    from blockdraft.config import DrafterConfig
-    from blockdraft.models import DFlashDrafter
-
-    dtype = dtype or torch.float32
-    torch.manual_seed(seed)
-    target = Qwen3ForCausalLM(  # type: ignore[no-untyped-call]
-        Qwen3Config(
-            hidden_size=128,
-            num_hidden_layers=4,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=32,
-            intermediate_size=256,
-            vocab_size=DEMO_VOCAB,
-            max_position_embeddings=DEMO_MAX_POSITIONS,
-            tie_word_embeddings=False,
-        )
-    )
-    cfg = DrafterConfig.from_dict(
-        {
-            "architectures": ["DFlashDraftModel"],
-            "hidden_size": 128,
-            "num_hidden_layers": 1,
-            "num_attention_heads": 4,
-            "num_key_value_heads": 2,
-            "head_dim": 32,
-            "intermediate_size": 256,
-            "vocab_size": DEMO_VOCAB,
-            "max_position_embeddings": DEMO_MAX_POSITIONS,
-            "num_target_layers": 4,
-            "block_size": 8,
-            "dflash_config": {"target_layer_ids": [1, 2], "mask_token_id": DEMO_MASK},
-        }
-    )
-    drafter = DFlashDrafter(cfg, device="cpu", dtype=torch.float32)
-    gen = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        for name, param in drafter.named_parameters():
-            if param.dim() == 1 and "norm" in name:
-                param.fill_(1.0)
-            else:
-                param.copy_(torch.randn(param.shape, generator=gen) * 0.05)
-    drafter.requires_grad_(False)
-    moved: Any = target
-    target = moved.to(device=device, dtype=dtype).eval()
-    drafter = drafter.to(device=device, dtype=dtype).eval()
-    return target, drafter
-
-
-@dataclass(frozen=True)
-class PairSource:
-    """A pair that is checked and tokenizes prompts before its weights load."""
-
-    description: str
-    max_positions: int | None
-    tokenizer: Callable[[], Any]
-    models: Callable[[Any, Any], tuple[Any, Any]]  # (device, dtype) -> (target, drafter)
-    dtype: Any = None  # the pair's own dtype, else the device's (model_dtype)
-    config: dict[str, Any] | None = None  # the target's config.json, for checks before loading
-
-
-DEMO_CONFIG: dict[str, Any] = {"architectures": ["Qwen3ForCausalLM"], "num_attention_heads": 4,
-                               "num_key_value_heads": 2, "intermediate_size": 256}
-"""What the checks before loading read of the demo target's config."""
-
-
-def pair_source(target: str | None, drafter: str | None) -> PairSource:
-    """The pair ``--target/--drafter`` name, else the built-in pair, else the demo pair."""
-    if target is None and drafter is None:
-        from blockdraft import pretrained
-
-        if pretrained.available():
-            def builtin(device: Any, dtype: Any) -> tuple[Any, Any]:
-                quiet_transformers()
-                t, d, _ = pretrained.builtin_pair(device=device, dtype=dtype)
-                return t, d
-
-            import torch
-
-            # fp32 on every device: the pair is small, and fp32 makes the speculative output
-            # exactly the target's own greedy output
-            raw = read_model_config("the built-in target", pretrained.TARGET_DIR)
-            return PairSource(
-                f"built-in trained pair ({pretrained.SUMMARY})",
-                max_positions(raw),
-                pretrained.load_tokenizer,
-                builtin,
-                torch.float32,
-                raw,
-            )
-        return PairSource(
-            "built-in trained pair not installed; using the demo pair with RANDOM weights "
-            "(output is noise; pass --target/--drafter for a real pair)",
-            DEMO_MAX_POSITIONS,
-            ByteTokenizer,
-            lambda device, dtype: build_demo_pair(device=device, dtype=dtype),
-            config=DEMO_CONFIG,
-        )
-    if target is None or drafter is None:
-        raise CliError("give both --target DIR and --drafter DIR (or neither for the built-in pair)")
-    target_dir, drafter_dir = target, drafter
-    raw = check_pair_dirs(target_dir, drafter_dir)
-
-    def from_dirs(device: Any, dtype: Any) -> tuple[Any, Any]:
-        return (load_target_model("--target", target_dir, device, dtype),
-                load_drafter_dir(drafter_dir, device, dtype))
-
-    return PairSource(f"target {target_dir}, drafter {drafter_dir}", max_positions(raw),
-                      lambda: load_tokenizer("--target", target_dir), from_dirs, config=raw)
-
 
 def run_generate(args: argparse.Namespace) -> int:
     """Decode one prompt speculatively; with ``--compare`` also target-only on the same runtime
@@ -219,9 +74,11 @@ def _check_inputs(args: argparse.Namespace, tp: int) -> tuple[PairSource, Any, s
     require_min("--max-new-tokens", args.max_new_tokens)
     require_temperature("--temperature", args.temperature)
     prompt = args.prompt if args.prompt is not None else DEFAULT_PROMPT
+    if not prompt:
+        raise CliError("the prompt is empty (give text to continue, or none for the default prompt)")
     check_text("the prompt", prompt)
-    source = pair_source(args.target, args.drafter)
-    if tp > 1 and source.config is not None:
+    source = find_pair(args.target, args.drafter, demo=True)
+    if tp > 1:
         arch, sizes = tp_sizes(source.config)
         check_split(arch, sizes, tp)
     tokenizer = source.tokenizer()
@@ -253,7 +110,8 @@ def _generate(args: argparse.Namespace, group: Any) -> int:
         tp_device(args.device)
         device = group.device
     source, tokenizer, prompt, ids = _check_inputs(args, ranks)
-    target, drafter = source.models(device, source.dtype or model_dtype(device))
+    pair = source.load(device, tokenizer=tokenizer)
+    target, drafter = pair.target, pair.drafter
     stop = getattr(tokenizer, "eos_token_id", None)
     stops = [stop] if isinstance(stop, int) else None
     n = args.max_new_tokens
@@ -322,8 +180,8 @@ def add_generate_command(sub: Any) -> None:
     gen.add_argument("--target", default=None, help="target model directory (HF format)")
     gen.add_argument("--drafter", default=None, help="DFlash drafter directory")
     gen.add_argument("--compare", action="store_true", help="also decode with the target alone")
-    gen.add_argument("--max-new-tokens", type=int, default=64)
-    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    gen.add_argument("--max-new-tokens", type=int, default=64, help="most tokens to generate")
+    gen.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 = greedy")
     gen.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: auto)")
     gen.add_argument("--no-progress", action="store_true", help="no progress bar")
     gen.add_argument("--tp", type=int, default=None, metavar="N",

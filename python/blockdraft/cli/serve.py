@@ -17,31 +17,21 @@ import importlib.util
 import logging
 import os
 import signal
-from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from blockdraft.cli.common import (
     CliError,
-    check_pair_dirs,
     error_line,
-    load_drafter_dir,
-    load_target_model,
-    load_tokenizer,
-    max_positions,
-    model_dtype,
     pick_device,
-    quiet_transformers,
-    read_model_config,
     require_min,
     tp_device,
     tp_sizes,
 )
+from blockdraft.pair.load import BUILTIN_MODEL_NAME, PairSource, find_pair
 from blockdraft.parallel import DEFAULT_TIMEOUT_S as DEFAULT_TP_TIMEOUT_S
 
 SERVE_DEPENDENCIES = {"fastapi": "fastapi", "uvicorn": "uvicorn", "prometheus_client": "prometheus-client"}
-BUILTIN_MODEL_NAME = "blockdraft-builtin"
 PID_DIR_ENV = "BLOCKDRAFT_TEST_PID_DIR"
 """Test suite only: a directory where every rank writes ``rank<r>.pid`` once its engine is
 built, so that a test can signal or kill one rank."""
@@ -73,48 +63,6 @@ def _check_flags(args: argparse.Namespace) -> None:
         raise CliError("give both --target DIR and --drafter DIR (or neither for the built-in pair)")
 
 
-@dataclass(frozen=True)
-class _Pair:
-    """A pair known from its config files, loaded only once every flag is checked."""
-
-    name: str
-    positions: int | None
-    description: str
-    builtin: bool
-    load: Callable[[Any], tuple[Any, Any, Any]]  # device -> (target, drafter, tokenizer)
-    config: dict[str, Any]  # the target's config.json
-
-
-def _pair(args: argparse.Namespace) -> _Pair:
-    if args.target is None:
-        from blockdraft import pretrained
-
-        if not pretrained.available():
-            raise CliError("the built-in pair is not installed; pass --target DIR --drafter DIR")
-
-        def builtin(device: Any) -> tuple[Any, Any, Any]:
-            quiet_transformers()
-            # builtin_pair's default: fp32 on every device, as the main job (the pair is small,
-            # and fp32 keeps greedy answers exactly the target's own)
-            return pretrained.builtin_pair(device=device)
-
-        raw = read_model_config("the built-in target", pretrained.TARGET_DIR)
-        return _Pair(BUILTIN_MODEL_NAME, max_positions(raw),
-                     f"built-in trained pair ({pretrained.SUMMARY})",
-                     True, builtin, raw)
-    target_dir, drafter_dir = args.target, args.drafter
-    raw = check_pair_dirs(target_dir, drafter_dir)
-
-    def from_dirs(device: Any) -> tuple[Any, Any, Any]:
-        dtype = model_dtype(device)
-        tokenizer = load_tokenizer("--target", target_dir)
-        return (load_target_model("--target", target_dir, device, dtype),
-                load_drafter_dir(drafter_dir, device, dtype), tokenizer)
-
-    return _Pair(Path(target_dir).resolve().name, max_positions(raw),
-                 f"target {target_dir}, drafter {drafter_dir}", False, from_dirs, raw)
-
-
 def run_serve(args: argparse.Namespace) -> int:
     """Load the pair, build the engine, serve until SIGINT/SIGTERM; 0 when every page came
     back at exit. With ``--tp N`` (or under ``torchrun``) the target is split over N ranks."""
@@ -144,6 +92,7 @@ def run_serve(args: argparse.Namespace) -> int:
         error = _serve(args, None)
     else:
         _plan(args, args.tp)  # one line before any rank starts
+        check_port(args.host, args.port)
         errors = launch(_serve_on_rank, args.tp, (args,), device=tp_device(args.device),
                         timeout_s=args.tp_timeout, forward_signals=True)
         error = next((e for e in errors if e is not None), None)
@@ -152,13 +101,33 @@ def run_serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def _plan(args: argparse.Namespace, ranks: int) -> tuple[_Pair, int]:
+def check_port(host: str, port: int) -> None:
+    """Bind ``host:port`` once and let it go: a port in use or a host that is not this
+    machine's fails with one line (port 0, any free port, always binds)."""
+    import socket
+
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+    except (socket.gaierror, UnicodeError) as exc:
+        raise CliError(f"--host {host}: cannot resolve it ({error_line(exc)})") from None
+    with socket.socket(family, kind, proto) as sock:
+        # As the server's own socket: a port whose last connections are in TIME_WAIT is free.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(address)
+        except OSError as exc:
+            raise CliError(f"--port {port}: cannot listen on {host}:{port} "
+                           f"({exc.strerror or error_line(exc)})") from None
+
+
+def _plan(args: argparse.Namespace, ranks: int) -> tuple[PairSource, int]:
     """The pair and the context length, checked before weights load."""
-    pair = _pair(args)
-    max_seq_len = args.max_seq_len or pair.positions or 4096
-    if pair.positions is not None and max_seq_len > pair.positions:
+    pair = find_pair(args.target, args.drafter)
+    max_seq_len = args.max_seq_len or pair.max_positions or 4096
+    if pair.max_positions is not None and max_seq_len > pair.max_positions:
         raise CliError(f"--max-seq-len {max_seq_len} is past the target's max_position_embeddings "
-                       f"({pair.positions})")
+                       f"({pair.max_positions})")
     if ranks > 1:
         from blockdraft.parallel import check_split
 
@@ -190,7 +159,10 @@ def _serve(args: argparse.Namespace, group: Any) -> str | None:
     ranks = 1 if group is None else int(group.size)
     device = pick_device(args.device) if ranks == 1 else group.device
     pair, max_seq_len = _plan(args, ranks)
-    target, drafter, tokenizer = pair.load(device)
+    if group is None or group.is_first:
+        check_port(args.host, args.port)  # before the weights load: a port in use fails at once
+    loaded = pair.load(device)
+    target, drafter, tokenizer = loaded.target, loaded.drafter, loaded.tokenizer
 
     from blockdraft.serve import ServeConfig, build_engine, create_app, follow, serve
 

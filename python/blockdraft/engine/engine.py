@@ -44,6 +44,7 @@ from blockdraft._core import ConfigError
 from blockdraft.cuda_graphs import GraphMode
 from blockdraft.engine.accept import accept_blocks, first_tokens
 from blockdraft.engine.request import MaskFn, Request, Status, StepEvent
+from blockdraft.pair.checks import check_context
 from blockdraft.engine.targets import (
     DEFAULT_SDPA_BACKENDS,
     HFTarget,
@@ -260,11 +261,7 @@ class SpeculativeEngine:
             raise ValueError(f"max_new_tokens must be >= 1, not {max_new_tokens}")
         params = SamplingParams(temperature, top_p, top_k)
         ids = check_prompts([prompt], self._vocab)[0]
-        if len(ids) + max_new_tokens > self.max_seq_len:
-            raise ValueError(
-                f"the prompt ({len(ids)} tokens) + {max_new_tokens} new tokens exceed "
-                f"max_seq_len {self.max_seq_len}"
-            )
+        check_context(len(ids), max_new_tokens, self.max_seq_len)
         rid = next(self._ids)
         if seed is None and generator is None and self._seed_base is not None and not params.greedy:
             seed = (self._seed_base + rid) % (1 << 63)
@@ -402,11 +399,7 @@ class SpeculativeEngine:
         ids = check_prompts(prompts, self._vocab)
         SamplingParams(temperature, top_p, top_k)
         for i, p in enumerate(ids):
-            if len(p) + max_new_tokens > self.max_seq_len:
-                raise ValueError(
-                    f"prompt {i}: {len(p)} + {max_new_tokens} new tokens exceed max_seq_len "
-                    f"{self.max_seq_len}"
-                )
+            check_context(len(p), max_new_tokens, self.max_seq_len, prompt=f"prompt {i}")
         start = time.perf_counter()
         rids: list[int] = []
         batched0, single0 = self.batched_proposals, self.single_proposals

@@ -10,6 +10,7 @@ from torch import Tensor, nn
 
 from blockdraft._core import ConfigError
 from blockdraft.config import DrafterConfig
+from blockdraft.pair.checks import check_fits
 
 
 @dataclass(frozen=True)
@@ -129,25 +130,10 @@ class TargetHead:
 
     def check_fits(self, spec: DraftSpec) -> None:
         """Raises ``ConfigError`` unless a drafter of ``spec`` can run on this target."""
-        if int(self.embed.shape[1]) != spec.hidden_size or (
-            self.hidden_size is not None and self.hidden_size != spec.hidden_size
-        ):
-            raise ConfigError(
-                f"drafter hidden size {spec.hidden_size} does not match the target's "
-                f"{int(self.embed.shape[1])}"
-            )
-        if self.num_layers is not None and any(
-            i < 0 or i >= self.num_layers for i in spec.target_layer_ids
-        ):
-            raise ConfigError(
-                f"drafter target_layer_ids {list(spec.target_layer_ids)} are outside the "
-                f"target's {self.num_layers} layers"
-            )
-        if not 0 <= spec.mask_token_id < self.vocab_in:
-            raise ConfigError(
-                f"mask_token_id {spec.mask_token_id} is outside the target's embedding table "
-                f"({self.vocab_in} rows)"
-            )
+        check_fits(drafter_hidden=spec.hidden_size, target_layer_ids=spec.target_layer_ids,
+                   mask_token_id=spec.mask_token_id, target_hidden=int(self.embed.shape[1]),
+                   config_hidden=self.hidden_size, target_layers=self.num_layers,
+                   embed_rows=self.vocab_in)
 
 
 __all__ = ["DraftSpec", "TargetHead"]

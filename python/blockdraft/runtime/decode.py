@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from blockdraft._core import SeqPages
+from blockdraft.pair.checks import check_context
 from blockdraft.results import GenerationResult, GenerationStats
 from blockdraft.runtime.runtime import TargetRuntime
 from blockdraft.runtime.spec import TargetSpec
@@ -86,10 +87,7 @@ def decode(
     # Lengths are checked before a runtime is built for the call (fused weights, a page pool).
     limit = runtime.max_seq_len if runtime is not None else spec.max_positions
     for i, p in enumerate(ids):
-        if len(p) + max_new_tokens > limit:
-            raise ValueError(
-                f"prompt {i}: {len(p)} + {max_new_tokens} new tokens exceed max_seq_len {limit}"
-            )
+        check_context(len(p), max_new_tokens, limit, prompt=f"prompt {i}")
     if runtime is None:
         page = 16
         pages = sum(-(-(len(p) + max_new_tokens) // page) for p in ids)

@@ -16,6 +16,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from blockdraft.pair.checks import context_problem
 from blockdraft.serve.chat import ChatFormat
 from blockdraft.serve.errors import APIError, invalid, server_error
 from blockdraft.serve.loop import EngineLoop, Submission, Ticket
@@ -91,18 +92,14 @@ class Service:
     def _max_new(self, req: GenerationRequest, prompt_tokens: int) -> int:
         limit = self.max_seq_len
         where = "messages" if req.messages is not None else "prompt"
-        if prompt_tokens >= limit:
-            raise invalid(f"the prompt is {prompt_tokens} tokens; this model's context is {limit} "
-                          "tokens, which must hold the prompt and at least one new token", where,
+        problem = context_problem(prompt_tokens, req.max_tokens, limit,
+                                  limit_name="this model's context", new_name="max_tokens")
+        if problem is not None:
+            raise invalid(problem, where if prompt_tokens >= limit else "max_tokens",
                           code="context_length_exceeded")
         if req.max_tokens is None:
             return (min(DEFAULT_COMPLETION_TOKENS, limit - prompt_tokens) if req.kind == "completion"
                     else limit - prompt_tokens)
-        if prompt_tokens + req.max_tokens > limit:
-            raise invalid(f"max_tokens {req.max_tokens} does not fit: this model's context is "
-                          f"{limit} tokens and the prompt takes {prompt_tokens} (at most "
-                          f"{limit - prompt_tokens} new tokens)", "max_tokens",
-                          code="context_length_exceeded")
         return req.max_tokens
 
 

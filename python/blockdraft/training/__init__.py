@@ -15,7 +15,6 @@
 
 from __future__ import annotations
 
-from blockdraft.training.drafter import drafter_config_dict, save_drafter
 from blockdraft.training.loop import DrafterTrainConfig, TrainResult, train_drafter
 from blockdraft.training.objective import (
     block_attention_mask,
@@ -32,10 +31,8 @@ __all__ = [
     "block_attention_mask",
     "block_loss",
     "default_gamma",
-    "drafter_config_dict",
     "loss_weights",
     "sample_anchors",
-    "save_drafter",
     "token_hardness",
     "train_drafter",
 ]

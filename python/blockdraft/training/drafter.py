@@ -1,82 +1,17 @@
-"""The drafter a training run makes: its config, its start (random, copied from the target,
-continued or grown from a saved drafter) and its export in the z-lab format."""
+"""The drafter a training run starts from: random, copied from the target, or continued or grown
+from a saved drafter."""
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
 
-from blockdraft.config import DFLASH2_ARCH, DFLASH2_FIELDS, DFLASH_ARCH, DrafterConfig, default_target_layer_ids
+from blockdraft.config import DrafterConfig
 from blockdraft.models import DFlash2Drafter, DFlashDrafter
 from blockdraft.training.selector import init_dflash2_extras
-
-
-def drafter_config_dict(
-    target_config: Any,
-    *,
-    num_layers: int,
-    block_size: int,
-    mask_token_id: int,
-    target_layer_ids: list[int] | None = None,
-    intermediate_size: int | None = None,
-    dflash2: dict[str, int] | None = None,
-) -> dict[str, Any]:
-    """A z-lab ``config.json`` object for a drafter of ``target_config``'s hidden size.
-
-    Heads, head dim, RoPE, norm epsilon and (by default) the MLP width follow the target; the
-    result loads with :func:`blockdraft.load_drafter` and ``dflash.DFlashDraftModel``. With
-    ``dflash2`` (``conv_kernel_size``, ``conv_group_size``, ``selector_rank``,
-    ``selector_top_k``) it is a DFlash2 config (``dflash.DFlash2DraftModel``).
-    """
-    tc = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
-    num_target = int(tc.num_hidden_layers)
-    ids = list(target_layer_ids) if target_layer_ids else default_target_layer_ids(num_target, num_layers)
-    hidden = int(tc.hidden_size)
-    heads = int(tc.num_attention_heads)
-    rope_params = getattr(tc, "rope_parameters", None)
-    theta = None
-    if isinstance(rope_params, dict):
-        theta = rope_params.get("rope_theta")
-        if rope_params.get("rope_type", "default") != "default":
-            raise ValueError(f"target RoPE {rope_params} is not supported by the recipe (default RoPE only)")
-    theta = float(theta or getattr(tc, "rope_theta", None) or 10000.0)
-    vocab = int(tc.vocab_size)
-    raw: dict[str, Any] = {
-        "architectures": [DFLASH2_ARCH if dflash2 else DFLASH_ARCH],
-        "model_type": "qwen3",
-        "hidden_size": hidden,
-        "num_hidden_layers": num_layers,
-        "num_attention_heads": heads,
-        "num_key_value_heads": int(getattr(tc, "num_key_value_heads", None) or heads),
-        "head_dim": int(getattr(tc, "head_dim", None) or hidden // heads),
-        "intermediate_size": int(intermediate_size or tc.intermediate_size),
-        "vocab_size": vocab,
-        "rms_norm_eps": float(getattr(tc, "rms_norm_eps", 1e-6)),
-        "hidden_act": "silu",
-        "attention_bias": False,
-        "attention_dropout": 0.0,
-        "max_position_embeddings": int(getattr(tc, "max_position_embeddings", 4096)),
-        "rope_theta": theta,
-        "rope_parameters": {"rope_type": "default", "rope_theta": theta},
-        "tie_word_embeddings": False,
-        "use_sliding_window": False,
-        "layer_types": ["full_attention"] * num_layers,
-        "num_target_layers": num_target,
-        "block_size": block_size,
-        "dflash_config": {
-            "block_size": block_size,
-            "mask_token_id": mask_token_id,
-            "target_layer_ids": ids,
-        },
-    }
-    if dflash2:
-        raw["dflash_config"].update({k: int(dflash2[k]) for k in DFLASH2_FIELDS})
-    return raw
 
 
 def new_drafter(raw_config: dict[str, Any], seed: int) -> DFlashDrafter:
@@ -182,19 +117,3 @@ def init_from_drafter(drafter: DFlashDrafter, path: Path) -> None:
             state[f"layers.{i}.{name}"] = torch.zeros_like(tensor) if name in silent else tensor
     with torch.no_grad():
         drafter.load_state_dict(state)
-
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def save_drafter(drafter: DFlashDrafter, raw_config: dict[str, Any], out: Path, dtype: str = "bfloat16") -> Path:
-    """Write ``out/config.json`` + ``out/model.safetensors`` (z-lab format) in ``dtype``."""
-    out.mkdir(parents=True, exist_ok=True)
-    cfg = dict(raw_config)
-    cfg["dtype"] = dtype
-    cfg["torch_dtype"] = dtype
-    (out / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-    tensors = {k: v.detach().to("cpu", _DTYPES[dtype]).contiguous() for k, v in drafter.state_dict().items()}
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    return out
-

@@ -21,15 +21,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from blockdraft.checkpoint import save_drafter
 from blockdraft.models import DFlashDrafter
+from blockdraft.pair import DrafterShape
 from blockdraft.training.data import sample_windows, step_generator
-from blockdraft.training.drafter import (
-    drafter_config_dict,
-    init_from_drafter,
-    init_from_target,
-    new_drafter,
-    save_drafter,
-)
+from blockdraft.training.drafter import init_from_drafter, init_from_target, new_drafter
 from blockdraft.training.objective import (
     LabelMode,
     block_loss,
@@ -182,7 +178,7 @@ def train_drafter(
         raise ValueError(
             f"mask_token_id {cfg.mask_token_id} is outside the target's embeddings ({embed_weight.shape[0]} rows)"
         )
-    raw = drafter_config_dict(
+    raw = DrafterShape.for_target(
         target.config,
         num_layers=cfg.num_layers,
         block_size=cfg.block_size,
@@ -190,7 +186,7 @@ def train_drafter(
         target_layer_ids=cfg.target_layer_ids or None,
         intermediate_size=cfg.intermediate_size,
         dflash2=cfg.dflash2,
-    )
+    ).config_dict()
     layer_ids = tuple(raw["dflash_config"]["target_layer_ids"])
     if cfg.init_from_target and cfg.init_from:
         raise ValueError("init_from_target and init_from exclude each other")
