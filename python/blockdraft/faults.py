@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from blockdraft import _core
+import blockdraft._core as _core
 from blockdraft._core import PoolExhaustedError
 
 PROPOSER_SITES: tuple[str, ...] = (
@@ -80,6 +80,12 @@ class FaultPlan:
 
 
 _ACTIVE: FaultPlan | None = None
+
+
+def active() -> bool:
+    """Whether a plan is armed (the library's hooks call :func:`hit` only then, so an unarmed
+    run pays one check per site)."""
+    return _ACTIVE is not None
 
 
 def _error(site: str, nth: int) -> BaseException:

@@ -39,7 +39,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from blockdraft import _core
+import blockdraft._core as _core
 from blockdraft._core import ConfigError
 from blockdraft.cuda_graphs import GraphMode
 from blockdraft.engine.accept import accept_blocks, first_tokens

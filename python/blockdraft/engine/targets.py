@@ -213,7 +213,7 @@ class HFTarget:
     def forward(self, ids: Sequence[int], cache: Any, *, last_only: bool = False) -> tuple[Tensor, Tensor]:
         """``ids`` through the target after ``cache``: logits ``[T, V]`` (``[1, V]`` with
         ``last_only``) in the target's dtype and ctx rows ``[T, k*H]``."""
-        if faults._ACTIVE is not None:
+        if faults.active():
             faults.hit("target_forward")
         inp = torch.tensor([list(ids)], dtype=torch.long, device=self.device)
         with self._backends():

@@ -27,7 +27,8 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
-from blockdraft import _core, faults, kernels
+import blockdraft._core as _core
+from blockdraft import faults, kernels
 from blockdraft._core import BlockPool, ConfigError, ContextState, InvalidStateError
 from blockdraft.levers import Levers, read_levers
 from blockdraft.parallel.group import TPGroup
@@ -260,7 +261,7 @@ class DFlashProposer:
                 self.max_seq_len * self.ctx_slot_bytes // mib,
             )
         # Zeroed so that no earlier allocation's data is visible through a fresh state.
-        if faults._ACTIVE is not None:
+        if faults.active():
             faults.hit("accumulator")
         acc = torch.zeros((window, self.ctx_row_width), dtype=self.dtype, device=self.device)
         return DFlashState(ContextState(self.pool, window, self._owner), acc)
@@ -504,7 +505,7 @@ class DFlashProposer:
         """Check every anchor and state and plan every sequence's ctx K/V (all or nothing: on
         an error no plan is outstanding)."""
         args = (what, ctxs, tokens, positions, self.head.vocab_in, self._owner)
-        fail_at = faults.hits("pool_blocks", len(ctxs)) if faults._ACTIVE is not None else None
+        fail_at = faults.hits("pool_blocks", len(ctxs)) if faults.active() else None
         # `fail_at` exists in test builds only (faults cannot be armed in a release build).
         plans = (_core.plan_proposals(*args) if fail_at is None
                  else _core.plan_proposals(*args, fail_at))

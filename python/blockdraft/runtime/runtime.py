@@ -27,7 +27,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from blockdraft import _core, faults, kernels
+import blockdraft._core as _core
+from blockdraft import faults, kernels
 from blockdraft._core import BlockPool, ConfigError, ForwardPlan, SeqPages
 from blockdraft.runtime.cache import TargetKVCache
 from blockdraft.runtime.forward import ForwardBatch, TargetForward
@@ -236,7 +237,7 @@ class TargetRuntime:
             raise TypeError(f"capacity must be an int, not {type(capacity).__name__}")
         if not 1 <= capacity <= self.max_seq_len:
             raise ValueError(f"capacity must be in 1..{self.max_seq_len} (max_seq_len), not {capacity}")
-        if faults._ACTIVE is not None:
+        if faults.active():
             faults.hit("target_pages")
         return SeqPages(self.pool, capacity, self._owner)
 
@@ -309,7 +310,7 @@ class TargetRuntime:
         graphs = self.graphs
         if (graphs is not None and all(c == rows_each for c in counts)
                 and (logits == "all" or rows_each == 1) and graphs.accepts(len(counts), rows_each)):
-            if faults._ACTIVE is not None:
+            if faults.active():
                 faults.hit("target_forward")
             got = graphs.run(plan, flat, len(counts), rows_each)
             if got is not None:
@@ -318,10 +319,10 @@ class TargetRuntime:
         width = self.forward_pass.ctx_row_width
         rows = None
         if capture and width:
-            if faults._ACTIVE is not None:
+            if faults.active():
                 faults.hit("workspace")
             rows = torch.empty((plan.n_rows, width), dtype=self.spec.dtype, device=self.device)
-        if faults._ACTIVE is not None:
+        if faults.active():
             faults.hit("target_forward")
         out = self.forward_pass.run(batch, rows)
         return ForwardOutput(out, rows, counts)
