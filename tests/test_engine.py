@@ -16,7 +16,7 @@ from torch.nn.attention import SDPBackend
 import blockdraft
 from blockdraft.engine import DEFAULT_SDPA_BACKENDS, Request, SpeculativeEngine, generate
 from blockdraft.engine.accept import accept_blocks, first_tokens
-from blockdraft.engine.targets import HFTarget
+from blockdraft.target import HFTarget
 from blockdraft.sampling import SamplingParams, sample_rows
 from blockdraft.sampling import target_probs
 from blockdraft.proposer import DFlashProposer, DFlashState

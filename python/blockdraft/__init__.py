@@ -41,8 +41,7 @@ from blockdraft.levers import Levers, read_levers
 from blockdraft.models import DFlash2Drafter, DFlashDrafter
 from blockdraft.proposer import DFlashProposer, DFlashState
 from blockdraft.results import GenerationResult, GenerationStats
-from blockdraft.runtime import TargetRuntime, decode
-from blockdraft.target import TargetAdapter, TargetOutput
+from blockdraft.target import TargetAdapter, TargetOutput, TargetRuntime, decode
 
 logging.getLogger(__name__).addHandler(logging.NullHandler())
 

@@ -44,23 +44,22 @@ from blockdraft._core import ConfigError
 from blockdraft.cuda_graphs import GraphMode
 from blockdraft.engine.accept import accept_blocks, first_tokens
 from blockdraft.engine.request import MaskFn, Request, Status, StepEvent
-from blockdraft.engine.targets import (
+from blockdraft.parallel import TPGroup
+from blockdraft.proposer import DFlashProposer, agreed_pool_size
+from blockdraft.results import GenerationResult, GenerationStats
+from blockdraft.sampling import SamplingParams
+from blockdraft.target import (
     DEFAULT_SDPA_BACKENDS,
     HFTarget,
     RuntimeTarget,
+    TargetAdapter,
     TargetBackend,
+    TargetRuntime,
+    TargetSpec,
+    check_prompts,
+    model_shard,
     validate_sdpa_backends,
 )
-from blockdraft.parallel.group import TPGroup
-from blockdraft.proposer import DFlashProposer
-from blockdraft.proposer.proposer import agreed_pool_size
-from blockdraft.results import GenerationResult, GenerationStats
-from blockdraft.runtime import TargetRuntime
-from blockdraft.runtime.decode import check_prompts
-from blockdraft.runtime.shard import model_shard
-from blockdraft.runtime.spec import TargetSpec
-from blockdraft.sampling import SamplingParams
-from blockdraft.target import TargetAdapter
 
 log = logging.getLogger(__name__)
 
@@ -106,7 +105,7 @@ class SpeculativeEngine:
             sequences of ``max_seq_len``, at most half the free memory).
         page_size: tokens per target page.
         sdpa_backends: the attention backends of the Hugging Face target's forwards (see
-            :class:`~blockdraft.engine.targets.HFTarget`).
+            :class:`~blockdraft.target.HFTarget`).
         graphs: the proposer's and the runtime's CUDA graphs (``"auto"``: on CUDA;
             ``"capture"``, ``"static"``, ``"off"``; see :class:`~blockdraft.TargetRuntime`).
         sampled_drafts: at ``temperature > 0``, draft by sampling the drafter's own

@@ -9,7 +9,7 @@ import torch
 from torch import Tensor
 
 from blockdraft.engine.engine import SpeculativeEngine
-from blockdraft.parallel.group import TPGroup
+from blockdraft.parallel import TPGroup
 from blockdraft.results import GenerationResult
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from blockdraft.proposer.forward import DraftForward
 from blockdraft.proposer.graphs import GraphRunner
-from blockdraft.proposer.proposer import DFlashProposer
+from blockdraft.proposer.proposer import DFlashProposer, agreed_pool_size
 from blockdraft.proposer.state import DFlashState, Proposal
 
-__all__ = ["DFlashProposer", "DFlashState", "DraftForward", "GraphRunner", "Proposal"]
+__all__ = ["DFlashProposer", "DFlashState", "DraftForward", "GraphRunner", "Proposal", "agreed_pool_size"]

@@ -22,7 +22,7 @@ import torch
 from blockdraft.devices import sync
 from blockdraft.engine import SpeculativeEngine
 from blockdraft.engine.generate import pool_sizes
-from blockdraft.runtime import decode
+from blockdraft.target.runtime import decode
 
 log = logging.getLogger(__name__)
 

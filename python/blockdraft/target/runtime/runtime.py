@@ -13,7 +13,7 @@ of its own :class:`~blockdraft.BlockPool` (page tables kept by the Rust core's
 * :meth:`TargetRuntime.free` gives every page back.
 
 With a tensor-parallel group (``tp=``) every rank builds its own runtime over its shard of the
-model (:mod:`blockdraft.runtime.shard`) and every rank makes the same calls in the same order:
+model (:mod:`blockdraft.target.runtime.shard`) and every rank makes the same calls in the same order:
 the pool, the page tables and the forward plans are computed on every rank from the same
 inputs (the Rust core is deterministic), so they are the same without being sent anywhere.
 """
@@ -30,13 +30,13 @@ from torch import Tensor
 import blockdraft._core as _core
 from blockdraft import faults, kernels
 from blockdraft._core import BlockPool, ConfigError, ForwardPlan, SeqPages
-from blockdraft.runtime.cache import TargetKVCache
-from blockdraft.runtime.forward import ForwardBatch, TargetForward
+from blockdraft.target.runtime.cache import TargetKVCache
+from blockdraft.target.runtime.forward import ForwardBatch, TargetForward
 from blockdraft.cuda_graphs import GraphMode, resolve_mode
 from blockdraft.parallel.group import TPGroup
-from blockdraft.runtime.graphs import RuntimeGraphs
-from blockdraft.runtime.shard import shard_target
-from blockdraft.runtime.spec import TargetSpec
+from blockdraft.target.runtime.graphs import RuntimeGraphs
+from blockdraft.target.runtime.shard import shard_target
+from blockdraft.target.runtime.spec import TargetSpec
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +84,7 @@ class TargetRuntime:
         prefill_chunk: the most prompt rows one prefill forward takes, so a long prompt needs
             neither ``[T, V]`` logits nor a ``T x T`` score matrix.
         graphs: forwards of the same number of rows for every sequence (``graph_rows``)
-            through CUDA graphs per batch-size bucket (:mod:`blockdraft.runtime.graphs`):
+            through CUDA graphs per batch-size bucket (:mod:`blockdraft.target.runtime.graphs`):
             ``"auto"`` captures on CUDA, ``"capture"`` forces it, ``"static"`` runs the same
             fixed-shape buffers eagerly (any device), ``"off"`` disables them.
         graph_rows: rows per sequence with graphs of their own (1: decode; a drafter's B:

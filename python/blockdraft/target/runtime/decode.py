@@ -12,8 +12,8 @@ import torch
 
 from blockdraft._core import SeqPages
 from blockdraft.results import GenerationResult, GenerationStats
-from blockdraft.runtime.runtime import TargetRuntime
-from blockdraft.runtime.spec import TargetSpec
+from blockdraft.target.runtime.runtime import TargetRuntime
+from blockdraft.target.runtime.spec import TargetSpec
 from blockdraft.sampling import SamplingParams, draw, target_probs
 
 
