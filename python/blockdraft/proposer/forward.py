@@ -27,7 +27,7 @@ from blockdraft import faults
 from blockdraft._core import PrecomputePlan
 from blockdraft.kernels import KernelOps
 from blockdraft.models.drafter import AttendFn, DFlashDrafter
-from blockdraft.models.fast import FastDrafter
+from blockdraft.proposer.fast import FastDrafter
 from blockdraft.models.layers import embed_blocks
 from blockdraft.proposer.cache import DrafterCache
 from blockdraft.proposer.spec import DraftSpec, TargetHead

@@ -34,6 +34,7 @@ from blockdraft.levers import Levers, read_levers
 from blockdraft.parallel.group import TPGroup
 from blockdraft.proposer.cache import DrafterCache
 from blockdraft.proposer.commit import ContextWriter, as_positions, check_rows
+from blockdraft.proposer.draft import Drafts, Mask, SampledDraft, draft_many
 from blockdraft.proposer.forward import DraftForward
 from blockdraft.cuda_graphs import GraphMode, resolve_mode
 from blockdraft.proposer.graphs import GraphRunner
@@ -493,6 +494,30 @@ class DFlashProposer:
             if proposal is not None:
                 proposal.abort()
             raise
+
+    def draft(
+        self,
+        states: Sequence[DFlashState],
+        anchors: Sequence[int],
+        positions: Sequence[int],
+        want: Sequence[int],
+        masks: Sequence[Mask | None] | None = None,
+        sampling: Sequence[SampledDraft | None] | None = None,
+    ) -> Drafts:
+        """Up to ``want[i]`` drafts after ``anchors[i]`` at ``positions[i]`` for each state
+        (none when ``want[i] <= 0``), made as :mod:`blockdraft.proposer.draft` describes:
+        ``sampling[i]`` (settings, random source) at ``temperature > 0`` drafts by sampling;
+        ``masks[i]`` drafts greedily under that grammar mask; the rest draft greedily, batched
+        where :meth:`propose_batch` takes them. Batched drafts equal per-sequence ones.
+
+        Returns:
+            :class:`~blockdraft.proposer.draft.Drafts`: a proposal that raised leaves its
+            error in the sequence's slot; the other sequences are drafted.
+
+        Raises:
+            ValueError: the arguments are not one per state.
+        """
+        return draft_many(self, states, anchors, positions, want, masks, sampling)
 
     def _plan(
         self,
