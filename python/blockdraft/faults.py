@@ -2,10 +2,10 @@
 
 Off by default and free when off: every hook in the library is one line,
 
-    if faults._ACTIVE is not None:
+    if faults.active():
         faults.hit("accumulator")
 
-so a normal run pays one module-attribute load and a comparison per allocation site. Tests turn
+so a normal run pays one function call and a comparison per allocation site. Tests turn
 it on with :func:`inject` (fail the ``nth`` hit of one site) or :func:`record` (count the hits of
 every site without failing, to learn how many injection points a call has).
 
