@@ -24,7 +24,7 @@ from safetensors.torch import save_file
 from scorecard import expect_clear_error, score
 from tinypair import K_H, drafter_config, make_proposer, tiny_drafter, tiny_drafter_shape
 
-from blockdraft import CheckpointError, ConfigError, InvalidStateError
+from blockdraft import CheckpointError, ConfigError, InvalidStateError, SamplingParams
 from blockdraft.checkpoint import load_drafter
 from blockdraft.cli import main
 from blockdraft.engine import SpeculativeEngine
@@ -286,10 +286,10 @@ def engine(drafter: Any, target: Any) -> SpeculativeEngine:
 
 GEN_CASES: list[tuple[str, type[BaseException], str, list[Any], dict[str, Any]]] = [
     ("max_new_tokens zero", ValueError, "max_new_tokens", [[1, 2]], {"max_new_tokens": 0}),
-    ("temperature negative", ValueError, "temperature", [[1, 2]], {"temperature": -0.5}),
-    ("top_p zero", ValueError, "top_p", [[1, 2]], {"top_p": 0.0}),
-    ("top_p above one", ValueError, "top_p", [[1, 2]], {"top_p": 1.5}),
-    ("top_k negative", ValueError, "top_k", [[1, 2]], {"top_k": -1}),
+    ("temperature negative", ValueError, "temperature", [[1, 2]], {"sampling": {"temperature": -0.5}}),
+    ("top_p zero", ValueError, "top_p", [[1, 2]], {"sampling": {"top_p": 0.0}}),
+    ("top_p above one", ValueError, "top_p", [[1, 2]], {"sampling": {"top_p": 1.5}}),
+    ("top_k negative", ValueError, "top_k", [[1, 2]], {"sampling": {"top_k": -1}}),
     ("no prompts", ValueError, "prompts", [], {}),
     ("an empty prompt", ValueError, "prompt 1", [[1], []], {}),
     ("prompt beyond max_seq_len", ValueError, "max_seq_len", [list(range(30))], {}),
@@ -303,8 +303,9 @@ GEN_CASES: list[tuple[str, type[BaseException], str, list[Any], dict[str, Any]]]
 def test_generate_bad_input(engine: SpeculativeEngine, case: Any) -> None:
     _, exc, word, prompts, kw = case
     kw = {"max_new_tokens": 4, **kw}
+    sampling = kw.pop("sampling", None)
     with expect_clear_error(exc, word):
-        engine.generate(prompts, **kw)
+        engine.generate(prompts, sampling=None if sampling is None else SamplingParams(**sampling), **kw)
     pool = engine.proposer.pool
     assert pool.num_free == pool.num_pages
     score.invariant_checks += 1

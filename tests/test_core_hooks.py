@@ -38,8 +38,8 @@ def test_faults_refuse_to_arm_without_test_hooks(monkeypatch: pytest.MonkeyPatch
         with pytest.raises(RuntimeError, match="no test hooks.*--features test-hooks"):
             with arm():
                 pass  # pragma: no cover - never armed
-        assert faults._ACTIVE is None
+        assert not faults.active()
     monkeypatch.setattr(_core, "TEST_HOOKS", True)
     with faults.record() as plan:
         faults.hit("forward")
-    assert plan.hits["forward"] == 1 and faults._ACTIVE is None
+    assert plan.hits["forward"] == 1 and not faults.active()

@@ -16,7 +16,7 @@ from torch.nn.attention import SDPBackend
 import blockdraft
 from blockdraft.engine import DEFAULT_SDPA_BACKENDS, Request, SpeculativeEngine, generate
 from blockdraft.engine.accept import accept_blocks, first_tokens
-from blockdraft.engine.targets import HFTarget
+from blockdraft.target import HFTarget
 from blockdraft.sampling import SamplingParams, sample_rows
 from blockdraft.sampling import target_probs
 from blockdraft.proposer import DFlashProposer, DFlashState
@@ -180,10 +180,12 @@ def test_every_state_freed_after_failure(target: Any, drafter: Any, runtime: str
 
 
 def test_bad_arguments(target: Any, drafter: Any) -> None:
-    for kw in ({"max_new_tokens": 0}, {"max_new_tokens": 2, "temperature": -1.0},
-               {"max_new_tokens": 2, "top_p": 0.0}, {"max_new_tokens": 2, "top_k": -1}):
+    for kw, sampling in (({"max_new_tokens": 0}, {}), ({"max_new_tokens": 2}, {"temperature": -1.0}),
+                         ({"max_new_tokens": 2}, {"top_p": 0.0}), ({"max_new_tokens": 2}, {"top_k": -1})):
         with pytest.raises(ValueError):
-            generate(target, drafter, PROMPTS[:1], **kw)
+            generate(target, drafter, PROMPTS[:1], sampling=SamplingParams(**sampling), **kw)
+    with pytest.raises(TypeError, match="sampling"):
+        generate(target, drafter, PROMPTS[:1], max_new_tokens=2, sampling=0.5)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="empty"):
         generate(target, drafter, [[]], max_new_tokens=2)
     assert blockdraft.engine.generate is generate
@@ -207,7 +209,7 @@ def test_sampling_matches_target_distribution(sampled_drafts: bool) -> None:
     engine = SpeculativeEngine(target, drafter, max_seq_len=16, num_pages=512, max_batch=16,
                                sampled_drafts=sampled_drafts)
     gen = torch.Generator().manual_seed(1234)
-    res = engine.generate([prompt] * n, max_new_tokens=3, temperature=1.3, top_k=6, generator=gen)
+    res = engine.generate([prompt] * n, max_new_tokens=3, sampling=SamplingParams(1.3, top_k=6), generator=gen)
     assert sum(res.stats.acceptance_lengths[0]) >= 1
     # Exact marginals by enumeration over the first two tokens.
     with torch.no_grad():
@@ -239,7 +241,7 @@ def test_sampling_detects_a_biased_sampler(monkeypatch: pytest.MonkeyPatch) -> N
     import blockdraft.engine.accept as accept_mod
 
     monkeypatch.setattr(accept_mod, "accept_draft", lambda p, d, q, g: (True, d))  # always accept
-    res = engine.generate([prompt] * n, max_new_tokens=3, temperature=1.3, top_k=6,
+    res = engine.generate([prompt] * n, max_new_tokens=3, sampling=SamplingParams(1.3, top_k=6),
                           generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         p1 = target_probs(target(torch.tensor([prompt])).logits[0, -1:], 1.3, 1.0, 6)[0]
@@ -336,7 +338,7 @@ def test_target_without_logits_to_keep(target: Any, drafter: Any) -> None:
     logits, _ = hf.forward(LONG_PROMPTS[2], hf.new(64).cache, last_only=True)
     assert logits.shape == (1, 64) and logits._base is None  # a copy, not a view of all rows
     # Sampling goes through the same prefill.
-    out = engine.generate(LONG_PROMPTS[:2], max_new_tokens=4, temperature=0.8,
+    out = engine.generate(LONG_PROMPTS[:2], max_new_tokens=4, sampling=SamplingParams(0.8),
                           generator=torch.Generator().manual_seed(0))
     assert [len(t) for t in out.tokens] == [4, 4]
 

@@ -18,7 +18,7 @@ from blockdraft import DFlashProposer
 from blockdraft import kernels
 from blockdraft.kernels import triton_available
 from blockdraft.models.attention import ReferenceAttend
-from blockdraft.models.fast import FastDrafter
+from blockdraft.proposer.fast import FastDrafter
 
 BACKENDS = ["torch", pytest.param("triton", marks=pytest.mark.skipif(
     not triton_available(), reason="Triton is not importable here"))]

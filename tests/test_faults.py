@@ -374,7 +374,7 @@ def test_generate_every_site_every_position(drafter: Any, target: Any) -> None:
 
 
 def test_switch_is_off_and_arms_one_plan_at_a_time() -> None:
-    assert faults._ACTIVE is None
+    assert not faults.active()
     faults.hit("pool_pages")  # off: nothing happens
     with faults.inject("kv_cache", 2) as plan:
         faults.hit("kv_cache")
@@ -384,7 +384,7 @@ def test_switch_is_off_and_arms_one_plan_at_a_time() -> None:
         assert plan.fired and plan.hits["kv_cache"] == 3
         with pytest.raises(RuntimeError, match="already armed"), faults.record():
             pass
-    assert faults._ACTIVE is None
+    assert not faults.active()
     with pytest.raises(ValueError, match="site"), faults.inject("nowhere", 1):
         pass
     with pytest.raises(ValueError, match="nth"), faults.inject("forward", 0):

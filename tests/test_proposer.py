@@ -482,3 +482,86 @@ def test_triton_backend_gives_the_same_drafts(drafter: Any, target: Any) -> None
         p.commit_ctx(a, rows(2, 92), [7, 8])
         outs.append((single, p.propose_batch([a, b], [5, 6], [9, 3], 2)))
     assert outs[0] == outs[1]
+
+
+def test_draft_batched_equals_per_sequence(drafter: Any, target: Any) -> None:
+    prop = make(drafter, target)
+    lens = [3, 9, 5, 1, 4]
+    tokens = [4, 17, 33, 60, 8]
+    want = [3, 1, 2, 0, 3]
+    batch = [filled(prop, n, 20 + i) for i, n in enumerate(lens)]
+    single = [filled(prop, n, 20 + i) for i, n in enumerate(lens)]
+    got = prop.draft(batch, tokens, lens, want)
+    expected = [prop.propose(s, t, p, w) if w > 0 else [] for s, t, p, w in zip(single, tokens, lens, want)]
+    assert got.tokens == expected
+    assert got.errors == [None] * 5 and got.q == [None] * 5
+    assert got.batched == 1 and got.single == 0
+
+
+def test_draft_chunks_of_propose_batch_max(drafter: Any, target: Any) -> None:
+    prop = make(drafter, target, max_batch=2)
+    lens = [3, 9, 5, 2, 4]
+    states = [filled(prop, n, 50 + i) for i, n in enumerate(lens)]
+    single = [filled(prop, n, 50 + i) for i, n in enumerate(lens)]
+    got = prop.draft(states, [1] * 5, lens, [2] * 5)
+    assert got.tokens == [prop.propose(s, 1, p, 2) for s, p in zip(single, lens)]
+    assert (got.batched, got.single) == (2, 1)  # chunks of 2, 2 and a lone 1
+
+
+def test_draft_falls_back_when_propose_batch_declines(
+    drafter: Any, target: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    prop = make(drafter, target)
+    lens = [3, 9, 5]
+    states = [filled(prop, n, 60 + i) for i, n in enumerate(lens)]
+    expected = prop.draft(states, [4, 5, 6], lens, [2, 3, 1]).tokens
+    for s in states:
+        prop.after_verify(s, 0)
+    monkeypatch.setattr(prop, "propose_batch", lambda *a, **k: None)
+    got = prop.draft(states, [4, 5, 6], lens, [2, 3, 1])
+    assert got.tokens == expected
+    assert (got.batched, got.single) == (0, 3)
+    nobatch = make(drafter, target, batched_path=False)
+    nb = [filled(nobatch, n, 60 + i) for i, n in enumerate(lens)]
+    got = nobatch.draft(nb, [4, 5, 6], lens, [2, 3, 1])
+    assert got.tokens == expected and (got.batched, got.single) == (0, 3)
+
+
+def test_draft_masks_and_per_sequence_errors(drafter: Any, target: Any) -> None:
+    prop = make(drafter, target)
+    words = (prop.vocab_size + 31) // 32
+    only7 = torch.zeros(words, dtype=torch.int32)
+    only7[0] = 1 << 7
+
+    def broken() -> torch.Tensor | None:
+        raise RuntimeError("mask failed")
+
+    states = [filled(prop, 5, 70 + i) for i in range(4)]
+    plain = filled(prop, 5, 73)
+    got = prop.draft(states, [2] * 4, [5] * 4, [3] * 4, masks=[only7, lambda: only7, broken, None])
+    assert got.tokens[:3] == [[7, 7, 7], [7, 7, 7], []]
+    assert got.tokens[3] == prop.propose(plain, 2, 5, 3)
+    assert got.errors[:2] == [None, None] and got.errors[3] is None
+    assert isinstance(got.errors[2], RuntimeError)
+    assert got.single == 3  # the masked ones; the lone plain one too (no batch of one)
+    with expect_clear_error(ValueError, "masks"):
+        prop.draft(states[:2], [2, 2], [5, 5], [1, 1], masks=[None])
+
+
+def test_draft_sampled_equals_propose_sampled(drafter: Any, target: Any) -> None:
+    from blockdraft.sampling import SamplingParams
+
+    prop = make(drafter, target)
+    params = SamplingParams(temperature=0.8, top_k=20)
+    states = [filled(prop, n, 80 + i) for i, n in enumerate([4, 6, 3])]
+    single = [filled(prop, n, 80 + i) for i, n in enumerate([4, 6, 3])]
+    sampling = [(params, torch.Generator().manual_seed(1)), None, (SamplingParams(), None)]
+    got = prop.draft(states, [3, 4, 5], [4, 6, 3], [3, 2, 2], sampling=sampling)
+    drafts, q = prop.propose_sampled([single[0]], [3], [4], 3, params, torch.Generator().manual_seed(1))
+    assert got.tokens[0] == drafts[0]
+    q0 = got.q[0]
+    assert q0 is not None and q0.device.type == "cpu" and torch.equal(q0, q[0, :3].cpu())
+    # greedy settings and no settings draft greedily (batched together)
+    assert got.q[1] is None and got.q[2] is None
+    assert got.tokens[1:] == [prop.propose(single[1], 4, 6, 2), prop.propose(single[2], 5, 3, 2)]
+    assert (got.batched, got.single) == (1, 1)

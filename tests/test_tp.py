@@ -16,7 +16,7 @@ from tp_support import RUNTIME_CASES, build_target, everything
 
 from blockdraft import ConfigError, TargetRuntime
 from blockdraft.parallel import TPGroup, check_split, launch, part
-from blockdraft.runtime.shard import model_shard
+from blockdraft.target.runtime.shard import model_shard
 
 
 def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -142,8 +142,8 @@ def test_shard_layout_on_one_process() -> None:
     whole = build_target("llama-bias-gqa")
     model = build_target("llama-bias-gqa")
     layer_w, layer = whole.model.layers[1], model.model.layers[1]
-    from blockdraft.runtime.shard import shard_target
-    from blockdraft.runtime.spec import TargetSpec
+    from blockdraft.target.runtime.shard import shard_target
+    from blockdraft.target.runtime.spec import TargetSpec
 
     spec = shard_target(TargetSpec.from_model(model), TPGroup(rank=1, size=2, device=torch.device("cpu")))
     assert (spec.num_heads, spec.num_kv_heads, spec.intermediate_size) == (2, 1, 36)

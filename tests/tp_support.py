@@ -20,7 +20,7 @@ from tinypair import drafter_config, tiny_drafter, tiny_target
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import blockdraft
-from blockdraft import ConfigError, SpeculativeEngine, TargetRuntime
+from blockdraft import ConfigError, SamplingParams, SpeculativeEngine, TargetRuntime
 from blockdraft.parallel import TPGroup
 
 PROMPTS = [[3], [5, 9, 11, 2, 60, 7, 7, 1, 40], [(7 * i + 3) % VOCAB for i in range(23)]]
@@ -84,7 +84,7 @@ def runtime_case(group: TPGroup, name: str) -> dict[str, Any]:
     again = TargetRuntime(model, num_pages=30, page_size=4, tp=group)
     decoded = blockdraft.decode(again, PROMPTS, max_new_tokens=10).tokens
     torch.manual_seed(1000 + group.rank)  # ranks whose global random state differs
-    sampled = blockdraft.decode(again, PROMPTS, max_new_tokens=10, temperature=1.0).tokens
+    sampled = blockdraft.decode(again, PROMPTS, max_new_tokens=10, sampling=SamplingParams(1.0)).tokens
     return {"sampled": sampled, "last": last.clone(), "verify": out.logits.clone(), "rows": torch.cat(rows),
             "pages": pages, "free": (free_after, rt.pool.num_pages), "decoded": decoded,
             "num_kv_heads": rt.spec.num_kv_heads, "qkv_rows": rt.forward_pass._layers[0].qkv.shape[0]}
@@ -109,10 +109,10 @@ def engine_case(group: TPGroup, kind: str) -> dict[str, Any]:
         rt.check_replicas([r.target_seq for r in running])
         used.append((engine.pages_used()["target"], engine.pages_used()["drafter"]))
     greedy = [list(engine.request(r).out) for r in rids]
-    seeded = engine.generate(ENGINE_PROMPTS[:2], max_new_tokens=10, temperature=1.0,
+    seeded = engine.generate(ENGINE_PROMPTS[:2], max_new_tokens=10, sampling=SamplingParams(1.0),
                              generator=torch.Generator().manual_seed(5)).tokens
     torch.manual_seed(1000 + group.rank)  # ranks whose global random state differs
-    unseeded = engine.generate(ENGINE_PROMPTS[:2], max_new_tokens=10, temperature=1.0).tokens
+    unseeded = engine.generate(ENGINE_PROMPTS[:2], max_new_tokens=10, sampling=SamplingParams(1.0)).tokens
     return {"greedy": greedy, "seeded": seeded, "unseeded": unseeded, "used": used,
             "end": engine.pages_used(), "total": engine.pages_total()}
 

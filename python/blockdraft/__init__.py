@@ -8,7 +8,8 @@ lifecycle, and runs the target on its own paged runtime.
 
 What is here:
 
-* generation: :func:`generate`, :class:`SpeculativeEngine`, :func:`decode` (target only);
+* generation: :func:`generate`, :class:`SpeculativeEngine`, :func:`decode` (target only),
+  each taking a :class:`SamplingParams` (greedy when none);
 * the proposer contract: :class:`DFlashProposer`, :class:`DFlashState`, :class:`Levers`;
 * the target runtime: :class:`TargetRuntime`; the hooked HF adapter :class:`TargetAdapter`;
 * loading: :func:`load_drafter`, :class:`DrafterConfig`, the drafter modules;
@@ -41,8 +42,8 @@ from blockdraft.levers import Levers, read_levers
 from blockdraft.models import DFlash2Drafter, DFlashDrafter
 from blockdraft.proposer import DFlashProposer, DFlashState
 from blockdraft.results import GenerationResult, GenerationStats
-from blockdraft.runtime import TargetRuntime, decode
-from blockdraft.target import TargetAdapter, TargetOutput
+from blockdraft.sampling import SamplingParams
+from blockdraft.target import TargetAdapter, TargetOutput, TargetRuntime, decode
 
 logging.getLogger(__name__).addHandler(logging.NullHandler())
 
@@ -62,6 +63,7 @@ __all__ = [
     "Levers",
     "PoolExhaustedError",
     "RopeConfig",
+    "SamplingParams",
     "SpeculativeEngine",
     "TargetAdapter",
     "TargetOutput",

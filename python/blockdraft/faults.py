@@ -2,10 +2,10 @@
 
 Off by default and free when off: every hook in the library is one line,
 
-    if faults._ACTIVE is not None:
+    if faults.active():
         faults.hit("accumulator")
 
-so a normal run pays one module-attribute load and a comparison per allocation site. Tests turn
+so a normal run pays one function call and a comparison per allocation site. Tests turn
 it on with :func:`inject` (fail the ``nth`` hit of one site) or :func:`record` (count the hits of
 every site without failing, to learn how many injection points a call has).
 
@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from blockdraft import _core
+import blockdraft._core as _core
 from blockdraft._core import PoolExhaustedError
 
 PROPOSER_SITES: tuple[str, ...] = (
@@ -80,6 +80,12 @@ class FaultPlan:
 
 
 _ACTIVE: FaultPlan | None = None
+
+
+def active() -> bool:
+    """Whether a plan is armed (the library's hooks call :func:`hit` only then, so an unarmed
+    run pays one check per site)."""
+    return _ACTIVE is not None
 
 
 def _error(site: str, nth: int) -> BaseException:

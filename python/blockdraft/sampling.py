@@ -51,6 +51,23 @@ def validate_sampling(temperature: float, top_p: float, top_k: int) -> None:
         raise ValueError(f"top_k must be >= 0, not {top_k}")
 
 
+GREEDY = SamplingParams()
+"""Greedy decoding (what ``sampling=None`` means)."""
+
+
+def as_sampling(sampling: object) -> SamplingParams:
+    """``sampling`` as given, or :data:`GREEDY` for ``None``.
+
+    Raises:
+        TypeError: neither a :class:`SamplingParams` nor ``None``.
+    """
+    if sampling is None:
+        return GREEDY
+    if not isinstance(sampling, SamplingParams):
+        raise TypeError(f"sampling must be a SamplingParams or None, not {type(sampling).__name__}")
+    return sampling
+
+
 def allowed_ids(bitmask: Tensor, vocab: int) -> Tensor:
     """Packed int32 ``[..., ceil(V/32)]`` -> ``[..., V]`` bool (bit ``j`` of word ``w``
     allows id ``32 * w + j``)."""
@@ -127,9 +144,11 @@ def accept_draft(
 
 
 __all__ = [
+    "GREEDY",
     "SamplingParams",
     "accept_draft",
     "allowed_ids",
+    "as_sampling",
     "draw",
     "target_probs",
     "validate_sampling",

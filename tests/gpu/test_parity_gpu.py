@@ -240,7 +240,7 @@ def test_sampled_drafts_on_cuda_with_a_host_generator(tmp_path: Path, seed: int,
     runs = []
     for _ in range(2):
         gen = torch.Generator().manual_seed(seed)
-        res = blockdraft.generate(target, drafter, [prompt], max_new_tokens=24, temperature=1.0,
+        res = blockdraft.generate(target, drafter, [prompt], max_new_tokens=24, sampling=blockdraft.SamplingParams(1.0),
                                   generator=gen, sampled_drafts=True)
         runs.append(res.tokens[0])
     assert len(runs[0]) == 24 and runs[0] == runs[1]

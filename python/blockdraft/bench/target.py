@@ -38,7 +38,7 @@ def bench_target(
     """One record per context: ms per decode and per B-row verify on each engine."""
     from transformers import DynamicCache
 
-    from blockdraft.runtime import TargetRuntime
+    from blockdraft.target.runtime import TargetRuntime
 
     gen = torch.Generator().manual_seed(cfg.seed + 7)
     block = shape.block_size

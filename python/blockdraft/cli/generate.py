@@ -101,6 +101,7 @@ def _generate(args: argparse.Namespace, group: Any) -> int:
     from blockdraft.devices import sync
     from blockdraft.engine import SpeculativeEngine
     from blockdraft.engine.generate import pool_sizes
+    from blockdraft.sampling import SamplingParams
 
     ranks = 1 if group is None else int(group.size)
     say = print if group is None or group.is_first else _silent
@@ -126,7 +127,7 @@ def _generate(args: argparse.Namespace, group: Any) -> int:
     engine.generate([ids], max_new_tokens=warm, stop_token_ids=stops)
     bar = tqdm(total=n, unit="tok", disable=n < 64 or args.no_progress or say is _silent, leave=False)
     with bar:
-        result = engine.generate([ids], max_new_tokens=n, temperature=args.temperature,
+        result = engine.generate([ids], max_new_tokens=n, sampling=SamplingParams(args.temperature),
                                  stop_token_ids=stops, progress=bar.update)
     out = result.tokens[0]
     stats = result.stats
@@ -140,7 +141,7 @@ def _generate(args: argparse.Namespace, group: Any) -> int:
     speedups = []
     if engine.runtime is not None:
         blockdraft.decode(engine.runtime, [ids], max_new_tokens=warm, stop_token_ids=stops)
-        alone = blockdraft.decode(engine.runtime, [ids], max_new_tokens=n, temperature=args.temperature,
+        alone = blockdraft.decode(engine.runtime, [ids], max_new_tokens=n, sampling=SamplingParams(args.temperature),
                                   stop_token_ids=stops)
         tps = alone.stats.tokens_per_s
         say(f"target only, blockdraft runtime: {alone.stats.num_new_tokens} tokens, {tps:.1f} tok/s"

@@ -4,7 +4,6 @@
 | --- | --- |
 | ``engine`` | :class:`SpeculativeEngine`: submit / step / stream / cancel / generate |
 | ``request`` | one request, and the events a step reports |
-| ``targets`` | the target side: blockdraft's runtime or the Hugging Face forward |
 | ``accept`` | the target's choices: first tokens and accepted drafts |
 | ``generate`` | :func:`generate` |
 """
@@ -14,7 +13,7 @@ from __future__ import annotations
 from blockdraft.engine.engine import RUNTIMES, SpeculativeEngine, resolve_runtime
 from blockdraft.engine.generate import generate
 from blockdraft.engine.request import Request, Status, StepEvent
-from blockdraft.engine.targets import DEFAULT_SDPA_BACKENDS
+from blockdraft.target import DEFAULT_SDPA_BACKENDS
 
 __all__ = [
     "DEFAULT_SDPA_BACKENDS",

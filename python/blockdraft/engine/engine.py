@@ -39,29 +39,28 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from blockdraft import _core
+import blockdraft._core as _core
 from blockdraft._core import ConfigError
 from blockdraft.cuda_graphs import GraphMode
 from blockdraft.engine.accept import accept_blocks, first_tokens
 from blockdraft.engine.request import MaskFn, Request, Status, StepEvent
-from blockdraft.pair.checks import check_context
-from blockdraft.engine.targets import (
+from blockdraft.pair import check_context
+from blockdraft.parallel import TPGroup
+from blockdraft.proposer import DFlashProposer, agreed_pool_size
+from blockdraft.results import GenerationResult, GenerationStats
+from blockdraft.sampling import SamplingParams, as_sampling
+from blockdraft.target import (
     DEFAULT_SDPA_BACKENDS,
     HFTarget,
     RuntimeTarget,
+    TargetAdapter,
     TargetBackend,
+    TargetRuntime,
+    TargetSpec,
+    check_prompts,
+    model_shard,
     validate_sdpa_backends,
 )
-from blockdraft.parallel.group import TPGroup
-from blockdraft.proposer import DFlashProposer
-from blockdraft.proposer.proposer import agreed_pool_size
-from blockdraft.results import GenerationResult, GenerationStats
-from blockdraft.runtime import TargetRuntime
-from blockdraft.runtime.decode import check_prompts
-from blockdraft.runtime.shard import model_shard
-from blockdraft.runtime.spec import TargetSpec
-from blockdraft.sampling import SamplingParams
-from blockdraft.target import TargetAdapter
 
 log = logging.getLogger(__name__)
 
@@ -107,7 +106,7 @@ class SpeculativeEngine:
             sequences of ``max_seq_len``, at most half the free memory).
         page_size: tokens per target page.
         sdpa_backends: the attention backends of the Hugging Face target's forwards (see
-            :class:`~blockdraft.engine.targets.HFTarget`).
+            :class:`~blockdraft.target.HFTarget`).
         graphs: the proposer's and the runtime's CUDA graphs (``"auto"``: on CUDA;
             ``"capture"``, ``"static"``, ``"off"``; see :class:`~blockdraft.TargetRuntime`).
         sampled_drafts: at ``temperature > 0``, draft by sampling the drafter's own
@@ -229,9 +228,7 @@ class SpeculativeEngine:
         prompt: Sequence[int],
         *,
         max_new_tokens: int,
-        temperature: float = 0.0,
-        top_p: float = 1.0,
-        top_k: int = 0,
+        sampling: SamplingParams | None = None,
         stop_token_ids: Sequence[int] | None = None,
         generator: torch.Generator | None = None,
         seed: int | None = None,
@@ -242,7 +239,7 @@ class SpeculativeEngine:
         Args:
             prompt: its token ids (non-empty).
             max_new_tokens: the most tokens it generates (>= 1).
-            temperature / top_p / top_k: 0 = greedy, else sampling from the filtered softmax.
+            sampling: how its tokens are chosen (``None``: greedy).
             stop_token_ids: it ends after producing one of these (included).
             generator / seed: its random source when sampling (a seed makes one).
             grammar_bitmask_fn: ``fn(generated) -> packed int32 [ceil(V/32)]`` of the tokens
@@ -259,7 +256,7 @@ class SpeculativeEngine:
             raise TypeError(f"max_new_tokens must be an int, not {type(max_new_tokens).__name__}")
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, not {max_new_tokens}")
-        params = SamplingParams(temperature, top_p, top_k)
+        params = as_sampling(sampling)
         ids = check_prompts([prompt], self._vocab)[0]
         check_context(len(ids), max_new_tokens, self.max_seq_len)
         rid = next(self._ids)
@@ -371,9 +368,7 @@ class SpeculativeEngine:
         prompts: Sequence[Sequence[int]],
         *,
         max_new_tokens: int,
-        temperature: float = 0.0,
-        top_p: float = 1.0,
-        top_k: int = 0,
+        sampling: SamplingParams | None = None,
         stop_token_ids: Sequence[int] | None = None,
         grammar_bitmask_fn: Callable[[int, Sequence[int]], Tensor | None] | None = None,
         generator: torch.Generator | None = None,
@@ -397,7 +392,7 @@ class SpeculativeEngine:
                 pages are back in the pools.
         """
         ids = check_prompts(prompts, self._vocab)
-        SamplingParams(temperature, top_p, top_k)
+        as_sampling(sampling)
         for i, p in enumerate(ids):
             check_context(len(p), max_new_tokens, self.max_seq_len, prompt=f"prompt {i}")
         start = time.perf_counter()
@@ -409,8 +404,8 @@ class SpeculativeEngine:
                 if grammar_bitmask_fn is not None:
                     mask = _bind_mask(grammar_bitmask_fn, i)
                 rids.append(self.submit(
-                    p, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
-                    top_k=top_k, stop_token_ids=stop_token_ids, generator=generator,
+                    p, max_new_tokens=max_new_tokens, sampling=sampling,
+                    stop_token_ids=stop_token_ids, generator=generator,
                     grammar_bitmask_fn=mask,
                 ))
             for ev in self.stream(rids):
@@ -539,63 +534,27 @@ class SpeculativeEngine:
     def _draft(self, running: list[Request]) -> tuple[dict[int, list[int]], dict[int, Tensor]]:
         """Drafts per request (``min(B-1, left-1)`` of them; none for a request's last
         token), and for sampled drafts their distribution ``[drafts, V]`` (on the host); a
-        request whose proposal fails is failed."""
-        prop = self.proposer
-        want = {r.id: min(self.block_size - 1, r.remaining - 1) for r in running}
-        drafts: dict[int, list[int]] = {r.id: [] for r in running}
+        request whose proposal fails is failed. How many to draft is decided here; how they
+        are drafted is the proposer's (:meth:`~blockdraft.DFlashProposer.draft`)."""
+        got = self.proposer.draft(
+            [r.state for r in running],  # type: ignore[misc]
+            [r.out[-1] for r in running],
+            [r.anchor_position for r in running],
+            [min(self.block_size - 1, r.remaining - 1) for r in running],
+            masks=[r.bitmask if r.mask_fn is not None else None for r in running],
+            sampling=[(r.params, r.generator) if self.sampled_drafts else None for r in running],
+        )
+        self.batched_proposals += got.batched
+        self.single_proposals += got.single
+        drafts: dict[int, list[int]] = {}
         draft_q: dict[int, Tensor] = {}
-        need = [r for r in running if want[r.id] > 0]
-        sampled = [r for r in need if self.sampled_drafts and not r.params.greedy and r.mask_fn is None]
-        if sampled:
-            self._draft_sampled(sampled, want, drafts, draft_q)
-        need = [r for r in need if r not in sampled]
-        plain = [r for r in need if r.mask_fn is None]
-        single = [r for r in need if r.mask_fn is not None]
-        width = prop.propose_batch_max()
-        if len(plain) >= 2 and width >= 2:
-            for c in range(0, len(plain), width):
-                chunk = plain[c : c + width]
-                got = None
-                if len(chunk) >= 2:
-                    got = prop.propose_batch(
-                        [r.state for r in chunk],  # type: ignore[misc]
-                        [r.out[-1] for r in chunk],
-                        [r.anchor_position for r in chunk],
-                        max(want[r.id] for r in chunk),
-                    )
-                if got is not None:
-                    self.batched_proposals += 1
-                    for r, d in zip(chunk, got):
-                        drafts[r.id] = d[: want[r.id]]
-                else:
-                    single.extend(chunk)
-        else:
-            single.extend(plain)
-        for r in single:
-            try:
-                assert r.state is not None
-                drafts[r.id] = prop.propose(r.state, r.out[-1], r.anchor_position, want[r.id],
-                                            grammar_bitmask=r.bitmask())
-                self.single_proposals += 1
-            except Exception as exc:  # noqa: BLE001 - this request fails, the others go on
+        for r, tokens, q, exc in zip(running, got.tokens, got.q, got.errors):
+            drafts[r.id] = tokens
+            if q is not None:
+                draft_q[r.id] = q
+            if exc is not None:
                 self._fail(r, exc)
         return drafts, draft_q
-
-    def _draft_sampled(self, reqs: list[Request], want: dict[int, int],
-                       drafts: dict[int, list[int]], draft_q: dict[int, Tensor]) -> None:
-        """Sampled drafts, one proposal per request (each has its own random source and
-        settings); a request whose proposal fails is failed."""
-        prop = self.proposer
-        for r in reqs:
-            try:
-                assert r.state is not None
-                got, q = prop.propose_sampled([r.state], [r.out[-1]], [r.anchor_position],
-                                              want[r.id], r.params, r.generator)
-                drafts[r.id] = got[0]
-                draft_q[r.id] = q[0, : len(got[0])].cpu()
-                self.single_proposals += 1
-            except Exception as exc:  # noqa: BLE001 - this request fails, the others go on
-                self._fail(r, exc)
 
     def _end(self, req: Request, status: Status, reason: str, *, error: str | None = None) -> None:
         """Give back what ``req`` holds and mark it ended (idempotent)."""

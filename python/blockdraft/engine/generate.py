@@ -9,8 +9,9 @@ import torch
 from torch import Tensor
 
 from blockdraft.engine.engine import SpeculativeEngine
-from blockdraft.parallel.group import TPGroup
+from blockdraft.parallel import TPGroup
 from blockdraft.results import GenerationResult
+from blockdraft.sampling import SamplingParams
 
 
 def pool_sizes(lengths: Sequence[int], max_new_tokens: int, block_size: int,
@@ -28,9 +29,7 @@ def generate(
     prompts: Sequence[Sequence[int]],
     *,
     max_new_tokens: int,
-    temperature: float = 0.0,
-    top_p: float = 1.0,
-    top_k: int = 0,
+    sampling: SamplingParams | None = None,
     stop_token_ids: Sequence[int] | None = None,
     grammar_bitmask_fn: Callable[[int, Sequence[int]], Tensor | None] | None = None,
     generator: torch.Generator | None = None,
@@ -67,8 +66,8 @@ def generate(
         max_batch=min(len(prompts), 16), sampled_drafts=sampled_drafts, tp=tp,
     ) as engine:
         return engine.generate(
-            prompts, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
-            top_k=top_k, stop_token_ids=stop_token_ids, grammar_bitmask_fn=grammar_bitmask_fn,
+            prompts, max_new_tokens=max_new_tokens, sampling=sampling,
+            stop_token_ids=stop_token_ids, grammar_bitmask_fn=grammar_bitmask_fn,
             generator=generator,
         )
 

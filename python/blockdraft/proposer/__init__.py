@@ -7,15 +7,18 @@
 | ``spec`` | what is read from the drafter and the target, checked |
 | ``cache`` | the paged drafter K/V of the pool |
 | ``commit`` | verified rows into the accumulators, as the core plans |
+| ``draft`` | drafts for many sequences by whichever path fits each (:meth:`DFlashProposer.draft`) |
 | ``forward`` | the draft forward (:class:`DraftForward`), shared by both paths |
+| ``fast`` | the fused view of a DFlash drafter the graph path runs (:class:`FastDrafter`) |
 | ``graphs`` | its CUDA-graph replay (:class:`GraphRunner`) |
 """
 
 from __future__ import annotations
 
+from blockdraft.proposer.draft import Drafts
 from blockdraft.proposer.forward import DraftForward
 from blockdraft.proposer.graphs import GraphRunner
-from blockdraft.proposer.proposer import DFlashProposer
+from blockdraft.proposer.proposer import DFlashProposer, agreed_pool_size
 from blockdraft.proposer.state import DFlashState, Proposal
 
-__all__ = ["DFlashProposer", "DFlashState", "DraftForward", "GraphRunner", "Proposal"]
+__all__ = ["DFlashProposer", "DFlashState", "DraftForward", "Drafts", "GraphRunner", "Proposal", "agreed_pool_size"]

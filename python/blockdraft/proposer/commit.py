@@ -76,7 +76,7 @@ class ContextWriter:
         the graph path stages exactly those rows at the next proposal in the common case, and
         a view of ``acc`` by row range stays right for that range for as long as the
         accumulator lives."""
-        if faults._ACTIVE is not None:
+        if faults.active():
             faults.hit("accumulator")
         entries = batch.entries  # (state index, src row, dst row, count) per state with rows
         if not entries:
@@ -129,7 +129,7 @@ def _prepare_slides(
     ``acc[:keep] = copy``."""
     out = []
     for e, src, keep in slides:
-        if faults._ACTIVE is not None:
+        if faults.active():
             faults.hit("accumulator")
         acc = accs[e]
         out.append((acc, keep, acc[src : src + keep].clone()))

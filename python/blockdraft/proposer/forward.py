@@ -27,7 +27,7 @@ from blockdraft import faults
 from blockdraft._core import PrecomputePlan
 from blockdraft.kernels import KernelOps
 from blockdraft.models.drafter import AttendFn, DFlashDrafter
-from blockdraft.models.fast import FastDrafter
+from blockdraft.proposer.fast import FastDrafter
 from blockdraft.models.layers import embed_blocks
 from blockdraft.proposer.cache import DrafterCache
 from blockdraft.proposer.spec import DraftSpec, TargetHead
@@ -110,7 +110,7 @@ class DraftForward:
         if not rows:
             return
         ctx = torch.cat(rows, 0) if len(rows) > 1 else rows[0]
-        if faults._ACTIVE is not None:
+        if faults.active():
             faults.hit("kv_cache")
         self.write_ctx_kv(
             ctx.to(self.dtype),
@@ -150,7 +150,7 @@ class DraftForward:
         spec, cache, attend_op = self.spec, self.cache, self.ops.block_attention
 
         def attend(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-            if fault_hooks and faults._ACTIVE is not None:
+            if fault_hooks and faults.active():
                 faults.hit("attention")
             return attend_op(
                 q, k, v, cache.k_layers[layer], cache.v_layers[layer], page_tables, ctx_lens,
@@ -243,7 +243,7 @@ class DraftForward:
         self.store_plans(list(zip(proposal.states, proposal.plans)))
         tables = [ctx.page_table + plan.new_pages for ctx, plan in zip(proposal.ctxs, proposal.plans)]
         width = max(1, max(len(t) for t in tables))
-        if faults._ACTIVE is not None:
+        if faults.active():
             faults.hit("page_table_dev")
         page_tables = torch.zeros((n, width), dtype=torch.int32)
         for i, t in enumerate(tables):
@@ -257,10 +257,10 @@ class DraftForward:
         starts = torch.tensor(proposal.positions, dtype=torch.int64, device=self.device)
         embeds, q_pos = self.embed_blocks(anchors, starts)
         attend = self.attention(page_tables, ctx_lens, q_pos)
-        if faults._ACTIVE is not None:
+        if faults.active():
             faults.hit("forward")
         hidden = self.layers(embeds, q_pos, attend)  # [n, B, H]
-        if faults._ACTIVE is not None:
+        if faults.active():
             faults.hit("logits")
         if sampling is not None:
             tokens, self.last_q = self.sample(hidden, anchors, take, sampling[0], sampling[1])

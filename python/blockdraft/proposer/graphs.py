@@ -178,7 +178,7 @@ class GraphRunner:
         staged = self._fill(bucket, proposal)
         if staged is None:
             return None
-        if faults._ACTIVE is not None:
+        if faults.active():
             # The graph replaces the eager forward: the same fault site covers it.
             faults.hit("forward")
         bucket.dev.copy_(bucket.host, non_blocking=True)
@@ -238,7 +238,7 @@ class GraphRunner:
             self.forward.store_plans([(states[i], proposal.plans[i]) for i in eager])
         if not staged:
             return 0
-        if faults._ACTIVE is not None:
+        if faults.active():
             faults.hit("kv_cache")
         if self.gather:
             return int(staged)

@@ -27,12 +27,14 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
-from blockdraft import _core, faults, kernels
+import blockdraft._core as _core
+from blockdraft import faults, kernels
 from blockdraft._core import BlockPool, ConfigError, ContextState, InvalidStateError
 from blockdraft.levers import Levers, read_levers
 from blockdraft.parallel.group import TPGroup
 from blockdraft.proposer.cache import DrafterCache
 from blockdraft.proposer.commit import ContextWriter, as_positions, check_rows
+from blockdraft.proposer.draft import Drafts, Mask, SampledDraft, draft_many
 from blockdraft.proposer.forward import DraftForward
 from blockdraft.cuda_graphs import GraphMode, resolve_mode
 from blockdraft.proposer.graphs import GraphRunner
@@ -255,7 +257,7 @@ class DFlashProposer:
                 self.max_seq_len * self.ctx_slot_bytes // mib,
             )
         # Zeroed so that no earlier allocation's data is visible through a fresh state.
-        if faults._ACTIVE is not None:
+        if faults.active():
             faults.hit("accumulator")
         acc = torch.zeros((window, self.ctx_row_width), dtype=self.dtype, device=self.device)
         return DFlashState(ContextState(self.pool, window, self._owner), acc)
@@ -488,6 +490,30 @@ class DFlashProposer:
                 proposal.abort()
             raise
 
+    def draft(
+        self,
+        states: Sequence[DFlashState],
+        anchors: Sequence[int],
+        positions: Sequence[int],
+        want: Sequence[int],
+        masks: Sequence[Mask | None] | None = None,
+        sampling: Sequence[SampledDraft | None] | None = None,
+    ) -> Drafts:
+        """Up to ``want[i]`` drafts after ``anchors[i]`` at ``positions[i]`` for each state
+        (none when ``want[i] <= 0``), made as :mod:`blockdraft.proposer.draft` describes:
+        ``sampling[i]`` (settings, random source) at ``temperature > 0`` drafts by sampling;
+        ``masks[i]`` drafts greedily under that grammar mask; the rest draft greedily, batched
+        where :meth:`propose_batch` takes them. Batched drafts equal per-sequence ones.
+
+        Returns:
+            :class:`~blockdraft.proposer.draft.Drafts`: a proposal that raised leaves its
+            error in the sequence's slot; the other sequences are drafted.
+
+        Raises:
+            ValueError: the arguments are not one per state.
+        """
+        return draft_many(self, states, anchors, positions, want, masks, sampling)
+
     def _plan(
         self,
         what: str,
@@ -499,7 +525,7 @@ class DFlashProposer:
         """Check every anchor and state and plan every sequence's ctx K/V (all or nothing: on
         an error no plan is outstanding)."""
         args = (what, ctxs, tokens, positions, self.head.vocab_in, self._owner)
-        fail_at = faults.hits("pool_pages", len(ctxs)) if faults._ACTIVE is not None else None
+        fail_at = faults.hits("pool_pages", len(ctxs)) if faults.active() else None
         # `fail_at` exists in test builds only (faults cannot be armed in a release build).
         plans = (_core.plan_proposals(*args) if fail_at is None
                  else _core.plan_proposals(*args, fail_at))

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from blockdraft import _core
+import blockdraft._core as _core
 from blockdraft._core import ContextState, PrecomputePlan
 
 

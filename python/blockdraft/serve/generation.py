@@ -61,8 +61,7 @@ class Service:
                 raise APIError(404, f"the model {req.model!r} does not exist; this server "
                                f"serves {self.model_name!r}", code="model_not_found", param="model")
             ids = self._prompt_ids(req)
-            sub = Submission(ids, self._max_new(req, len(ids)), req.temperature, req.top_p,
-                             req.top_k, self.stop_ids, req.seed)
+            sub = Submission(ids, self._max_new(req, len(ids)), req.sampling, self.stop_ids, req.seed)
             ticket = self.loop.submit(sub)
             try:
                 await ticket.admitted()

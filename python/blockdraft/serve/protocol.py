@@ -15,6 +15,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from blockdraft.sampling import SamplingParams
 from blockdraft.serve.errors import APIError, invalid
 
 Kind = Literal["completion", "chat"]
@@ -34,7 +35,8 @@ class GenerationRequest:
         messages: the chat messages as ``{"role", "content"}`` with text content (``None``
             for completions).
         max_tokens: the most new tokens (``None``: the endpoint's default).
-        top_k: 0 = no top-k filter.
+        sampling: the body's ``temperature``, ``top_p`` and ``top_k`` (``top_k`` 0 or -1:
+            no top-k filter).
         stop: strings that end the generation (cut from the text).
     """
 
@@ -43,9 +45,7 @@ class GenerationRequest:
     prompt: str | list[int] | None
     messages: list[dict[str, str]] | None
     max_tokens: int | None
-    temperature: float
-    top_p: float
-    top_k: int
+    sampling: SamplingParams
     stop: tuple[str, ...]
     seed: int | None
     stream: bool
@@ -113,7 +113,7 @@ def parse_request(kind: Kind, body: dict[str, Any]) -> GenerationRequest:
         raise _wrong_type("stream_options", "an object", options)
     return GenerationRequest(
         kind=kind, model=model, prompt=prompt, messages=messages, max_tokens=max_tokens,
-        temperature=temperature, top_p=top_p, top_k=top_k, stop=_stop(body),
+        sampling=SamplingParams(temperature, top_p, top_k), stop=_stop(body),
         seed=_int(body, "seed"), stream=_bool(body, "stream"),
         include_usage=_bool(options or {}, "include_usage", "stream_options.include_usage"),
         return_meta_info=_bool(body, "return_meta_info"),

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 from blockdraft.engine import SpeculativeEngine
 from blockdraft.parallel import TPGroup
+from blockdraft.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -47,9 +48,7 @@ class Submission:
 
     prompt: list[int]
     max_new_tokens: int
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
+    sampling: SamplingParams | None = None
     stop_token_ids: tuple[int, ...] = ()
     seed: int | None = None
 
@@ -57,7 +56,7 @@ class Submission:
 def submit_to(engine: SpeculativeEngine, sub: Submission) -> int:
     """``engine.submit`` with ``sub``'s arguments: the one call every rank makes for it."""
     return engine.submit(sub.prompt, max_new_tokens=sub.max_new_tokens,
-                         temperature=sub.temperature, top_p=sub.top_p, top_k=sub.top_k,
+                         sampling=sub.sampling,
                          stop_token_ids=list(sub.stop_token_ids), seed=sub.seed)
 
 

@@ -22,7 +22,8 @@ import torch
 from blockdraft.devices import sync
 from blockdraft.engine import SpeculativeEngine
 from blockdraft.engine.generate import pool_sizes
-from blockdraft.runtime import decode
+from blockdraft.sampling import SamplingParams
+from blockdraft.target import decode
 
 log = logging.getLogger(__name__)
 
@@ -263,7 +264,7 @@ def evaluate_drafter(
         sync(device)
         t0 = time.perf_counter()
         for p in prompts:
-            res = eng.generate([list(p)], max_new_tokens=max_new_tokens, temperature=temp,
+            res = eng.generate([list(p)], max_new_tokens=max_new_tokens, sampling=SamplingParams(temp),
                                stop_token_ids=stops, generator=gen)
             steps.extend(res.stats.acceptance_lengths[0])
             tokens += res.stats.num_new_tokens

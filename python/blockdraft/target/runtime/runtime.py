@@ -13,7 +13,7 @@ of its own :class:`~blockdraft.BlockPool` (page tables kept by the Rust core's
 * :meth:`TargetRuntime.free` gives every page back.
 
 With a tensor-parallel group (``tp=``) every rank builds its own runtime over its shard of the
-model (:mod:`blockdraft.runtime.shard`) and every rank makes the same calls in the same order:
+model (:mod:`blockdraft.target.runtime.shard`) and every rank makes the same calls in the same order:
 the pool, the page tables and the forward plans are computed on every rank from the same
 inputs (the Rust core is deterministic), so they are the same without being sent anywhere.
 """
@@ -27,15 +27,16 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from blockdraft import _core, faults, kernels
+import blockdraft._core as _core
+from blockdraft import faults, kernels
 from blockdraft._core import BlockPool, ConfigError, ForwardPlan, SeqPages
-from blockdraft.runtime.cache import TargetKVCache
-from blockdraft.runtime.forward import ForwardBatch, TargetForward
+from blockdraft.target.runtime.cache import TargetKVCache
+from blockdraft.target.runtime.forward import ForwardBatch, TargetForward
 from blockdraft.cuda_graphs import GraphMode, resolve_mode
 from blockdraft.parallel.group import TPGroup
-from blockdraft.runtime.graphs import RuntimeGraphs
-from blockdraft.runtime.shard import shard_target
-from blockdraft.runtime.spec import TargetSpec
+from blockdraft.target.runtime.graphs import RuntimeGraphs
+from blockdraft.target.runtime.shard import shard_target
+from blockdraft.target.runtime.spec import TargetSpec
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +84,7 @@ class TargetRuntime:
         prefill_chunk: the most prompt rows one prefill forward takes, so a long prompt needs
             neither ``[T, V]`` logits nor a ``T x T`` score matrix.
         graphs: forwards of the same number of rows for every sequence (``graph_rows``)
-            through CUDA graphs per batch-size bucket (:mod:`blockdraft.runtime.graphs`):
+            through CUDA graphs per batch-size bucket (:mod:`blockdraft.target.runtime.graphs`):
             ``"auto"`` captures on CUDA, ``"capture"`` forces it, ``"static"`` runs the same
             fixed-shape buffers eagerly (any device), ``"off"`` disables them.
         graph_rows: rows per sequence with graphs of their own (1: decode; a drafter's B:
@@ -236,7 +237,7 @@ class TargetRuntime:
             raise TypeError(f"capacity must be an int, not {type(capacity).__name__}")
         if not 1 <= capacity <= self.max_seq_len:
             raise ValueError(f"capacity must be in 1..{self.max_seq_len} (max_seq_len), not {capacity}")
-        if faults._ACTIVE is not None:
+        if faults.active():
             faults.hit("target_pages")
         return SeqPages(self.pool, capacity, self._owner)
 
@@ -309,7 +310,7 @@ class TargetRuntime:
         graphs = self.graphs
         if (graphs is not None and all(c == rows_each for c in counts)
                 and (logits == "all" or rows_each == 1) and graphs.accepts(len(counts), rows_each)):
-            if faults._ACTIVE is not None:
+            if faults.active():
                 faults.hit("target_forward")
             got = graphs.run(plan, flat, len(counts), rows_each)
             if got is not None:
@@ -318,10 +319,10 @@ class TargetRuntime:
         width = self.forward_pass.ctx_row_width
         rows = None
         if capture and width:
-            if faults._ACTIVE is not None:
+            if faults.active():
                 faults.hit("workspace")
             rows = torch.empty((plan.n_rows, width), dtype=self.spec.dtype, device=self.device)
-        if faults._ACTIVE is not None:
+        if faults.active():
             faults.hit("target_forward")
         out = self.forward_pass.run(batch, rows)
         return ForwardOutput(out, rows, counts)

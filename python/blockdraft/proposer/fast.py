@@ -25,7 +25,7 @@ from torch import Tensor
 from torch.nn import functional as F
 
 from blockdraft.kernels import KernelOps
-from blockdraft.models.drafter import AttendFn, DFlashDrafter
+from blockdraft.models import AttendFn, DFlashDrafter
 
 
 class FastDrafter:

@@ -13,9 +13,9 @@ import torch
 from blockdraft._core import SeqPages
 from blockdraft.pair.checks import check_context
 from blockdraft.results import GenerationResult, GenerationStats
-from blockdraft.runtime.runtime import TargetRuntime
-from blockdraft.runtime.spec import TargetSpec
-from blockdraft.sampling import SamplingParams, draw, target_probs
+from blockdraft.target.runtime.runtime import TargetRuntime
+from blockdraft.target.runtime.spec import TargetSpec
+from blockdraft.sampling import SamplingParams, as_sampling, draw, target_probs
 
 
 def check_prompts(prompts: Sequence[Sequence[int]], vocab: int) -> list[list[int]]:
@@ -46,9 +46,7 @@ def decode(
     prompts: Sequence[Sequence[int]],
     *,
     max_new_tokens: int,
-    temperature: float = 0.0,
-    top_p: float = 1.0,
-    top_k: int = 0,
+    sampling: SamplingParams | None = None,
     stop_token_ids: Sequence[int] | None = None,
     generator: torch.Generator | None = None,
 ) -> GenerationResult:
@@ -61,7 +59,7 @@ def decode(
             :class:`TargetRuntime` (its pool must hold every prompt + ``max_new_tokens``).
         prompts: token ids per prompt (each non-empty; lengths may differ).
         max_new_tokens: most tokens generated per prompt (>= 1).
-        temperature / top_p / top_k: 0 = greedy, else sampling from the filtered softmax.
+        sampling: how tokens are chosen (``None``: greedy).
         stop_token_ids: a sequence ends after producing one of these (included).
         generator: random source for sampling. On a tensor-parallel runtime every rank calls
             ``decode`` alike; without a generator, sampling draws from one seeded by rank 0
@@ -80,7 +78,7 @@ def decode(
         raise TypeError(f"max_new_tokens must be an int, not {type(max_new_tokens).__name__}")
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, not {max_new_tokens}")
-    params = SamplingParams(temperature, top_p, top_k)
+    params = as_sampling(sampling)
     runtime = target if isinstance(target, TargetRuntime) else None
     spec = runtime.spec if runtime is not None else TargetSpec.from_model(target)
     ids = check_prompts(prompts, int(spec.embed.weight.shape[0]))

@@ -25,9 +25,9 @@ from torch.nn import functional as F
 
 from blockdraft.kernels import KernelOps
 from blockdraft.parallel.group import TPGroup
-from blockdraft.runtime.cache import TargetKVCache
-from blockdraft.runtime.spec import TargetSpec
-from blockdraft.runtime.weights import fuse_linears
+from blockdraft.target.runtime.cache import TargetKVCache
+from blockdraft.target.runtime.spec import TargetSpec
+from blockdraft.target.runtime.weights import fuse_linears
 
 
 @dataclass
@@ -77,7 +77,7 @@ class TargetForward:
     """The forward of one target over its paged cache.
 
     Building it fuses each layer's q/k/v and gate/up weights into single tensors that become
-    the model's own storage (:func:`~blockdraft.runtime.weights.fuse_linears`): nothing is held
+    the model's own storage (:func:`~blockdraft.target.runtime.weights.fuse_linears`): nothing is held
     twice.
 
     Args:

@@ -9,7 +9,7 @@ from torch import Tensor
 
 from blockdraft._core import BlockPool, ConfigError
 from blockdraft.devices import free_bytes
-from blockdraft.runtime.spec import TargetSpec
+from blockdraft.target.runtime.spec import TargetSpec
 
 
 class TargetKVCache:

@@ -1,19 +1,15 @@
-"""The target side of a speculative step, behind one interface with two implementations.
-
-:class:`RuntimeTarget` runs the target on blockdraft's runtime (paged K/V, one forward for
-every sequence's block); :class:`HFTarget` runs the model's own Hugging Face forward, one
-sequence at a time, each with its own ``DynamicCache``. Both expose the same five operations:
-make a sequence, prefill prompts, verify blocks (the rows stay pending), accept the first ``k``
-rows of each, free.
+"""The target's own Hugging Face forward as a :class:`~blockdraft.target.backend.TargetBackend`:
+one sequence at a time, each with its own ``DynamicCache``, under a chosen set of attention
+backends.
 """
 
 from __future__ import annotations
 
 import contextlib
 import inspect
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 import torch.nn.attention as _attention
@@ -21,101 +17,8 @@ from torch import Tensor
 from torch.nn.attention import SDPBackend
 
 from blockdraft import faults
-from blockdraft.runtime import TargetRuntime
-from blockdraft.target import TargetAdapter
-
-ChunkFn = Callable[[list[int], list[range], Tensor], None]
-"""``on_chunk(indices, positions, ctx_rows)``: a prefill chunk's captured rows ``[rows, k*H]``
-for the sequences ``indices`` (into the prefill's list) at ``positions``."""
-
-
-class TargetBackend(Protocol):
-    """What the engine needs from a target."""
-
-    name: str
-    """``"blockdraft"`` or ``"hf"``: what runs the target (``GenerationStats.target_runtime``)."""
-
-    def pages_for(self, capacity: int) -> int:
-        """Target pages a sequence of ``capacity`` tokens holds (0: not page-budgeted)."""
-
-    @property
-    def total_pages(self) -> int | None:
-        """Pages the target has in all (``None``: not page-budgeted)."""
-
-    def new(self, capacity: int) -> Any:
-        """A sequence that may hold ``capacity`` tokens."""
-
-    def prefill(self, seqs: Sequence[Any], prompts: Sequence[Sequence[int]], on_chunk: ChunkFn) -> Tensor:
-        """Each prompt through its new sequence, accepted; each prompt's last-row logits
-        ``[n, V]``."""
-
-    def verify(self, seqs: Sequence[Any], blocks: Sequence[Sequence[int]]) -> tuple[Tensor, Tensor]:
-        """``blocks[i]`` appended to sequence ``i`` (pending): logits ``[R, V]`` and ctx rows
-        ``[R, k*H]`` of every row, sequence by sequence."""
-
-    def accept(self, seqs: Sequence[Any], counts: Sequence[int]) -> None:
-        """Keep the first ``counts[i]`` rows of each sequence's last verify."""
-
-    def free(self, seqs: Sequence[Any]) -> None:
-        """Give back everything the sequences hold (idempotent)."""
-
-    def close(self) -> None:
-        """Detach from the model."""
-
-
-class RuntimeTarget:
-    """The target on :class:`~blockdraft.TargetRuntime` (capturing the drafter's layers)."""
-
-    name = "blockdraft"
-
-    def __init__(self, runtime: TargetRuntime, block_size: int) -> None:
-        self.runtime = runtime
-        self.block_size = block_size
-
-    def pages_for(self, capacity: int) -> int:
-        return self.runtime.pages_for(capacity)
-
-    @property
-    def total_pages(self) -> int | None:
-        return self.runtime.pool.num_pages
-
-    @property
-    def used_pages(self) -> int:
-        return self.runtime.pool.num_used
-
-    def new(self, capacity: int) -> Any:
-        return self.runtime.new_sequence(min(capacity, self.runtime.max_seq_len))
-
-    def prefill(self, seqs: Sequence[Any], prompts: Sequence[Sequence[int]], on_chunk: ChunkFn) -> Tensor:
-        return self.runtime.prefill(seqs, prompts, on_chunk=on_chunk)
-
-    def verify(self, seqs: Sequence[Any], blocks: Sequence[Sequence[int]]) -> tuple[Tensor, Tensor]:
-        """Blocks shorter than B (a request's last steps) are padded to B rows when every
-        sequence has room, so the step is the fixed shape the runtime's graphs replay; the
-        padding rows' K/V is pending like any rejected draft's, and their rows are dropped
-        from what this returns."""
-        rt, b = self.runtime, self.block_size
-        ragged = any(len(blk) != b for blk in blocks)
-        pad = (ragged and rt.graphs is not None and rt.graphs.accepts(len(blocks), b)
-               and all(s.length + b <= s.capacity for s in seqs))
-        run = [[*blk, *([0] * (b - len(blk)))] for blk in blocks] if pad else blocks
-        out = rt.forward(seqs, run, logits="all", capture=True)
-        assert out.ctx_rows is not None
-        if not pad:
-            return out.logits, out.ctx_rows
-        keep = torch.tensor([i * b + j for i, blk in enumerate(blocks) for j in range(len(blk))],
-                            dtype=torch.int64, device=out.logits.device)
-        return out.logits.index_select(0, keep), out.ctx_rows.index_select(0, keep)
-
-    def accept(self, seqs: Sequence[Any], counts: Sequence[int]) -> None:
-        self.runtime.accept(seqs, counts)
-
-    def free(self, seqs: Sequence[Any]) -> None:
-        self.runtime.free(seqs)
-
-    def close(self) -> None:
-        """Nothing to detach: the fused weights stay the model's storage."""
-
+from blockdraft.target.adapter import TargetAdapter
+from blockdraft.target.backend import ChunkFn
 
 DEFAULT_SDPA_BACKENDS: tuple[SDPBackend, ...] = (
     SDPBackend.FLASH_ATTENTION,
@@ -213,7 +116,7 @@ class HFTarget:
     def forward(self, ids: Sequence[int], cache: Any, *, last_only: bool = False) -> tuple[Tensor, Tensor]:
         """``ids`` through the target after ``cache``: logits ``[T, V]`` (``[1, V]`` with
         ``last_only``) in the target's dtype and ctx rows ``[T, k*H]``."""
-        if faults._ACTIVE is not None:
+        if faults.active():
             faults.hit("target_forward")
         inp = torch.tensor([list(ids)], dtype=torch.long, device=self.device)
         with self._backends():
@@ -254,10 +157,4 @@ class HFTarget:
         self.adapter.close()
 
 
-__all__ = [
-    "DEFAULT_SDPA_BACKENDS",
-    "HFTarget",
-    "RuntimeTarget",
-    "TargetBackend",
-    "validate_sdpa_backends",
-]
+__all__ = ["DEFAULT_SDPA_BACKENDS", "HFTarget", "validate_sdpa_backends"]

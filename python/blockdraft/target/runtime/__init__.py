@@ -16,8 +16,9 @@ Design and memory: ``docs/runtime.md``; tensor parallelism: its last section and
 
 from __future__ import annotations
 
-from blockdraft.runtime.decode import decode
-from blockdraft.runtime.runtime import ForwardOutput, TargetRuntime
-from blockdraft.runtime.spec import FAMILIES, TargetSpec
+from blockdraft.target.runtime.decode import check_prompts, decode
+from blockdraft.target.runtime.runtime import ForwardOutput, TargetRuntime
+from blockdraft.target.runtime.shard import model_shard
+from blockdraft.target.runtime.spec import FAMILIES, TargetSpec
 
-__all__ = ["FAMILIES", "ForwardOutput", "TargetRuntime", "TargetSpec", "decode"]
+__all__ = ["FAMILIES", "ForwardOutput", "TargetRuntime", "TargetSpec", "check_prompts", "decode", "model_shard"]

@@ -20,8 +20,8 @@ from typing import Any
 from blockdraft._core import ConfigError
 from blockdraft.parallel.group import TPGroup
 from blockdraft.parallel.split import check_split
-from blockdraft.runtime.spec import TargetSpec
-from blockdraft.runtime.weights import shard_cols, shard_rows
+from blockdraft.target.runtime.spec import TargetSpec
+from blockdraft.target.runtime.weights import shard_cols, shard_rows
 
 SHARD_ATTR = "_blockdraft_tp_shard"
 """The attribute on a sharded model: ``(rank, size)`` of the shard it holds."""

@@ -27,7 +27,7 @@ from torch import Tensor
 
 from blockdraft._core import PAD_SLOT, ForwardPlan
 from blockdraft.cuda_graphs import capture, default_buckets
-from blockdraft.runtime.forward import ForwardBatch, TargetForward
+from blockdraft.target.runtime.forward import ForwardBatch, TargetForward
 
 log = logging.getLogger(__name__)
 

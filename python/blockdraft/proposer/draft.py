@@ -1,0 +1,148 @@
+"""Drafts for many sequences at once, by whichever of the proposer's paths fits each.
+
+The caller decides how many drafts each sequence wants; :func:`draft_many` decides how they are
+made: sampled drafts one sequence at a time (each has its own random source and settings),
+greedy drafts in batched forwards of at most :meth:`~blockdraft.DFlashProposer.propose_batch_max`
+sequences, and :meth:`~blockdraft.DFlashProposer.propose` per sequence for a sequence under a grammar mask
+or in a batch the proposer declines. A sequence whose proposal raises gets the error in its
+slot; the others go on.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+from torch import Tensor
+
+from blockdraft.proposer.state import DFlashState
+from blockdraft.sampling import SamplingParams
+
+Mask = Tensor | Sequence[int] | Callable[[], Tensor | None]
+"""A grammar mask for a sequence's drafts: packed allowed-token bits (see
+:meth:`~blockdraft.DFlashProposer.propose`), or a call that gives them (or ``None``: any token) when the
+sequence is drafted, so an error making them is that sequence's."""
+
+SampledDraft = tuple[SamplingParams, torch.Generator | None]
+"""A sequence's sampling settings and random source, to draft by sampling."""
+
+
+class Proposes(Protocol):
+    """The contract methods drafts are made with (:class:`~blockdraft.DFlashProposer`'s)."""
+
+    def propose_batch_max(self) -> int:
+        """Most sequences one :meth:`propose_batch` drafts (below 2: none batched)."""
+
+    def propose_batch(
+        self, states: Sequence[DFlashState], last_tokens: Sequence[int], positions: Sequence[int],
+        num_drafts: int,
+    ) -> list[list[int]] | None:
+        """Greedy drafts for many sequences in one forward, or ``None`` to decline."""
+
+    def propose(
+        self, st: DFlashState, last_token: int, position: int, num_drafts: int,
+        grammar_bitmask: Tensor | Sequence[int] | None = None,
+    ) -> list[int]:
+        """Greedy drafts for one sequence, under a grammar mask when given."""
+
+    def propose_sampled(
+        self, states: Sequence[DFlashState], last_tokens: Sequence[int], positions: Sequence[int],
+        num_drafts: int, params: SamplingParams, generator: torch.Generator | None = None,
+    ) -> tuple[list[list[int]], Tensor]:
+        """Sampled drafts and the distribution each was drawn from."""
+
+
+@dataclass
+class Drafts:
+    """What :func:`draft_many` made, one slot per sequence.
+
+    Attributes:
+        tokens: each sequence's drafts (``[]`` when it wanted none or its proposal failed).
+        q: for sampled drafts, the distribution ``[len(tokens[i]), V]`` (fp32, on the host)
+            each draft was drawn from; ``None`` for greedy drafts.
+        errors: the exception a sequence's proposal raised, or ``None``.
+        batched: batched forwards that drafted.
+        single: proposals of one sequence.
+    """
+
+    tokens: list[list[int]]
+    q: list[Tensor | None]
+    errors: list[BaseException | None]
+    batched: int = 0
+    single: int = 0
+
+
+def draft_many(
+    prop: Proposes,
+    states: Sequence[DFlashState],
+    anchors: Sequence[int],
+    positions: Sequence[int],
+    want: Sequence[int],
+    masks: Sequence[Mask | None] | None = None,
+    sampling: Sequence[SampledDraft | None] | None = None,
+) -> Drafts:
+    """Up to ``want[i]`` drafts after ``anchors[i]`` at ``positions[i]`` for each state (none
+    when ``want[i] <= 0``): see :meth:`blockdraft.DFlashProposer.draft`."""
+    n = len(states)
+    if not len(anchors) == len(positions) == len(want) == n:
+        raise ValueError(
+            f"draft: {n} states, {len(anchors)} anchors, {len(positions)} positions and "
+            f"{len(want)} counts (as many of each)"
+        )
+    if masks is not None and len(masks) != n:
+        raise ValueError(f"draft: {len(masks)} masks for {n} states")
+    if sampling is not None and len(sampling) != n:
+        raise ValueError(f"draft: {len(sampling)} sampling settings for {n} states")
+    out = Drafts(tokens=[[] for _ in range(n)], q=[None] * n, errors=[None] * n)
+    need = [i for i in range(n) if want[i] > 0]
+    masked = {i for i in need if masks is not None and masks[i] is not None}
+    sampled: list[tuple[int, SampledDraft]] = []
+    for i in need:
+        how = sampling[i] if sampling is not None else None
+        if how is not None and not how[0].greedy and i not in masked:
+            sampled.append((i, how))
+    for i, (params, generator) in sampled:
+        try:
+            got, q = prop.propose_sampled([states[i]], [anchors[i]], [positions[i]], want[i], params, generator)
+            out.tokens[i] = got[0]
+            out.q[i] = q[0, : len(got[0])].cpu()
+            out.single += 1
+        except Exception as exc:  # noqa: BLE001 - this sequence fails, the others go on
+            out.errors[i] = exc
+    taken = {i for i, _ in sampled}
+    plain = [i for i in need if i not in taken and i not in masked]
+    single = [i for i in need if i in masked]
+    width = prop.propose_batch_max()
+    if len(plain) >= 2 and width >= 2:
+        for c in range(0, len(plain), width):
+            chunk = plain[c : c + width]
+            got_batch = None
+            if len(chunk) >= 2:
+                got_batch = prop.propose_batch(
+                    [states[i] for i in chunk],
+                    [anchors[i] for i in chunk],
+                    [positions[i] for i in chunk],
+                    max(want[i] for i in chunk),
+                )
+            if got_batch is not None:
+                out.batched += 1
+                for i, d in zip(chunk, got_batch):
+                    out.tokens[i] = d[: want[i]]
+            else:
+                single.extend(chunk)
+    else:
+        single.extend(plain)
+    for i in single:
+        try:
+            mask = masks[i] if masks is not None else None
+            bits = mask() if callable(mask) else mask
+            out.tokens[i] = prop.propose(states[i], anchors[i], positions[i], want[i], grammar_bitmask=bits)
+            out.single += 1
+        except Exception as exc:  # noqa: BLE001 - this sequence fails, the others go on
+            out.errors[i] = exc
+    return out
+
+
+__all__ = ["Drafts", "Mask", "Proposes", "SampledDraft", "draft_many"]
