@@ -180,7 +180,8 @@ def _speed_lines(report: dict[str, Any]) -> list[str]:
         return []
     speed = report.get("speed")
     where = (f"{speed['where']} ({speed['how']})" if speed else
-             "`benchmarks/builtin_pair.py` (every path warmed up)")
+             "`benchmarks/builtin_pair.py` (every path warmed up) once the pair is installed as "
+             "`python/blockdraft/pretrained`")
     return [f"Speed: {where}. The evaluation below times one round per path; its rates are in "
             "`build_report.json`.", ""]
 
