@@ -13,7 +13,6 @@ from tinypair import tiny_target
 
 import blockdraft
 from blockdraft.checkpoint import load_drafter, save_drafter
-from blockdraft.cli.common import CliError
 from blockdraft.config import DrafterConfig
 from blockdraft.pair import (
     DEMO_SHAPE,
@@ -137,8 +136,30 @@ def test_load_pair_errors_name_the_flag(which: str, message: str, tmp_path: Path
     monkeypatch.setattr("blockdraft.pretrained.available", lambda block_size=16: False)
     args = {"target only": (str(tdir), None), "missing": (str(tmp_path / "nope"), str(ddir)),
             "swapped": (str(ddir), str(tdir)), "no built-in": (None, None)}[which]
-    with pytest.raises(CliError, match=message):
+    with pytest.raises(blockdraft.ConfigError, match=message):
         load_pair(*args, device="cpu")
+
+
+def test_block_size_picks_the_builtin_drafter(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tdir, _ = _dirs(tmp_path)
+    loaded: list[int] = []
+
+    def builtin_pair(*, device: Any, dtype: Any, block_size: int) -> tuple[Any, Any, Any]:
+        loaded.append(block_size)
+        return "target", "drafter", "tokenizer"
+
+    monkeypatch.setattr("blockdraft.pretrained.available", lambda block_size=16: block_size == 8)
+    monkeypatch.setattr("blockdraft.pretrained.TARGET_DIR", tdir)
+    monkeypatch.setattr("blockdraft.pretrained.builtin_pair", builtin_pair)
+    source = find_pair(None, None, block_size=8)
+    assert source.builtin and source.max_positions == 512
+    assert source.load("cpu").drafter == "drafter" and loaded == [8]
+    with pytest.raises(blockdraft.ConfigError, match="the built-in pair has no B=16 drafter installed"):
+        find_pair(None, None, block_size=16)
+    # Without a block size the default drafter is missing: the demo pair, or the plain error.
+    assert not find_pair(None, None, demo=True).builtin
+    with pytest.raises(blockdraft.ConfigError, match="the built-in pair is not installed"):
+        find_pair(None, None)
 
 
 def test_load_pair_loads_both_models_and_the_tokenizer(tmp_path: Path) -> None:

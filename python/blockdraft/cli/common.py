@@ -1,23 +1,20 @@
-"""What every ``blockdraft`` subcommand shares: the one-line error, the device choice, checks of
-user input made before any model loads, loading a Hugging Face target named by a flag, and
-the facts `--tp` is checked against.
+"""What every ``blockdraft`` subcommand shares: the parser, the one-line error, the device
+choice, checks of user input made before any model loads, and the facts `--tp` is checked
+against.
 
 Checks run on cheap facts (``config.json``, the tokenized prompt) so that a wrong flag fails in
 a second with a line that names the flag, instead of after loading weights with an error from
-deep inside transformers.
+deep inside transformers. Reading and loading model directories is
+:mod:`blockdraft.pair.load`'s; its errors name the flag too and print as the same one line.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 import traceback
-from pathlib import Path
 from typing import Any, NoReturn
-
-from blockdraft.config import SUPPORTED_ARCHITECTURES
 
 
 class CliError(Exception):
@@ -119,86 +116,6 @@ def model_dtype(device: Any) -> Any:
     return default_dtype(device)
 
 
-def quiet_transformers() -> None:
-    """No transformers loading bars: the CLI has its own, and theirs bury error lines."""
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]
-
-
-def read_model_config(flag: str, path: str | Path) -> dict[str, Any]:
-    """The ``config.json`` object of the model directory given as ``flag``."""
-    root = Path(path)
-    if not root.is_dir():
-        raise CliError(f"{flag} {path}: not a directory")
-    file = root / "config.json"
-    if not file.is_file():
-        raise CliError(f"{flag} {path}: no config.json (expected a model directory)")
-    try:
-        raw = json.loads(file.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CliError(f"{flag} {path}: cannot read config.json: {error_line(exc)}") from exc
-    if not isinstance(raw, dict):
-        raise CliError(f"{flag} {path}: config.json holds {type(raw).__name__}, not an object")
-    return raw
-
-
-def drafter_signs(raw: dict[str, Any]) -> str | None:
-    """What in a ``config.json`` marks a DFlash drafter (its architecture or a
-    ``dflash_config``), or ``None`` for any other model."""
-    archs = raw.get("architectures")
-    names = [archs] if isinstance(archs, str) else archs if isinstance(archs, list) else []
-    found = [a for a in names if a in SUPPORTED_ARCHITECTURES]
-    if found:
-        return f"architectures {found}"
-    if isinstance(raw.get("dflash_config"), dict):
-        return "a dflash_config"
-    return None
-
-
-def _architectures(raw: dict[str, Any]) -> str:
-    archs = raw.get("architectures")
-    return f"architectures {archs}" if archs else "no architectures field"
-
-
-def check_target_dir(path: str) -> dict[str, Any]:
-    """The target's ``config.json``; refused when it is a DFlash drafter's."""
-    raw = read_model_config("--target", path)
-    signs = drafter_signs(raw)
-    if signs is not None:
-        raise CliError(f"--target {path} is a DFlash drafter ({signs}), not a target model; "
-                       "pass it as --drafter")
-    return raw
-
-
-def check_pair_dirs(target: str, drafter: str) -> dict[str, Any]:
-    """Check ``--target``/``--drafter`` from their ``config.json`` files (swapped flags
-    included); returns the target's config."""
-    target_raw = read_model_config("--target", target)
-    drafter_raw = read_model_config("--drafter", drafter)
-    target_signs, drafter_signs_ = drafter_signs(target_raw), drafter_signs(drafter_raw)
-    if target_signs is not None and drafter_signs_ is None:
-        raise CliError(f"--target and --drafter are swapped: --target {target} is a DFlash "
-                       f"drafter ({target_signs}) and --drafter {drafter} is not "
-                       f"({_architectures(drafter_raw)})")
-    if target_signs is not None:
-        raise CliError(f"--target {target} is a DFlash drafter ({target_signs}), not a target model")
-    if drafter_signs_ is None:
-        raise CliError(f"--drafter {drafter} is not a DFlash drafter ({_architectures(drafter_raw)}; "
-                       f"expected one of {list(SUPPORTED_ARCHITECTURES)} or a dflash_config)")
-    return target_raw
-
-
-def max_positions(raw: dict[str, Any]) -> int | None:
-    """``max_position_embeddings`` of a target ``config.json`` (top level or ``text_config``)."""
-    for cfg in (raw, raw.get("text_config")):
-        if isinstance(cfg, dict):
-            value = cfg.get("max_position_embeddings")
-            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-                return value
-    return None
-
-
 def check_lengths(prompt_tokens: int, max_new_tokens: int, limit: int | None,
                   *, what: str = "the prompt") -> None:
     """Prompt plus new tokens must fit the target's ``max_position_embeddings`` (``limit``):
@@ -210,38 +127,6 @@ def check_lengths(prompt_tokens: int, max_new_tokens: int, limit: int | None,
                               new_name="--max-new-tokens")
     if problem is not None:
         raise CliError(problem)
-
-
-def load_tokenizer(flag: str, path: str | Path) -> Any:
-    from transformers import AutoTokenizer
-
-    try:
-        return AutoTokenizer.from_pretrained(str(path))
-    except Exception as exc:  # noqa: BLE001 - reported as one line naming the flag
-        raise CliError(f"{flag} {path}: cannot load the tokenizer: {error_line(exc)}") from exc
-
-
-def load_target_model(flag: str, path: str | Path, device: Any, dtype: Any) -> Any:
-    """A Hugging Face causal LM in eval mode on ``device``."""
-    from transformers import AutoModelForCausalLM
-
-    quiet_transformers()
-    try:
-        model: Any = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
-    except Exception as exc:  # noqa: BLE001 - reported as one line naming the flag
-        raise CliError(f"{flag} {path}: cannot load the model: {error_line(exc)}") from exc
-    return model.to(device).eval()
-
-
-def load_drafter_dir(path: str | Path, device: Any, dtype: Any) -> Any:
-    """:func:`blockdraft.load_drafter` with its errors naming ``--drafter``."""
-    from blockdraft._core import CheckpointError
-    from blockdraft.checkpoint import load_drafter
-
-    try:
-        return load_drafter(path, device=device, dtype=dtype)
-    except (CheckpointError, ValueError) as exc:
-        raise CliError(f"--drafter {path}: {error_line(exc)}") from exc
 
 
 def tp_sizes(raw: dict[str, Any]) -> tuple[str, dict[str, int]]:

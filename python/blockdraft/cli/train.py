@@ -10,20 +10,13 @@ from typing import Any
 from blockdraft.cli.common import (
     CliError,
     check_lengths,
-    check_pair_dirs,
-    check_target_dir,
     error_line,
-    load_drafter_dir,
-    load_target_model,
-    load_tokenizer,
-    max_positions,
     model_dtype,
     pick_device,
-    quiet_transformers,
-    read_model_config,
     require_min,
     require_temperature,
 )
+from blockdraft.pair.load import check_target_dir, find_pair, load_target_model, load_tokenizer
 
 log = logging.getLogger("blockdraft.cli")
 
@@ -164,39 +157,25 @@ def _eval(args: argparse.Namespace) -> int:
         require_min(flag, value)
     temps = _temperatures(args.temperatures)
     device = pick_device(args.device)
-    dtype = model_dtype(device)
-    if (args.target is None) != (args.drafter is None):
-        raise CliError("give both --target DIR and --drafter DIR (or neither for the built-in pair)")
-    prompts: list[list[int]] | None = None
     block = args.block_size if args.block_size is not None else pretrained.DEFAULT_BLOCK_SIZE
-    if args.target is None:
-        if not pretrained.available(block):
-            raise CliError(f"the built-in pair has no B={block} drafter installed "
-                           "(--block-size 8 or 16; or pass --target/--drafter)")
-        limit = max_positions(read_model_config("the built-in target", pretrained.TARGET_DIR))
-        tokenizer = pretrained.load_tokenizer()
+    source = find_pair(args.target, args.drafter, block_size=block)
+    prompts: list[list[int]] | None = None
+    if source.builtin:
         if args.texts is None:
             prompts = pretrained.heldout_prompts()[: args.num_prompts]
-    else:
-        limit = max_positions(check_pair_dirs(args.target, args.drafter))
-        if args.texts is None:
-            raise CliError("--texts PATH (held-out texts: a directory or JSONL) is needed with --target")
-        tokenizer = load_tokenizer("--target", args.target)
+    elif args.texts is None:
+        raise CliError("--texts PATH (held-out texts: a directory or JSONL) is needed with --target")
+    tokenizer = source.tokenizer()
     if prompts is None:
         try:
             prompts = heldout_prompts(_texts("--texts", args.texts), tokenizer, args.num_prompts,
                                       args.prompt_tokens)
         except ValueError as exc:
             raise CliError(f"--texts {args.texts}: {error_line(exc)}") from exc
-    check_lengths(max(len(p) for p in prompts), args.max_new_tokens, limit, what="the longest prompt")
-    if args.target is None:
-        quiet_transformers()
-        # builtin_pair's default dtype: fp32 on every device (the pair is small; fp32 makes the
-        # engine's output exactly the target's)
-        target, drafter, _ = pretrained.builtin_pair(device=device, block_size=block)
-    else:
-        target = load_target_model("--target", args.target, device, dtype)
-        drafter = load_drafter_dir(args.drafter, device, dtype)
+    check_lengths(max(len(p) for p in prompts), args.max_new_tokens, source.max_positions,
+                  what="the longest prompt")
+    pair = source.load(device, tokenizer=tokenizer)
+    target, drafter = pair.target, pair.drafter
     eos = getattr(tokenizer, "eos_token_id", None)
     report = evaluate_drafter(
         target, drafter, prompts, max_new_tokens=args.max_new_tokens, temperatures=temps,

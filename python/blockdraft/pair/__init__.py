@@ -3,8 +3,9 @@
 drafter fits a target and that a prompt fits the context, and (:mod:`blockdraft.pair.load`)
 which pair a command runs and loading it.
 
-:mod:`blockdraft.pair.load` is not imported here: its errors are the command line's one-line
-errors, and the target and proposer modules that import the checks stay free of the CLI.
+:mod:`blockdraft.pair.load` is not imported here: it reads model directories and loads
+weights through transformers, which the target and proposer modules that import the checks
+do not need.
 """
 
 from __future__ import annotations

@@ -1,32 +1,169 @@
 """Which pair a command runs (``--target``/``--drafter``, the built-in pair, or the random demo
-pair), known from its config files before any weights load, and the loaded pair.
+pair), known from its config files before any weights load, and the loaded pair; and the
+readers and loaders of model directories that it is built on.
 
-A wrong flag fails with one line that names it (:class:`~blockdraft.cli.common.CliError`)
+A wrong directory fails with one line that names the flag (:class:`blockdraft.ConfigError`)
 after reading only ``config.json`` files, so that a command checks prompts and lengths
 against :attr:`PairSource.max_positions` in a second instead of after loading weights.
+Weights that do not load raise :class:`blockdraft.CheckpointError`, also naming the flag.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from blockdraft.cli.common import (
-    CliError,
-    check_pair_dirs,
-    load_drafter_dir,
-    load_target_model,
-    load_tokenizer,
-    max_positions,
-    quiet_transformers,
-    read_model_config,
-)
+from blockdraft._core import CheckpointError, ConfigError
+from blockdraft.config import SUPPORTED_ARCHITECTURES
 from blockdraft.pair.shape import DEMO_SHAPE, random_pair
 
 BUILTIN_MODEL_NAME = "blockdraft-builtin"
 DEMO_MODEL_NAME = "blockdraft-demo"
+
+
+def _first_line(exc: BaseException) -> str:
+    # Messages are one line naming the flag; an underlying error contributes its first line.
+    lines = str(exc).strip().splitlines()
+    return lines[0] if lines else type(exc).__name__
+
+
+def quiet_transformers() -> None:
+    """No transformers loading bars: the CLI has its own, and theirs bury error lines."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]
+
+
+def read_model_config(flag: str, path: str | Path) -> dict[str, Any]:
+    """The ``config.json`` object of the model directory given as ``flag``.
+
+    Raises:
+        ConfigError: not a directory, no ``config.json``, or one that is not a JSON object.
+    """
+    root = Path(path)
+    if not root.is_dir():
+        raise ConfigError(f"{flag} {path}: not a directory")
+    file = root / "config.json"
+    if not file.is_file():
+        raise ConfigError(f"{flag} {path}: no config.json (expected a model directory)")
+    try:
+        raw = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ConfigError(f"{flag} {path}: cannot read config.json: {_first_line(exc)}") from exc
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{flag} {path}: config.json holds {type(raw).__name__}, not an object")
+    return raw
+
+
+def drafter_signs(raw: dict[str, Any]) -> str | None:
+    """What in a ``config.json`` marks a DFlash drafter (its architecture or a
+    ``dflash_config``), or ``None`` for any other model."""
+    archs = raw.get("architectures")
+    names = [archs] if isinstance(archs, str) else archs if isinstance(archs, list) else []
+    found = [a for a in names if a in SUPPORTED_ARCHITECTURES]
+    if found:
+        return f"architectures {found}"
+    if isinstance(raw.get("dflash_config"), dict):
+        return "a dflash_config"
+    return None
+
+
+def _architectures(raw: dict[str, Any]) -> str:
+    archs = raw.get("architectures")
+    return f"architectures {archs}" if archs else "no architectures field"
+
+
+def check_target_dir(path: str) -> dict[str, Any]:
+    """The ``--target`` directory's ``config.json``.
+
+    Raises:
+        ConfigError: no readable config, or a DFlash drafter's.
+    """
+    raw = read_model_config("--target", path)
+    signs = drafter_signs(raw)
+    if signs is not None:
+        raise ConfigError(f"--target {path} is a DFlash drafter ({signs}), not a target model; "
+                          "pass it as --drafter")
+    return raw
+
+
+def check_pair_dirs(target: str, drafter: str) -> dict[str, Any]:
+    """Check ``--target``/``--drafter`` from their ``config.json`` files (swapped flags
+    included); returns the target's config.
+
+    Raises:
+        ConfigError: a directory without a readable config, or not a target and a DFlash drafter.
+    """
+    target_raw = read_model_config("--target", target)
+    drafter_raw = read_model_config("--drafter", drafter)
+    target_signs, drafter_signs_ = drafter_signs(target_raw), drafter_signs(drafter_raw)
+    if target_signs is not None and drafter_signs_ is None:
+        raise ConfigError(f"--target and --drafter are swapped: --target {target} is a DFlash "
+                          f"drafter ({target_signs}) and --drafter {drafter} is not "
+                          f"({_architectures(drafter_raw)})")
+    if target_signs is not None:
+        raise ConfigError(f"--target {target} is a DFlash drafter ({target_signs}), not a target model")
+    if drafter_signs_ is None:
+        raise ConfigError(f"--drafter {drafter} is not a DFlash drafter ({_architectures(drafter_raw)}; "
+                          f"expected one of {list(SUPPORTED_ARCHITECTURES)} or a dflash_config)")
+    return target_raw
+
+
+def max_positions(raw: dict[str, Any]) -> int | None:
+    """``max_position_embeddings`` of a target ``config.json`` (top level or ``text_config``)."""
+    for cfg in (raw, raw.get("text_config")):
+        if isinstance(cfg, dict):
+            value = cfg.get("max_position_embeddings")
+            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                return value
+    return None
+
+
+def load_tokenizer(flag: str, path: str | Path) -> Any:
+    """The tokenizer of the model directory given as ``flag``.
+
+    Raises:
+        CheckpointError: transformers cannot load it (its first line, after the flag).
+    """
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(path))
+    except Exception as exc:  # noqa: BLE001 - reported as one line naming the flag
+        raise CheckpointError(f"{flag} {path}: cannot load the tokenizer: {_first_line(exc)}") from exc
+
+
+def load_target_model(flag: str, path: str | Path, device: Any, dtype: Any) -> Any:
+    """A Hugging Face causal LM in eval mode on ``device``.
+
+    Raises:
+        CheckpointError: transformers cannot load it (its first line, after the flag).
+    """
+    from transformers import AutoModelForCausalLM
+
+    quiet_transformers()
+    try:
+        model: Any = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
+    except Exception as exc:  # noqa: BLE001 - reported as one line naming the flag
+        raise CheckpointError(f"{flag} {path}: cannot load the model: {_first_line(exc)}") from exc
+    return model.to(device).eval()
+
+
+def load_drafter_dir(path: str | Path, device: Any, dtype: Any) -> Any:
+    """:func:`blockdraft.load_drafter` with its errors naming ``--drafter``.
+
+    Raises:
+        CheckpointError: the drafter does not load (its first line, after the flag).
+    """
+    from blockdraft.checkpoint import load_drafter
+
+    try:
+        return load_drafter(path, device=device, dtype=dtype)
+    except (CheckpointError, ValueError) as exc:
+        raise CheckpointError(f"--drafter {path}: {_first_line(exc)}") from exc
 
 
 class ByteTokenizer:
@@ -104,18 +241,25 @@ class PairSource:
         return Pair(target, drafter, tokenizer, self.max_positions)
 
 
-def find_pair(target: str | None, drafter: str | None, *, demo: bool = False) -> PairSource:
+def find_pair(target: str | None, drafter: str | None, *, demo: bool = False,
+              block_size: int | None = None) -> PairSource:
     """The pair ``--target``/``--drafter`` name, else the built-in pair, else (with ``demo``)
     the random demo pair; nothing but ``config.json`` files is read.
 
+    Args:
+        block_size: which of the built-in pair's drafters (8 or 16; default
+            :data:`blockdraft.pretrained.DEFAULT_BLOCK_SIZE`). Given, a built-in pair without
+            that drafter is an error, not the demo pair. Directories name their own drafter.
+
     Raises:
-        CliError: one of the two flags alone, directories that do not hold a target and a
-            DFlash drafter, or no pair (the built-in one not installed and no ``demo``).
+        ConfigError: one of the two flags alone, directories that do not hold a target and a
+            DFlash drafter, or no pair (the built-in one, or its drafter with ``block_size``,
+            not installed and no ``demo``).
     """
     if target is None and drafter is None:
-        return _builtin_or_demo(demo)
+        return _builtin_or_demo(demo, block_size)
     if target is None or drafter is None:
-        raise CliError("give both --target DIR and --drafter DIR (or neither for the built-in pair)")
+        raise ConfigError("give both --target DIR and --drafter DIR (or neither for the built-in pair)")
     target_dir, drafter_dir = target, drafter
     raw = check_pair_dirs(target_dir, drafter_dir)
 
@@ -128,15 +272,16 @@ def find_pair(target: str | None, drafter: str | None, *, demo: bool = False) ->
                       from_dirs)
 
 
-def _builtin_or_demo(demo: bool) -> PairSource:
+def _builtin_or_demo(demo: bool, block_size: int | None) -> PairSource:
     import torch
 
     from blockdraft import pretrained
 
-    if pretrained.available():
+    block = pretrained.DEFAULT_BLOCK_SIZE if block_size is None else block_size
+    if pretrained.available(block):
         def builtin(device: Any, dtype: Any) -> tuple[Any, Any, Any]:
             quiet_transformers()
-            return pretrained.builtin_pair(device=device, dtype=dtype)
+            return pretrained.builtin_pair(device=device, dtype=dtype, block_size=block)
 
         raw = read_model_config("the built-in target", pretrained.TARGET_DIR)
         # fp32 on every device: the pair is small, and fp32 makes the speculative output
@@ -144,8 +289,11 @@ def _builtin_or_demo(demo: bool) -> PairSource:
         return PairSource(BUILTIN_MODEL_NAME, f"built-in trained pair ({pretrained.SUMMARY})",
                           max_positions(raw), raw, True, pretrained.load_tokenizer, builtin,
                           torch.float32)
+    if block_size is not None:
+        raise ConfigError(f"the built-in pair has no B={block} drafter installed "
+                          "(--block-size 8 or 16; or pass --target/--drafter)")
     if not demo:
-        raise CliError("the built-in pair is not installed; pass --target DIR --drafter DIR")
+        raise ConfigError("the built-in pair is not installed; pass --target DIR --drafter DIR")
 
     def demo_models(device: Any, dtype: Any) -> tuple[Any, Any, Any]:
         target, drafter = build_demo_pair(device=device, dtype=dtype)
@@ -163,6 +311,6 @@ def _builtin_or_demo(demo: bool) -> PairSource:
 
 
 def load_pair(target: str | None, drafter: str | None, *, device: Any, dtype: Any = None,
-              demo: bool = False) -> Pair:
+              demo: bool = False, block_size: int | None = None) -> Pair:
     """:func:`find_pair`, then :meth:`PairSource.load` on ``device``."""
-    return find_pair(target, drafter, demo=demo).load(device, dtype)
+    return find_pair(target, drafter, demo=demo, block_size=block_size).load(device, dtype)
