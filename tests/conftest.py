@@ -21,8 +21,8 @@ import pytest
 import torch
 from hypothesis import HealthCheck, settings
 
-from scorecard import score
-from tinypair import tiny_drafter, tiny_target
+from support.scorecard import score
+from support.tinypair import tiny_drafter, tiny_target
 
 # Generation speed on a loaded 2-core runner is not what these tests are about.
 _SLOW_OK = [HealthCheck.too_slow, HealthCheck.data_too_large]

@@ -23,5 +23,5 @@ export BLOCKDRAFT_SOAK_CYCLES="${BLOCKDRAFT_SOAK_CYCLES:-5000}"
   # The wheel's extension, not a source tree's: prints where blockdraft._core was loaded from.
   "$py" -c "import blockdraft, blockdraft._core as c; p = blockdraft.BlockPool(8, 16); print('import ok', blockdraft.__version__, c.__file__, p.alloc(3), p.num_free)"
 } 2>&1 | tee "$OUT/env.log"
-"$py" -m pytest -q -m gpu tests/gpu tests/test_soak.py -p no:cacheprovider -s --durations=15 \
+"$py" -m pytest -q -m gpu tests/gpu tests/reliability/test_soak.py -p no:cacheprovider -s --durations=15 \
   2>&1 | tee "$OUT/gpu_tests.log"

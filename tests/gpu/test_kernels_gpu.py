@@ -1,4 +1,4 @@
-"""The kernel checks of tests/test_kernels_*.py on a CUDA device, in bf16 and fp16, with larger
+"""The kernel checks of tests/kernels/test_kernels_*.py on a CUDA device, in bf16 and fp16, with larger
 and sparse cases that need real device memory. Run: ``bash kernels/run_gpu.sh``."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import test_kernels_attention as att
 import test_kernels_causal as causal
 import test_kernels_kv_store as kvs
 import test_kernels_rows as rows
-from kernel_support import K, assert_close
+from support.kernel_support import K, assert_close
 
 pytestmark = pytest.mark.gpu
 GPU = torch.device("cuda")

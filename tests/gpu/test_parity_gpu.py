@@ -26,7 +26,7 @@ import torch
 from dflash.model import dflash_generate
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-from dflash_ref import logged_seed, rel_err, save_reference_drafter
+from support.dflash_ref import logged_seed, rel_err, save_reference_drafter
 import blockdraft
 from blockdraft.models.reference import speculative_greedy
 

@@ -1,0 +1,305 @@
+"""The proposer's fast path: the fused drafter view and the precompute inside the graph.
+
+``FastDrafter`` (stacked q/k/v and gate/up weights, fused norm/RoPE/SwiGLU steps) must compute
+the reference ``forward_block`` in fp32, with its torch steps and with its Triton kernels (run by
+the interpreter here). The graph path with the ctx K/V precompute captured (``graphs="static"``
+runs the same buffers eagerly) must draft exactly what the plain path drafts.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from support.tinypair import drafter_config, tiny_drafter, tiny_target
+
+from blockdraft import DFlashProposer
+from blockdraft import kernels
+from blockdraft.kernels import triton_available
+from blockdraft.models.attention import ReferenceAttend
+from blockdraft.proposer.fast import FastDrafter
+
+BACKENDS = ["torch", pytest.param("triton", marks=pytest.mark.skipif(
+    not triton_available(), reason="Triton is not importable here"))]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_fast_forward_equals_the_reference_forward_in_fp32(backend: str) -> None:
+    drafter = tiny_drafter(drafter_config(block=4, layers=2))
+    fast = FastDrafter.from_drafter(drafter, kernels.ops(backend))  # type: ignore[arg-type]
+    assert fast is not None
+    gen = torch.Generator().manual_seed(0)
+    ctx = torch.randn(2, 7, 64, generator=gen)
+    ctx_pos = [torch.arange(7), torch.arange(3, 10)]
+    kv = [drafter.context_kv(drafter.fuse_context(ctx[i]), ctx_pos[i]) for i in range(2)]
+    embeds = torch.randn(2, 4, 32, generator=gen)
+    block_pos = torch.stack([torch.arange(7, 11), torch.arange(10, 14)])
+    attend = ReferenceAttend(drafter.config, kv, ctx_pos, block_pos)
+    want = drafter.forward_block(embeds, block_pos, attend)
+    got = fast.forward_block(embeds, block_pos, attend)
+    assert got.shape == want.shape
+    torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5)
+    torch.testing.assert_close(fast.fuse_context(ctx[0]), drafter.fuse_context(ctx[0]),
+                               atol=2e-6, rtol=1e-5)
+    # The view copies the weights: the reference drafter is unchanged and keeps its modules.
+    assert fast.qkv_weight[0].shape == (4 * 8 + 2 * 2 * 8, 32)
+    assert fast.gate_up_weight[1].shape == (2 * 48, 32)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize(("heads", "kv_heads", "rows"), [(6, 3, 5), (8, 1, 1), (4, 4, 3)])
+def test_qk_norm_rope_head_groups(backend: str, heads: int, kv_heads: int, rows: int) -> None:
+    """Head counts that do not fill the kernel's groups of 8 (12, 10 and 12 heads)."""
+    drafter = tiny_drafter(drafter_config(extra={
+        "num_attention_heads": heads, "num_key_value_heads": kv_heads, "head_dim": 8}))
+    ref = FastDrafter.from_drafter(drafter, kernels.ops("torch"))
+    fast = FastDrafter.from_drafter(drafter, kernels.ops(backend))  # type: ignore[arg-type]
+    assert ref is not None and fast is not None
+    gen = torch.Generator().manual_seed(heads * 10 + kv_heads)
+    qkv = torch.randn(rows, (heads + 2 * kv_heads) * 8, generator=gen)
+    pos = torch.randint(0, 300, (rows,), generator=gen)
+    for got, want in zip(fast.qk_norm_rope(qkv, pos, 0), ref.qk_norm_rope(qkv, pos, 0)):
+        torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5)
+
+
+def test_dflash2_drafters_have_no_fused_view() -> None:
+    cfg = drafter_config(extra={"architectures": ["DFlash2DraftModel"], "conv_kernel_size": 2,
+                                "conv_group_size": 8, "selector_rank": 4, "selector_top_k": 4})
+    from blockdraft.models import DFlash2Drafter
+
+    drafter = DFlash2Drafter(cfg, device="cpu", dtype=torch.float32)
+    assert FastDrafter.from_drafter(drafter, kernels.ops("torch")) is None
+    assert FastDrafter.from_drafter(object(), kernels.ops("torch")) is None
+
+
+def _steps(prop: DFlashProposer, eager_calls: list[int]) -> list[list[list[int]]]:
+    """3 sequences: a long first commit (stored eagerly), then 1..4 rows per step (staged)."""
+    original = prop.forward.store_plans
+
+    def counting(items: Any) -> None:
+        eager_calls.append(len(items))
+        original(items)
+
+    prop.forward.store_plans = counting  # type: ignore[method-assign]
+    rows = torch.randn(200, 64, generator=torch.Generator().manual_seed(5))
+    states = [prop.alloc_state_for(80) for _ in range(3)]
+    pos = [11, 5, 17]
+    for i, st in enumerate(states):
+        prop.commit_ctx(st, rows[: pos[i]], range(pos[i]))
+    out = []
+    for step in range(8):
+        idx = [0, 1, 2] if step % 2 else [step % 3]
+        toks = [(step * 5 + i) % 60 for i in idx]
+        if len(idx) == 1:
+            out.append([prop.propose(states[idx[0]], toks[0], pos[idx[0]], 3)])
+        else:
+            got = prop.propose_batch([states[i] for i in idx], toks, [pos[i] for i in idx], 3)
+            assert got is not None
+            out.append(got)
+        for i in idx:
+            prop.after_verify(states[i], 0)
+            k = 1 + (step + i) % 4  # 1..B rows: the steady state's accepted + 1
+            prop.commit_ctx(states[i], rows[pos[i] : pos[i] + k], range(pos[i], pos[i] + k))
+            pos[i] += k
+    for st in states:
+        prop.free_state(st)
+    return out
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_precompute_in_the_graph_gives_the_plain_drafts(backend: str) -> None:
+    target = tiny_target()
+    drafter = tiny_drafter(drafter_config(block=4, layers=2))
+
+    def make(graphs: str, be: str) -> DFlashProposer:
+        return DFlashProposer(drafter, target, max_seq_len=120, num_pages=90, page_size=4,
+                              max_batch=4, graphs=graphs, backend=be)  # type: ignore[arg-type]
+
+    plain_eager: list[int] = []
+    plain = _steps(make("off", "torch"), plain_eager)
+    static_prop = make("static", backend)
+    runner = static_prop.graph_runner
+    assert runner is not None and runner.forward.fused_view() is not None
+    launches: list[tuple[int, int, int]] = []
+    real_launch = runner.launch
+
+    def recording(bucket: Any, n: int, cap: int) -> Any:
+        launches.append((bucket.size, bucket.meta.staged, cap))
+        return real_launch(bucket, n, cap)
+
+    runner.launch = recording  # type: ignore[method-assign]
+    graph_eager: list[int] = []
+    graph = _steps(static_prop, graph_eager)
+    assert graph == plain
+    # Each call stores its staged rows' K/V with the smallest capacity holding them (1, 4 or
+    # B rows per sequence of the bucket); both small and full capacities were exercised.
+    for size, staged, cap in launches:
+        assert cap == min(c for c in runner.stage_caps(size) if c >= staged)
+    assert {cap < size * 4 for size, _, cap in launches} == {True, False}
+    # The plain path stores every call eagerly; the graph path only the long first plans (one
+    # per sequence), the steady-state rows are stored by the (captured) forward.
+    assert len(plain_eager) == 8
+    assert sum(graph_eager) == 3
+    # The last call (step 7, n=3 -> bucket 4) staged 3 + 3 + 4 rows (commits of steps 5 and 6).
+    bucket = runner.bucket(4)
+    assert bucket is not None and bucket.meta.staged == 10
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_graph_staging_after_double_commits_and_slides(backend: str) -> None:
+    """The graph path stages the last commit's rows through the view kept at commit time; when
+    the plan covers more (two commits since the last proposal) or the window slid, it reads the
+    accumulator instead. Either way: the plain path's drafts."""
+    target = tiny_target()
+    drafter = tiny_drafter(drafter_config(block=4, layers=2))
+
+    def run(graphs: str) -> tuple[list[list[list[int]]], int]:
+        prop = DFlashProposer(drafter, target, max_seq_len=40, num_pages=60, page_size=4,
+                              max_batch=2, graphs=graphs, backend=backend)  # type: ignore[arg-type]
+        rows = torch.randn(400, 64, generator=torch.Generator().manual_seed(9))
+        states = [prop.alloc_state_for(12), prop.alloc_state_for(30)]  # windows 17 and 35
+        pos = [0, 0]
+        out = []
+        fresh_hits = 0
+        for step in range(14):
+            for i, st in enumerate(states):
+                commits = 2 if (step + i) % 3 == 0 else 1
+                for _ in range(commits):
+                    k = 1 + (step * 7 + i) % 3
+                    prop.commit_ctx(st, rows[pos[i] : pos[i] + k], range(pos[i], pos[i] + k))
+                    pos[i] += k
+                fresh = st.kept_range
+                plan_start = st.ctx.ctx_committed
+                fresh_hits += int(fresh is not None and fresh[0] == plan_start)
+            got = prop.propose_batch(states, [3, 5], list(pos), 3)
+            assert got is not None
+            out.append(got)
+            for st in states:
+                prop.after_verify(st, 0)
+        for st in states:
+            prop.free_state(st)
+            assert st.kept_range is None
+        return out, fresh_hits
+
+    plain, _ = run("off")
+    graph, hits = run("static")
+    assert graph == plain
+    assert 0 < hits < 28  # both the kept view and the accumulator read were used
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_graph_path_declining_a_wide_table_leaves_no_stale_staging(backend: str) -> None:
+    """A call whose page table is wider than the graphs falls back to the plain path before
+    anything is staged. The bucket's staged entries from before must still be cleared by its
+    next graph call: here they name slots of a freed sequence whose blocks a new sequence now
+    holds, and storing them again would overwrite the new sequence's K/V with old rows.
+    Drafts equal the plain path's throughout."""
+    from blockdraft.proposer import GraphRunner
+
+    target = tiny_target()
+    drafter = tiny_drafter(drafter_config(block=4, layers=2))
+    rows = torch.randn(400, 64, generator=torch.Generator().manual_seed(21))
+
+    def run(graphs: str) -> list[list[list[int]]]:
+        # 11 blocks: a and b at their largest take 10; the pool hands a's freed ones to e
+        prop = DFlashProposer(drafter, target, max_seq_len=120, num_pages=11, page_size=4,
+                              max_batch=2, graphs=graphs, backend=backend)  # type: ignore[arg-type]
+        if graphs == "static":
+            # graphs 4 blocks wide: longer tables take the plain path
+            prop.graph_runner = GraphRunner(prop.forward, "static", ceiling=16, max_batch=2)
+        st = {k: prop.alloc_state_for(100) for k in "ab"}
+        pos = dict.fromkeys("abe", 0)
+        out: list[list[list[int]]] = []
+
+        def commit(k: str, n: int, at: int = 0) -> None:
+            prop.commit_ctx(st[k], rows[at + pos[k] : at + pos[k] + n], range(pos[k], pos[k] + n))
+            pos[k] += n
+
+        def batch(keys: str) -> None:
+            got = prop.propose_batch([st[k] for k in keys], [7] * len(keys), [pos[k] for k in keys], 3)
+            assert got is not None
+            out.append(got)
+            for k in keys:
+                prop.after_verify(st[k], 0)
+
+        commit("a", 3)
+        commit("b", 3)
+        batch("ba")  # graph path: 6 staged rows
+        commit("a", 4)
+        commit("b", 4)
+        batch("ba")  # graph path: b's rows are staged entries 0..3, a's 4..7 (meta row 1)
+        commit("a", 20)  # a is now wider than the graphs
+        commit("b", 1)
+        batch("ba")  # plain path; the bucket's staged entries are still those of a and b
+        prop.free_state(st["a"])
+        st["e"] = prop.alloc_state_for(100)
+        commit("e", 13, at=200)  # 4 blocks, the first free ones: a's
+        out.append([prop.propose(st["e"], 5, pos["e"], 3)])
+        prop.after_verify(st["e"], 0)
+        commit("e", 1, at=200)
+        commit("b", 2)
+        batch("eb")  # graph path, 3 staged rows: capacity 8 would reach a's old entries
+        commit("e", 1, at=200)
+        commit("b", 1)
+        batch("be")
+        for k in "be":
+            prop.free_state(st[k])
+        assert prop.pool.num_free == prop.pool.num_pages
+        return out
+
+    assert run("static") == run("off")
+
+
+@pytest.mark.parametrize("graphs", ["static", "off"])
+def test_drafts_without_autograd_whether_or_not_the_caller_has_it_on(graphs: str) -> None:
+    """The draft forward runs without autograd: under the caller's ``enable_grad`` (it enters
+    ``no_grad`` itself) and under ``inference_mode`` (nothing to enter); same drafts."""
+    target = tiny_target()
+    drafter = tiny_drafter(drafter_config(block=4, layers=1))
+    for p in drafter.parameters():
+        p.requires_grad_(True)  # as a drafter loaded outside inference code would be
+    rows = torch.randn(20, 64, generator=torch.Generator().manual_seed(4))
+    got = []
+    for ctx in (torch.enable_grad, torch.inference_mode):
+        prop = DFlashProposer(drafter, target, max_seq_len=40, num_pages=20, page_size=4,
+                              graphs=graphs)  # type: ignore[arg-type]
+        st = prop.alloc_state_for(20)
+        with ctx():
+            prop.commit_ctx(st, rows[:9], range(9))
+            got.append(prop.propose(st, 3, 9, 3))
+            prop.after_verify(st, 1)
+            prop.commit_ctx(st, rows[9:11], range(9, 11))
+            got.append(prop.propose(st, 4, 11, 3))
+        assert prop.cache.k.grad_fn is None and not prop.cache.k.requires_grad
+        prop.free_state(st)
+    assert got[:2] == got[2:]
+
+
+def test_stage_caps() -> None:
+    target = tiny_target()
+    drafter = tiny_drafter(drafter_config(block=8, layers=1))
+    prop = DFlashProposer(drafter, target, max_seq_len=64, num_pages=40, page_size=4,
+                          max_batch=4, graphs="static")
+    runner = prop.graph_runner
+    assert runner is not None
+    assert runner.stage_caps(1) == [1, 4, 8] and runner.stage_caps(4) == [4, 16, 32]
+    assert [runner.stage_cap(4, k) for k in (0, 4, 5, 16, 17, 32)] == [4, 4, 16, 16, 32, 32]
+    with pytest.raises(AssertionError):
+        runner.stage_cap(4, 33)
+
+
+def test_quick_bench_runs_on_the_tiny_shape() -> None:
+    from blockdraft import bench as bd_bench
+    from blockdraft import pair as bd_pair
+
+    shape = bd_pair.SHAPES["tiny"]
+    cpu = torch.device("cpu")
+    target = bd_pair.random_target(shape, cpu, torch.float32)
+    drafter = bd_pair.random_drafter(shape, cpu, torch.float32)
+    recs = bd_bench.bench_quick(shape, drafter, target, cpu, cells=[(32, 1), (32, 2)], reps=2,
+                                warmup=1)
+    assert [(r["context"], r["batch"]) for r in recs] == [(32, 1), (32, 2)]
+    assert all(r["latency_ms"]["median"] > 0 for r in recs)
+    table = bd_bench.quick_markdown(recs)
+    assert table.count("\n") == 4 and "| 32 | 2 |" in table
