@@ -12,7 +12,7 @@ import pytest
 import torch
 from support.runtime_models import CASES, make_target
 from support.scorecard import expect_clear_error, score
-from support.tp_support import RUNTIME_CASES, build_target, everything
+from support.tp_support import RUNTIME_CASES, everything
 
 from blockdraft import ConfigError, TargetRuntime
 from blockdraft.parallel import TPGroup, check_split, launch, part
@@ -139,8 +139,8 @@ def test_shard_layout_on_one_process() -> None:
     """Rank 1 of 2 keeps the second half of every q/k/v and gate/up row block (fused, the
     modules' views) and the second half of o's and down's input columns; o/down biases
     stay whole."""
-    whole = build_target("llama-bias-gqa")
-    model = build_target("llama-bias-gqa")
+    whole = make_target("llama-bias-gqa")
+    model = make_target("llama-bias-gqa")
     layer_w, layer = whole.model.layers[1], model.model.layers[1]
     from blockdraft.target.runtime.shard import shard_target
     from blockdraft.target.runtime.spec import TargetSpec

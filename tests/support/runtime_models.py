@@ -68,8 +68,16 @@ CASES: dict[str, tuple[Any, Any, dict[str, Any]]] = {
 }
 
 
+# Out of CASES, which every runtime test runs: a Llama with attention and MLP biases whose head
+# counts 2 divides, for the tensor-parallel tests' row-parallel o/down biases.
+TP_CASES: dict[str, tuple[Any, Any, dict[str, Any]]] = {
+    "llama-bias-gqa": (LlamaForCausalLM, LlamaConfig, _base(attention_bias=True, mlp_bias=True)),
+}
+
+
 def make_target(name: str, seed: int = 0) -> Any:
-    model_cls, config_cls, fields = CASES[name]
+    """The model of ``CASES`` or ``TP_CASES`` named ``name``, its biases drawn too."""
+    model_cls, config_cls, fields = {**CASES, **TP_CASES}[name]
     torch.manual_seed(seed)
     model = model_cls(config_cls(**fields)).eval()
     # Biases start at zero in HF's init: make them count.

@@ -15,9 +15,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from support.runtime_models import CASES, VOCAB, make_target
+from support.runtime_models import VOCAB, make_target
 from support.tinypair import drafter_config, tiny_drafter, tiny_target
-from transformers import LlamaConfig, LlamaForCausalLM
 
 import blockdraft
 from blockdraft import ConfigError, SamplingParams, SpeculativeEngine, TargetRuntime
@@ -41,31 +40,10 @@ embeddings, sliding windows, Mistral's head_dim != hidden / heads, o/down biases
 ENGINE_PROMPTS = [[1, 2, 3, 4, 5], [7], [(3 * i + 1) % 60 for i in range(19)], [9, 8, 7, 6]]
 
 
-def build_target(name: str) -> Any:
-    """A runtime test model by name: ``runtime_models.CASES`` plus a Llama with attention and
-    MLP biases whose head counts 2 divides (the row-parallel o/down biases)."""
-    if name != "llama-bias-gqa":
-        return make_target(name)
-    torch.manual_seed(0)
-    cfg = LlamaConfig(hidden_size=40, num_hidden_layers=3, num_attention_heads=4,
-                      num_key_value_heads=2, intermediate_size=72, vocab_size=VOCAB,
-                      max_position_embeddings=256, tie_word_embeddings=False,
-                      attention_bias=True, mlp_bias=True)
-    model = LlamaForCausalLM(cfg).eval()
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            if n.endswith(".bias"):
-                p.normal_(0.0, 0.1)
-    return model
-
-
-assert "llama-bias-gqa" not in CASES
-
-
 def runtime_case(group: TPGroup, name: str) -> dict[str, Any]:
     """A ragged prefill in chunks over pages of 4, then a 4-row verify block per sequence, then
     greedy decoding: logits, captured rows, tokens and every page table along the way."""
-    model = build_target(name)
+    model = make_target(name)
     rt = TargetRuntime(model, num_pages=40, page_size=4, backend="torch", capture_layers=[0, 2],
                        prefill_chunk=7, tp=group)
     seqs = [rt.new_sequence(len(p) + 4) for p in PROMPTS]
