@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from dflash.model import DFlash2DraftModel, DFlashDraftModel
+from dflash.model import DFlash2DraftModel, DFlashDraftModel  # type: ignore[import-untyped]
 from transformers import Qwen3Config
 
 log = logging.getLogger(__name__)
@@ -45,7 +45,7 @@ def save_reference_drafter(
     config = Qwen3Config(
         hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
         num_key_value_heads=kv_heads, head_dim=head_dim or hidden // heads,
-        intermediate_size=intermediate, vocab_size=vocab, num_target_layers=num_target_layers,
+        intermediate_size=intermediate, vocab_size=vocab, num_target_layers=num_target_layers,  # type: ignore[call-arg]
         **(extra or {}),
     )
     dflash_config: dict[str, Any] = {

@@ -94,8 +94,9 @@ def hf_greedy(model: Any, prompt: list[int], n: int, stops: list[int] | None = N
     ids = torch.tensor([prompt])
     out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
                          do_sample=False, pad_token_id=0, eos_token_id=None)[0, len(prompt):].tolist()
+    tokens: list[int] = list(out)
     if stops:
-        for i, t in enumerate(out):
+        for i, t in enumerate(tokens):
             if t in stops:
-                return out[: i + 1]
-    return list(out)
+                return tokens[: i + 1]
+    return tokens

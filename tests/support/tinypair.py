@@ -31,10 +31,11 @@ def tiny_target(kind: str = "qwen3", *, vocab: int = 64, layers: int = 3, seed: 
         max_position_embeddings=512,
         tie_word_embeddings=False,
     )
+    model: Any
     if kind == "qwen3":
-        model = Qwen3ForCausalLM(Qwen3Config(head_dim=8, **common))
+        model = Qwen3ForCausalLM(Qwen3Config(head_dim=8, **common))  # type: ignore[no-untyped-call]
     elif kind == "llama":
-        model = LlamaForCausalLM(LlamaConfig(**common))
+        model = LlamaForCausalLM(LlamaConfig(**common))  # type: ignore[no-untyped-call]
     else:
         raise ValueError(kind)
     return model.eval()

@@ -175,7 +175,7 @@ def save_pair(root: Path) -> tuple[Path, Path]:
     tiny_target().save_pretrained(tdir)
     tok = Tokenizer(models.WordLevel(vocab={f"w{i}": i for i in range(64)}, unk_token="w0"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="w0").save_pretrained(tdir)
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="w0").save_pretrained(tdir)  # type: ignore[no-untyped-call]
     ddir.mkdir()
     (ddir / "config.json").write_text(json.dumps(tiny_drafter_shape().config_dict()))
     drafter = tiny_drafter(drafter_config())
