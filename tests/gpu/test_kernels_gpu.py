@@ -8,6 +8,7 @@ import torch
 
 import test_kernels_attention as att
 import test_kernels_causal as causal
+import test_kernels_fused as fused
 import test_kernels_kv_store as kvs
 import test_kernels_rows as rows
 from support.kernel_support import K, assert_close
@@ -123,3 +124,26 @@ def test_causal_attention_sliding_gpu(dtype: torch.dtype) -> None:
 @pytest.mark.parametrize("norm", [True, False])
 def test_qk_norm_rope_store_gpu(dtype: torch.dtype, norm: bool) -> None:
     causal.case_rope_store(GPU, dtype, 37, 32, 8, 128, norm)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("r", "size"), [(1, 1), (63, 4096), (512, 5120), (3, 4099)])
+@pytest.mark.parametrize("with_y", [True, False])
+def test_add_rms_norm_gpu(dtype: torch.dtype, r: int, size: int, with_y: bool) -> None:
+    fused.case_add_rms_norm(GPU, dtype, r, size, with_y)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("r", "heads", "kv_heads", "dim"), [
+    (1, 32, 8, 128), (63, 12, 3, 64), (512, 32, 8, 128), (3, 5, 1, 6),
+])
+@pytest.mark.parametrize("norm", [True, False])
+def test_qk_norm_rope_gpu(dtype: torch.dtype, r: int, heads: int, kv_heads: int, dim: int,
+                          norm: bool) -> None:
+    fused.case_qk_norm_rope(GPU, dtype, r, heads, kv_heads, dim, norm)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("r", "inner"), [(1, 1), (63, 12288), (512, 3 * 1024 + 5)])
+def test_silu_mul_gpu(dtype: torch.dtype, r: int, inner: int) -> None:
+    fused.case_silu_mul(GPU, dtype, r, inner)

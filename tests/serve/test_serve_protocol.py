@@ -13,6 +13,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from blockdraft.serve.errors import APIError
+from blockdraft.sampling import SamplingParams
 from blockdraft.serve.protocol import DEFAULT_COMPLETION_TOKENS, GenerationRequest, parse_json, parse_request
 
 USER = [{"role": "user", "content": "def f():"}]
@@ -72,7 +73,7 @@ def test_a_minimal_completion_body_takes_every_default() -> None:
     req = parse_request("completion", {"prompt": "def f():"})
     assert req == GenerationRequest(
         kind="completion", model=None, prompt="def f():", messages=None, max_tokens=None,
-        temperature=1.0, top_p=1.0, top_k=0, stop=(), seed=None, stream=False,
+        sampling=SamplingParams(temperature=1.0, top_p=1.0, top_k=0), stop=(), seed=None, stream=False,
         include_usage=False, return_meta_info=False)
 
 
@@ -80,7 +81,7 @@ def test_a_minimal_chat_body_takes_every_default() -> None:
     req = parse_request("chat", {"messages": USER})
     assert req == GenerationRequest(
         kind="chat", model=None, prompt=None, messages=USER, max_tokens=None,
-        temperature=1.0, top_p=1.0, top_k=0, stop=(), seed=None, stream=False,
+        sampling=SamplingParams(temperature=1.0, top_p=1.0, top_k=0), stop=(), seed=None, stream=False,
         include_usage=False, return_meta_info=False)
     assert DEFAULT_COMPLETION_TOKENS == 16
 
@@ -109,10 +110,10 @@ def test_every_field_is_read() -> None:
     req = completion(model="m", max_tokens=7, temperature=0, top_p=0.5, top_k=40, stop="\n",
                      seed=-3, stream=True, stream_options={"include_usage": True},
                      return_meta_info=True)
-    assert (req.model, req.max_tokens, req.temperature, req.top_p, req.top_k, req.stop, req.seed,
+    assert (req.model, req.max_tokens, req.sampling.temperature, req.sampling.top_p, req.sampling.top_k, req.stop, req.seed,
             req.stream, req.include_usage, req.return_meta_info) == (
         "m", 7, 0.0, 0.5, 40, ("\n",), -3, True, True, True)
-    assert isinstance(req.temperature, float) and isinstance(req.top_p, float)
+    assert isinstance(req.sampling.temperature, float) and isinstance(req.sampling.top_p, float)
 
 
 # ---------------------------------------------------------------------------- prompt
@@ -246,13 +247,13 @@ def test_bad_max_completion_tokens_names_it(value: Any, code: str) -> None:
 
 
 def test_sampling_ranges_at_their_edges() -> None:
-    assert completion(temperature=0).temperature == 0.0
-    assert completion(temperature=7.5).temperature == 7.5
-    assert completion(top_p=1).top_p == 1.0
-    assert completion(top_p=1e-9).top_p == 1e-9
-    assert completion(top_k=-1).top_k == 0
-    assert completion(top_k=0).top_k == 0
-    assert completion(top_k=1).top_k == 1
+    assert completion(temperature=0).sampling.temperature == 0.0
+    assert completion(temperature=7.5).sampling.temperature == 7.5
+    assert completion(top_p=1).sampling.top_p == 1.0
+    assert completion(top_p=1e-9).sampling.top_p == 1e-9
+    assert completion(top_k=-1).sampling.top_k == 0
+    assert completion(top_k=0).sampling.top_k == 0
+    assert completion(top_k=1).sampling.top_k == 1
 
 
 @pytest.mark.parametrize("field, value, code", [
@@ -290,7 +291,7 @@ def test_bad_sampling_fields_name_the_field(field: str, value: Any, code: str) -
 @given(st.floats(allow_nan=False, allow_infinity=False) | st.integers(-10**6, 10**6))
 def test_temperature_is_accepted_exactly_when_it_is_not_negative(value: float) -> None:
     if value >= 0:
-        assert completion(temperature=value).temperature == float(value)
+        assert completion(temperature=value).sampling.temperature == float(value)
     else:
         assert refused("completion", {"prompt": "x", "temperature": value}).param == "temperature"
 
@@ -298,7 +299,7 @@ def test_temperature_is_accepted_exactly_when_it_is_not_negative(value: float) -
 @given(st.floats(allow_nan=False, allow_infinity=False))
 def test_top_p_is_accepted_exactly_in_zero_to_one(value: float) -> None:
     if 0 < value <= 1:
-        assert completion(top_p=value).top_p == value
+        assert completion(top_p=value).sampling.top_p == value
     else:
         assert refused("completion", {"prompt": "x", "top_p": value}).param == "top_p"
 
