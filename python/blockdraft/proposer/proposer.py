@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
+import math
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, Literal
 
@@ -30,17 +31,18 @@ from torch import Tensor
 import blockdraft._core as _core
 from blockdraft import faults, kernels
 from blockdraft._core import BlockPool, ConfigError, ContextState, InvalidStateError
+from blockdraft.kv_cache import PagedKVCache
 from blockdraft.levers import Levers, read_levers
 from blockdraft.parallel.group import TPGroup
-from blockdraft.proposer.cache import DrafterCache
 from blockdraft.proposer.commit import ContextWriter, as_positions, check_rows
 from blockdraft.proposer.draft import Drafts, Mask, SampledDraft, draft_many
 from blockdraft.proposer.forward import DraftForward
 from blockdraft.cuda_graphs import GraphMode, resolve_mode
 from blockdraft.proposer.graphs import GraphRunner
-from blockdraft.proposer.spec import DraftSpec, TargetHead
+from blockdraft.proposer.spec import DraftSpec
 from blockdraft.proposer.state import DFlashState, Proposal
 from blockdraft.sampling import SamplingParams
+from blockdraft.target import TargetHead
 
 log = logging.getLogger(__name__)
 
@@ -111,7 +113,8 @@ class DFlashProposer:
     ) -> None:
         self.spec = spec = DraftSpec.from_drafter(drafter)
         self.head = head = TargetHead.from_target(target)
-        head.check_fits(spec)
+        head.check_fits(drafter_hidden=spec.hidden_size, target_layer_ids=spec.target_layer_ids,
+                        mask_token_id=spec.mask_token_id)
         if max_seq_len is None:
             if head.max_positions is None:
                 raise ConfigError(
@@ -145,15 +148,24 @@ class DFlashProposer:
         if pool is None:
             sized = num_pages is None
             if num_pages is None:
-                num_pages = DrafterCache.default_num_pages(
-                    spec, page_size, elem, windows=max_batch, window=self.ceiling,
+                # Enough pages for max_batch full windows, if the memory fraction holds them.
+                num_pages = PagedKVCache.pages_for_memory(
+                    max_batch * math.ceil(self.ceiling / page_size),
+                    PagedKVCache.page_bytes(
+                        page_size, num_layers=spec.num_layers, num_kv_heads=spec.num_kv_heads,
+                        head_dim=spec.head_dim, dtype=self.dtype, slot_pos=True,
+                    ),
                     fraction=pool_memory_fraction, device=self.device,
+                    lever="pool_memory_fraction",
                 )
             if tp is not None and tp.size > 1:
                 num_pages = agreed_pool_size(tp, num_pages, sized=sized)
             pool = BlockPool(num_pages, page_size)
         self.pool = pool
-        self.cache = DrafterCache(pool, spec, self.dtype, self.device)
+        self.cache = PagedKVCache(
+            pool, num_layers=spec.num_layers, num_kv_heads=spec.num_kv_heads,
+            head_dim=spec.head_dim, dtype=self.dtype, device=self.device, slot_pos=True,
+        )
         self.forward = DraftForward(drafter, spec, head, self.cache, ops, self.dtype, self.device)
         self.writer = ContextWriter(ops, spec.block_size)
         self._owner = next(_owner_ids)
