@@ -4,9 +4,9 @@
 | --- | --- |
 | ``proposer`` | the contract: states, commit, propose, verify, free |
 | ``state`` | one sequence's state (:class:`DFlashState`) and one proposal over many |
-| ``spec`` | what is read from the drafter and the target, checked |
-| ``cache`` | the paged drafter K/V of the pool |
+| ``spec`` | what is read from the drafter, checked |
 | ``commit`` | verified rows into the accumulators, as the core plans |
+| ``run`` | one proposal from its plans to its drafts (graph path where it applies); ``num_drafts`` and bitmask checks |
 | ``draft`` | drafts for many sequences by whichever path fits each (:meth:`DFlashProposer.draft`) |
 | ``forward`` | the draft forward (:class:`DraftForward`), shared by both paths |
 | ``fast`` | the fused view of a DFlash drafter the graph path runs (:class:`FastDrafter`) |

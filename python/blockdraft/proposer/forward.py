@@ -29,10 +29,11 @@ from blockdraft.kernels import KernelOps
 from blockdraft.models.drafter import AttendFn, DFlashDrafter
 from blockdraft.proposer.fast import FastDrafter
 from blockdraft.models.layers import embed_blocks
-from blockdraft.proposer.cache import DrafterCache
-from blockdraft.proposer.spec import DraftSpec, TargetHead
+from blockdraft.kv_cache import PagedKVCache
+from blockdraft.proposer.spec import DraftSpec
 from blockdraft.proposer.state import DFlashState, Proposal
 from blockdraft.sampling import SamplingParams, allowed_ids, sample_rows, target_probs
+from blockdraft.target import TargetHead
 
 
 class DraftForward:
@@ -52,7 +53,7 @@ class DraftForward:
         drafter: DFlashDrafter,
         spec: DraftSpec,
         head: TargetHead,
-        cache: DrafterCache,
+        cache: PagedKVCache,
         ops: KernelOps,
         dtype: torch.dtype,
         device: torch.device,
@@ -60,7 +61,12 @@ class DraftForward:
         self.drafter = drafter
         self.spec = spec
         self.head = head
+        if cache.slot_pos is None:
+            raise ValueError("the draft forward needs a cache with slot_pos (sliding-window "
+                             "layers read each slot's position)")
         self.cache = cache
+        self.slot_pos: Tensor = cache.slot_pos
+        """The cache's ``slot_pos``."""
         self.ops = ops
         self.dtype = dtype
         self.device = device
@@ -91,7 +97,7 @@ class DraftForward:
         c = self.cache
         self.ops.ctx_kv_store(
             kv, positions, slots, self._k_norm_w, self._inv_freq, self._rope_scale, spec.eps,
-            c.k, c.v, c.slot_pos,
+            c.k, c.v, self.slot_pos,
         )
 
     @torch.no_grad()
@@ -148,13 +154,14 @@ class DraftForward:
         own K/V. ``fault_hooks=False`` for code captured in a CUDA graph, where a hook would
         only run at capture time."""
         spec, cache, attend_op = self.spec, self.cache, self.ops.block_attention
+        slot_pos = self.slot_pos
 
         def attend(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
             if fault_hooks and faults.active():
                 faults.hit("attention")
             return attend_op(
                 q, k, v, cache.k_layers[layer], cache.v_layers[layer], page_tables, ctx_lens,
-                q_pos, cache.slot_pos, scale=spec.scale,
+                q_pos, slot_pos, scale=spec.scale,
                 sliding_window=spec.layer_window[layer], causal_block=spec.layer_causal[layer],
             )
 

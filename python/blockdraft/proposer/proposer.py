@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
+import math
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, Literal
 
@@ -30,17 +31,19 @@ from torch import Tensor
 import blockdraft._core as _core
 from blockdraft import faults, kernels
 from blockdraft._core import BlockPool, ConfigError, ContextState, InvalidStateError
+from blockdraft.kv_cache import PagedKVCache
 from blockdraft.levers import Levers, read_levers
 from blockdraft.parallel.group import TPGroup
-from blockdraft.proposer.cache import DrafterCache
 from blockdraft.proposer.commit import ContextWriter, as_positions, check_rows
 from blockdraft.proposer.draft import Drafts, Mask, SampledDraft, draft_many
 from blockdraft.proposer.forward import DraftForward
 from blockdraft.cuda_graphs import GraphMode, resolve_mode
+from blockdraft.proposer import run
 from blockdraft.proposer.graphs import GraphRunner
-from blockdraft.proposer.spec import DraftSpec, TargetHead
+from blockdraft.proposer.spec import DraftSpec
 from blockdraft.proposer.state import DFlashState, Proposal
 from blockdraft.sampling import SamplingParams
+from blockdraft.target import TargetHead
 
 log = logging.getLogger(__name__)
 
@@ -111,7 +114,8 @@ class DFlashProposer:
     ) -> None:
         self.spec = spec = DraftSpec.from_drafter(drafter)
         self.head = head = TargetHead.from_target(target)
-        head.check_fits(spec)
+        head.check_fits(drafter_hidden=spec.hidden_size, target_layer_ids=spec.target_layer_ids,
+                        mask_token_id=spec.mask_token_id)
         if max_seq_len is None:
             if head.max_positions is None:
                 raise ConfigError(
@@ -145,15 +149,24 @@ class DFlashProposer:
         if pool is None:
             sized = num_pages is None
             if num_pages is None:
-                num_pages = DrafterCache.default_num_pages(
-                    spec, page_size, elem, windows=max_batch, window=self.ceiling,
+                # Enough pages for max_batch full windows, if the memory fraction holds them.
+                num_pages = PagedKVCache.pages_for_memory(
+                    max_batch * math.ceil(self.ceiling / page_size),
+                    PagedKVCache.page_bytes(
+                        page_size, num_layers=spec.num_layers, num_kv_heads=spec.num_kv_heads,
+                        head_dim=spec.head_dim, dtype=self.dtype, slot_pos=True,
+                    ),
                     fraction=pool_memory_fraction, device=self.device,
+                    lever="pool_memory_fraction",
                 )
             if tp is not None and tp.size > 1:
                 num_pages = agreed_pool_size(tp, num_pages, sized=sized)
             pool = BlockPool(num_pages, page_size)
         self.pool = pool
-        self.cache = DrafterCache(pool, spec, self.dtype, self.device)
+        self.cache = PagedKVCache(
+            pool, num_layers=spec.num_layers, num_kv_heads=spec.num_kv_heads,
+            head_dim=spec.head_dim, dtype=self.dtype, device=self.device, slot_pos=True,
+        )
         self.forward = DraftForward(drafter, spec, head, self.cache, ops, self.dtype, self.device)
         self.writer = ContextWriter(ops, spec.block_size)
         self._owner = next(_owner_ids)
@@ -380,8 +393,9 @@ class DFlashProposer:
             PoolExhaustedError: no pages for the new context K/V (nothing changed).
         """
         ctxs = self._ctxs([st], "propose")
-        take = self._num_take(num_drafts)
-        mask = self._bitmask(grammar_bitmask, take) if grammar_bitmask is not None else None
+        take = run.num_take(num_drafts, self.block_gamma, self.levers.draft_cap)
+        mask = (run.bitmask(grammar_bitmask, take, self.vocab_size, self.device)
+                if grammar_bitmask is not None else None)
         proposal = self._plan("propose", [st], ctxs, [last_token], [position])
         try:
             tokens = self._draft(proposal, take, mask)
@@ -420,7 +434,7 @@ class DFlashProposer:
                 f"propose_sampled: {len(ctxs)} states, {len(last_tokens)} tokens and "
                 f"{len(positions)} positions (at least one of each, as many of each)"
             )
-        take = self._num_take(num_drafts)
+        take = run.num_take(num_drafts, self.block_gamma, self.levers.draft_cap)
         proposal = self._plan("propose_sampled", list(states), ctxs, last_tokens, positions)
         try:
             if torch.is_grad_enabled():
@@ -474,10 +488,11 @@ class DFlashProposer:
             return None
         proposal: Proposal | None = None
         try:
-            take = self._num_take(num_drafts)
+            take = run.num_take(num_drafts, self.block_gamma, self.levers.draft_cap)
             ctxs = self._ctxs(states, "propose_batch")
             if not self.levers.batched_precompute:
-                self._precompute_each(list(states), ctxs, last_tokens, positions)
+                run.precompute_each(self.forward, self._plan(
+                    "propose_batch", list(states), ctxs, last_tokens, positions))
             proposal = self._plan("propose_batch", list(states), ctxs, last_tokens, positions)
             return self._draft(proposal, take, None)
         except Exception as exc:  # noqa: BLE001 - declining is the contract
@@ -515,84 +530,19 @@ class DFlashProposer:
         return draft_many(self, states, anchors, positions, want, masks, sampling)
 
     def _plan(
-        self,
-        what: str,
-        states: list[DFlashState],
-        ctxs: list[ContextState],
-        tokens: Sequence[int],
-        positions: Sequence[int],
+        self, what: str, states: list[DFlashState], ctxs: list[ContextState],
+        tokens: Sequence[int], positions: Sequence[int],
     ) -> Proposal:
-        """Check every anchor and state and plan every sequence's ctx K/V (all or nothing: on
-        an error no plan is outstanding)."""
-        args = (what, ctxs, tokens, positions, self.head.vocab_in, self._owner)
-        fail_at = faults.hits("pool_pages", len(ctxs)) if faults.active() else None
-        # `fail_at` exists in test builds only (faults cannot be armed in a release build).
-        plans = (_core.plan_proposals(*args) if fail_at is None
-                 else _core.plan_proposals(*args, fail_at))
-        return Proposal(states, ctxs, list(tokens), list(positions), plans)
-
-    def _precompute_each(
-        self,
-        states: list[DFlashState],
-        ctxs: list[ContextState],
-        tokens: Sequence[int],
-        positions: Sequence[int],
-    ) -> None:
-        """The batched precompute lever off: once every anchor is checked and every plan made,
-        each sequence's ctx K/V is stored (one GEMM each) and its plan confirmed by itself, so a
-        failure part way leaves the sequences before it with valid K/V (the draft then plans
-        again: empty plans for them)."""
-        proposal = self._plan("propose_batch", states, ctxs, tokens, positions)
-        try:
-            for st, plan in zip(proposal.states, proposal.plans):
-                self.forward.store_plans([(st, plan)])
-                st.ctx.confirm_precompute(plan)
-        except BaseException:
-            proposal.abort()
-            raise
+        return run.plan(what, states, ctxs, tokens, positions, vocab_in=self.head.vocab_in,
+                        owner=self._owner)
 
     def _draft(self, proposal: Proposal, take: int, mask: Tensor | None) -> list[list[int]]:
-        """Run the proposal's forward (graph path where it applies), pick drafts, confirm the
-        plans. Returns ``take`` drafts per sequence, fewer where a draft had nothing allowed.
-        Raises on any failure with every plan still outstanding (the caller aborts them).
-
-        Enters ``no_grad`` only when gradients are on: callers such as the engine already run
-        under ``inference_mode``, and the context costs µs."""
-        if torch.is_grad_enabled():
-            with torch.no_grad():
-                return self._draft_nograd(proposal, take, mask)
-        return self._draft_nograd(proposal, take, mask)
-
-    def _draft_nograd(self, proposal: Proposal, take: int, mask: Tensor | None) -> list[list[int]]:
-        n = len(proposal.plans)
+        """:func:`blockdraft.proposer.run.run`, through the graph path where it applies (not
+        paused, no mask, DFlash)."""
         runner = self._graphs
-        if (runner is not None and not self._graphs_paused and mask is None
-                and not self.spec.is_dflash2 and runner.accepts(n)):
-            # The graph path stores the outstanding ctx K/V itself; None: it stored nothing.
-            got = runner.draft(proposal)
-            if got is not None:
-                if got.shape[0] != n:
-                    raise RuntimeError(f"the graph path returned {got.shape[0]} rows for {n} sequences")
-                # Confirmed while the replay runs, before `tolist` waits for it: the K/V is
-                # stored by work already launched, and every host-side failure point lies
-                # before the launch. (A CUDA error surfacing at the wait leaves the plans
-                # confirmed; the device context is unusable after one anyway, and aborting a
-                # confirmed plan is a no-op.) At n = 32 this takes the confirms off the call's
-                # critical path.
-                proposal.confirm(take)
-                rows: list[list[int]] = (got if take == got.shape[1] else got[:, :take]).tolist()
-                return rows
-        picked = self.forward.run(proposal, take, mask)  # [n, take]
-        anchors = torch.tensor(proposal.tokens, dtype=torch.int64, device=picked.device)
-        # Row 0 (the anchor) is never a draft; the core's band split drops it.
-        band = torch.cat([anchors[:, None], picked], 1).reshape(-1).tolist()
-        bands = _core.split_bands(band, n, take + 1, True, take)
-        if bands is None:
-            raise RuntimeError(f"the drafter forward returned fewer than {n * (take + 1)} rows")
-        # A row with no allowed token (-1 from masked_argmax) ends that sequence's drafts.
-        bands = [d[: d.index(-1)] if -1 in d else d for d in bands]
-        proposal.confirm([len(d) for d in bands])
-        return bands
+        if self._graphs_paused or mask is not None or self.spec.is_dflash2:
+            runner = None
+        return run.run(self.forward, runner, proposal, take, mask)
 
     # ------------------------------------------------------------------ verify
 
@@ -616,33 +566,6 @@ class DFlashProposer:
         _core.verify_all(
             "after_verify_batch", self._ctxs(states, "after_verify_batch"), num_accepted, self._owner
         )
-
-    # ------------------------------------------------------------------ internals
-
-    def _num_take(self, num_drafts: int) -> int:
-        if isinstance(num_drafts, bool) or not isinstance(num_drafts, int):
-            raise TypeError(f"num_drafts must be an int, not {type(num_drafts).__name__}")
-        if not 1 <= num_drafts <= self.block_gamma - 1:
-            raise ValueError(f"num_drafts must be in 1..{self.block_gamma - 1}, not {num_drafts}")
-        cap = self.levers.draft_cap
-        return num_drafts if cap is None else min(num_drafts, cap)
-
-    def _bitmask(self, mask: Tensor | Sequence[int], rows: int) -> Tensor:
-        words = (self.vocab_size + 31) // 32
-        t = mask if isinstance(mask, Tensor) else torch.tensor(list(mask), dtype=torch.int64)
-        if t.is_floating_point() or t.dtype == torch.bool:
-            raise ValueError(f"grammar_bitmask must hold packed int32 words, not {t.dtype}")
-        if t.dtype != torch.int32:
-            # Accept unsigned-looking words (bit 31 set) given as Python ints.
-            t = torch.where(t >= 2**31, t - 2**32, t).to(torch.int32)
-        if t.dim() == 1:
-            t = t.unsqueeze(0).expand(rows, -1)
-        if t.dim() != 2 or t.shape[1] != words or t.shape[0] < rows:
-            raise ValueError(
-                f"grammar_bitmask must be [{words}] or [{rows}, {words}] packed int32, "
-                f"not {list(t.shape)}"
-            )
-        return t[:rows].to(self.device).contiguous()
 
 
 def agreed_pool_size(tp: TPGroup, num_pages: int, *, sized: bool) -> int:

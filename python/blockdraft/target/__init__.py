@@ -2,19 +2,18 @@
 
 | module | concept |
 | --- | --- |
+| ``head`` | :class:`TargetHead`: what a drafter reads of a target (embeddings, output head), checked against the drafter |
 | ``backend`` | :class:`TargetBackend`, the interface the engine steps; :class:`RuntimeTarget` on the runtime |
 | ``adapter`` | :class:`TargetAdapter`: a Hugging Face causal LM's embeddings, head, and hooked capture of the drafter's layers |
 | ``hf`` | :class:`HFTarget`: the model's own Hugging Face forward, one sequence at a time, under chosen attention backends |
 | ``runtime/`` | blockdraft's own runtime (:class:`TargetRuntime`, :func:`decode`): spec, fused weights, shards, paged K/V, forward, graphs |
-
-What the drafter reads from a target (its embeddings and head, checked against the drafter) is
-the proposer's :class:`~blockdraft.proposer.spec.TargetHead`.
 """
 
 from __future__ import annotations
 
 from blockdraft.target.adapter import TargetAdapter, TargetOutput
 from blockdraft.target.backend import ChunkFn, RuntimeTarget, TargetBackend
+from blockdraft.target.head import TargetHead
 from blockdraft.target.hf import DEFAULT_SDPA_BACKENDS, HFTarget, validate_sdpa_backends
 from blockdraft.target.runtime import (
     FAMILIES,
@@ -35,6 +34,7 @@ __all__ = [
     "RuntimeTarget",
     "TargetAdapter",
     "TargetBackend",
+    "TargetHead",
     "TargetOutput",
     "TargetRuntime",
     "TargetSpec",

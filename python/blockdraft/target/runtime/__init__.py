@@ -5,7 +5,6 @@
 | ``spec`` | which architectures run, and what is read from a loaded model |
 | ``weights`` | fused q/k/v and gate/up weights that are the model's own storage |
 | ``shard`` | a target split over tensor-parallel ranks: each rank's weights and shapes |
-| ``cache`` | the paged target K/V |
 | ``forward`` | one forward over the new rows of many sequences |
 | ``runtime`` | :class:`TargetRuntime`: sequences, forwards, accept, free |
 | ``decode`` | :func:`decode`: target-only decoding on the runtime |

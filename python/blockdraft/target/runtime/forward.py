@@ -24,8 +24,8 @@ from torch import Tensor
 from torch.nn import functional as F
 
 from blockdraft.kernels import KernelOps
+from blockdraft.kv_cache import PagedKVCache
 from blockdraft.parallel.group import TPGroup
-from blockdraft.target.runtime.cache import TargetKVCache
 from blockdraft.target.runtime.spec import TargetSpec
 from blockdraft.target.runtime.weights import fuse_linears
 
@@ -91,7 +91,7 @@ class TargetForward:
     """
 
     def __init__(
-        self, spec: TargetSpec, cache: TargetKVCache, ops: KernelOps,
+        self, spec: TargetSpec, cache: PagedKVCache, ops: KernelOps,
         capture_layers: Sequence[int] = (), tp: TPGroup | None = None,
     ) -> None:
         self.spec = spec

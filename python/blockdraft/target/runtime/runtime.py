@@ -21,6 +21,7 @@ inputs (the Rust core is deterministic), so they are the same without being sent
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -30,9 +31,9 @@ from torch import Tensor
 import blockdraft._core as _core
 from blockdraft import faults, kernels
 from blockdraft._core import BlockPool, ConfigError, ForwardPlan, SeqPages
-from blockdraft.target.runtime.cache import TargetKVCache
 from blockdraft.target.runtime.forward import ForwardBatch, TargetForward
 from blockdraft.cuda_graphs import GraphMode, resolve_mode
+from blockdraft.kv_cache import PagedKVCache
 from blockdraft.parallel.group import TPGroup
 from blockdraft.target.runtime.graphs import RuntimeGraphs
 from blockdraft.target.runtime.shard import shard_target
@@ -142,8 +143,15 @@ class TargetRuntime:
         self.prefill_chunk = prefill_chunk
         sized = num_pages is None
         if num_pages is None:
-            num_pages = TargetKVCache.default_num_pages(
-                spec, page_size, tokens=max_batch * max_seq_len, fraction=memory_fraction
+            # Enough pages for max_batch full sequences, if the memory fraction holds them.
+            num_pages = PagedKVCache.pages_for_memory(
+                math.ceil(max_batch * max_seq_len / page_size),
+                PagedKVCache.page_bytes(
+                    page_size, num_layers=spec.num_layers, num_kv_heads=spec.num_kv_heads,
+                    head_dim=spec.head_dim, dtype=spec.dtype,
+                ),
+                fraction=memory_fraction, device=spec.device, lever="memory_fraction",
+                what="target K/V",
             )
         if self.tp.size > 1:
             if graphs == "auto" and mode == "capture":
@@ -153,7 +161,10 @@ class TargetRuntime:
                 tuple(graph_rows), self.backend,
             ))
         self.pool = BlockPool(num_pages, page_size)
-        self.cache = TargetKVCache(self.pool, spec)
+        self.cache = PagedKVCache(
+            self.pool, num_layers=spec.num_layers, num_kv_heads=spec.num_kv_heads,
+            head_dim=spec.head_dim, dtype=spec.dtype, device=spec.device,
+        )
         self.forward_pass = TargetForward(spec, self.cache, kernels.ops(self.backend), capture_layers,
                                           tp=self.tp)
         self._owner = next(_owner_ids)

@@ -99,12 +99,6 @@ class TargetSpec:
     def device(self) -> torch.device:
         return self.embed.weight.device
 
-    @property
-    def kv_bytes_per_token(self) -> int:
-        """Bytes of K and V one token takes over every layer (on this rank)."""
-        elem = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * elem
-
     @classmethod
     def from_model(cls, model: Any) -> TargetSpec:
         """Read and check a loaded Hugging Face causal LM.
