@@ -97,6 +97,18 @@ def soak(
                             dtype=torch.int64, device=device)
 
     prop.forward.run = run  # type: ignore[method-assign]
+    runner = prop.graph_runner
+    if runner is not None:
+        # On CUDA the graph path drafts without forward.run: its drafts are real ones too.
+        graph_draft = runner.draft
+
+        def counted(proposal: Proposal) -> torch.Tensor | None:
+            got = graph_draft(proposal)
+            if got is not None:
+                rep.real_proposals += len(proposal.plans)
+            return got
+
+        runner.draft = counted  # type: ignore[method-assign]
     rows = torch.randn(64, K_H, device=device)
     live: list[Seq] = []
     # Only the proposer's sites: one the soak never reaches would make an armed step a no-op.
