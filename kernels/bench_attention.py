@@ -17,8 +17,7 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.functional import scaled_dot_product_attention as sdpa
 
-from common import (bench_ms, copy_bandwidth_gbs, gb_per_s, graph_ms, import_kernels, parse_args,
-                    record)
+from common import bench_ms, copy_bandwidth_gbs, gb_per_s, graph_ms, import_kernels, parse_args, record
 
 
 def main() -> None:

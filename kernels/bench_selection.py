@@ -12,8 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from common import (bench_ms, copy_bandwidth_gbs, gb_per_s, graph_ms, import_kernels, parse_args,
-                    record)
+from common import bench_ms, copy_bandwidth_gbs, gb_per_s, graph_ms, import_kernels, parse_args, record
 
 
 def main() -> None:

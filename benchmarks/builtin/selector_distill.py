@@ -25,10 +25,10 @@ from typing import Any
 import torch
 
 import blockdraft
-from blockdraft.training.data import collect_python_sources, encode_stream, split_heldout
-from blockdraft.training.evaluate import evaluate_drafter
 from blockdraft.training.builtin.presets import PRESETS
 from blockdraft.training.builtin.target import load_target
+from blockdraft.training.data import collect_python_sources, encode_stream, split_heldout
+from blockdraft.training.evaluate import evaluate_drafter
 from blockdraft.training.loop import DrafterTrainConfig, train_drafter
 from blockdraft.training.rollouts import rollout_stream
 

@@ -14,7 +14,6 @@ from typing import Any
 import pytest
 import torch
 from safetensors.torch import save_file
-from support.tinypair import HIDDEN, drafter_config, tiny_drafter, tiny_drafter_shape, tiny_target
 
 import blockdraft
 from blockdraft.cli import main
@@ -24,6 +23,8 @@ from blockdraft.cli.demo import OPTIONS as DEMO_OPTIONS
 from blockdraft.pair import DEMO_SHAPE
 from blockdraft.pair.load import build_demo_pair
 from blockdraft.training.evaluate import EvalReport
+
+from support.tinypair import HIDDEN, drafter_config, tiny_drafter, tiny_drafter_shape, tiny_target
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY_MAX_POSITIONS = 512  # tiny_target's max_position_embeddings

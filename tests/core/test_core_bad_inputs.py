@@ -22,6 +22,7 @@ from blockdraft import (
     ctx_ceiling,
     ctx_window,
 )
+from blockdraft._core import plan_proposals
 from blockdraft.core import (
     AppendPlan,
     ContextState,
@@ -30,7 +31,7 @@ from blockdraft.core import (
     read_ctx_cap,
     split_bands,
 )
-from blockdraft._core import plan_proposals
+
 from support.core_checks import world_snapshot
 from support.scorecard import expect_clear_error
 

@@ -32,6 +32,7 @@ from hypothesis.stateful import (
 
 from blockdraft import BlockPool, InvalidStateError, PoolExhaustedError
 from blockdraft.core import ForwardPlan, SeqPages, accept_rows, free_all, plan_forward
+
 from support.core_checks import assert_seq_freed, ceil_div, check_pages_world, pages_snapshot
 from support.scorecard import expect_clear_error, score
 

@@ -24,6 +24,7 @@ from blockdraft.core import (
     free_all,
     plan_forward,
 )
+
 from support.core_checks import pages_snapshot, state_snapshot
 from support.scorecard import expect_clear_error
 

@@ -25,6 +25,7 @@ from hypothesis.stateful import (
 
 from blockdraft import BlockPool, InvalidStateError, PoolExhaustedError
 from blockdraft.core import AppendPlan, ContextState
+
 from support.core_checks import assert_fresh, ceil_div, check_world, world_snapshot
 from support.scorecard import expect_clear_error, score
 

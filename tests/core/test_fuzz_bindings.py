@@ -16,11 +16,11 @@ from typing import Any
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from support.scorecard import score
 
-from blockdraft import BlockdraftError, BlockPool, InvalidStateError, ctx_ceiling, ctx_window
+from blockdraft import BlockdraftError, BlockPool, InvalidStateError, _core, ctx_ceiling, ctx_window
 from blockdraft.core import ContextState, batch_decline_reason, propose_batch_max, split_bands
-from blockdraft import _core
+
+from support.scorecard import score
 
 ALLOWED = (TypeError, ValueError, BlockdraftError)
 

@@ -2,24 +2,23 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import contextlib
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
 import torch.nn.attention
-from support.tinypair import drafter_config, tiny_drafter, tiny_target
 from torch.nn.attention import SDPBackend
 
 import blockdraft
 from blockdraft.engine import DEFAULT_SDPA_BACKENDS, Request, SpeculativeEngine, generate
 from blockdraft.engine.accept import accept_blocks, first_tokens
-from blockdraft.target import HFTarget
-from blockdraft.sampling import SamplingParams, sample_rows
-from blockdraft.sampling import target_probs
 from blockdraft.proposer import DFlashProposer, DFlashState
+from blockdraft.sampling import SamplingParams, sample_rows, target_probs
+from blockdraft.target import HFTarget
+
+from support.tinypair import drafter_config, tiny_drafter, tiny_target
 
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9], [10, 11, 12, 13, 14, 15, 16, 17, 18], [30]]
 

@@ -26,9 +26,10 @@ import torch
 from dflash.model import dflash_generate
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-from support.dflash_ref import logged_seed, rel_err, save_reference_drafter
 import blockdraft
 from blockdraft.models.reference import speculative_greedy
+
+from support.dflash_ref import logged_seed, rel_err, save_reference_drafter
 
 pytestmark = [
     pytest.mark.gpu,

@@ -10,12 +10,14 @@ from typing import Any
 
 import pytest
 import torch
-from support.scorecard import expect_clear_error, score
-from support.tinypair import K_H, drafter_config, make_proposer, tiny_drafter, tiny_target
 
 import blockdraft.proposer.proposer as proposer_mod
 from blockdraft import BlockPool, ConfigError, InvalidStateError, PoolExhaustedError
 from blockdraft.proposer import DFlashProposer, DFlashState
+
+from support.scorecard import expect_clear_error, score
+from support.tinypair import K_H, drafter_config, make_proposer, tiny_drafter, tiny_target
+
 
 def make(drafter: Any, target: Any, **kw: Any) -> DFlashProposer:
     prop: DFlashProposer = make_proposer(drafter, target, **kw)

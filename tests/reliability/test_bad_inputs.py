@@ -21,14 +21,15 @@ from typing import Any
 import pytest
 import torch
 from safetensors.torch import save_file
-from support.scorecard import expect_clear_error, score
-from support.tinypair import K_H, drafter_config, make_proposer, tiny_drafter, tiny_drafter_shape
 
 from blockdraft import CheckpointError, ConfigError, InvalidStateError, SamplingParams
 from blockdraft.checkpoint import load_drafter
 from blockdraft.cli import main
 from blockdraft.engine import SpeculativeEngine
 from blockdraft.proposer import DFlashProposer, DFlashState
+
+from support.scorecard import expect_clear_error, score
+from support.tinypair import K_H, drafter_config, make_proposer, tiny_drafter, tiny_drafter_shape
 
 WORDS = 2  # ceil(64 / 32) bitmask words of the tiny vocabulary
 

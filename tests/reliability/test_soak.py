@@ -27,12 +27,13 @@ from typing import Any
 
 import pytest
 import torch
-from support.scorecard import score
-from support.tinypair import K_H, tiny_drafter, tiny_target
 
 from blockdraft import PoolExhaustedError, _core, faults
 from blockdraft.proposer import DFlashProposer, DFlashState, Proposal
+
 from support.core_checks import check_world
+from support.scorecard import score
+from support.tinypair import K_H, tiny_drafter, tiny_target
 
 LIVE = 8
 VOCAB = 64

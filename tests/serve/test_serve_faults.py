@@ -14,9 +14,20 @@ import httpx
 import pytest
 
 import blockdraft.faults
+
 from support.scorecard import score
-from support.serve_support import (MODEL, LiveServer, Pair, builtin_pair, counter, live_server, requests_total, sse_chunks,
-                           sse_chunks_async, wait_until)
+from support.serve_support import (
+    MODEL,
+    LiveServer,
+    Pair,
+    builtin_pair,
+    counter,
+    live_server,
+    requests_total,
+    sse_chunks,
+    sse_chunks_async,
+    wait_until,
+)
 
 PROMPT = "def fibonacci(n):"
 

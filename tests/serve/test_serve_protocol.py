@@ -12,8 +12,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from blockdraft.serve.errors import APIError
 from blockdraft.sampling import SamplingParams
+from blockdraft.serve.errors import APIError
 from blockdraft.serve.protocol import DEFAULT_COMPLETION_TOKENS, GenerationRequest, parse_json, parse_request
 
 USER = [{"role": "user", "content": "def f():"}]

@@ -12,12 +12,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
-from support.tinypair import tiny_target
-from support.training_support import assert_matches_reference_and_target
 
 import blockdraft
-from blockdraft.training.data import sample_windows, step_generator
 from blockdraft.pair import DrafterShape
+from blockdraft.training.data import sample_windows, step_generator
 from blockdraft.training.drafter import new_drafter
 from blockdraft.training.loop import DrafterTrainConfig, train_drafter
 from blockdraft.training.objective import (
@@ -28,6 +26,9 @@ from blockdraft.training.objective import (
     target_features,
     token_hardness,
 )
+
+from support.tinypair import tiny_target
+from support.training_support import assert_matches_reference_and_target
 
 VOCAB = 64
 MASK = VOCAB - 1

@@ -12,8 +12,6 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from support.tinypair import tiny_target
-from support.training_support import assert_matches_reference_and_target
 
 import blockdraft
 from blockdraft.models import DFlash2Drafter
@@ -28,6 +26,9 @@ from blockdraft.training.selector import (
     selector_scores,
     teacher_predecessors,
 )
+
+from support.tinypair import tiny_target
+from support.training_support import assert_matches_reference_and_target
 
 VOCAB = 64
 MASK = VOCAB - 1

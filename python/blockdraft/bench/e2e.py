@@ -16,9 +16,9 @@ from blockdraft.bench.config import BenchConfig
 from blockdraft.bench.figures import fmt
 from blockdraft.bench.reference import build_reference_drafter, sdpa_context
 from blockdraft.bench.timing import timed_calls
+from blockdraft.bench.workload import release, uncapped_window
 from blockdraft.devices import sync
 from blockdraft.pair import Shape
-from blockdraft.bench.workload import release, uncapped_window
 
 log = logging.getLogger(__name__)
 

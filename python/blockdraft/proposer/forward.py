@@ -26,10 +26,10 @@ from torch.nn import functional as F
 from blockdraft import faults
 from blockdraft._core import PrecomputePlan
 from blockdraft.kernels import KernelOps
-from blockdraft.models.drafter import AttendFn, DFlashDrafter
-from blockdraft.proposer.fast import FastDrafter
-from blockdraft.models.layers import embed_blocks
 from blockdraft.kv_cache import PagedKVCache
+from blockdraft.models.drafter import AttendFn, DFlashDrafter
+from blockdraft.models.layers import embed_blocks
+from blockdraft.proposer.fast import FastDrafter
 from blockdraft.proposer.spec import DraftSpec
 from blockdraft.proposer.state import DFlashState, Proposal
 from blockdraft.sampling import SamplingParams, allowed_ids, sample_rows, target_probs

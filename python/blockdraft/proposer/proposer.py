@@ -31,14 +31,14 @@ from torch import Tensor
 import blockdraft._core as _core
 from blockdraft import faults, kernels
 from blockdraft._core import BlockPool, ConfigError, ContextState, InvalidStateError
+from blockdraft.cuda_graphs import GraphMode, resolve_mode
 from blockdraft.kv_cache import PagedKVCache
 from blockdraft.levers import Levers, read_levers
 from blockdraft.parallel.group import TPGroup
+from blockdraft.proposer import run
 from blockdraft.proposer.commit import ContextWriter, as_positions, check_rows
 from blockdraft.proposer.draft import Drafts, Mask, SampledDraft, draft_many
 from blockdraft.proposer.forward import DraftForward
-from blockdraft.cuda_graphs import GraphMode, resolve_mode
-from blockdraft.proposer import run
 from blockdraft.proposer.graphs import GraphRunner
 from blockdraft.proposer.spec import DraftSpec
 from blockdraft.proposer.state import DFlashState, Proposal

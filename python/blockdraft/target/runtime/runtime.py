@@ -31,10 +31,10 @@ from torch import Tensor
 import blockdraft._core as _core
 from blockdraft import faults, kernels
 from blockdraft._core import BlockPool, ConfigError, ForwardPlan, SeqPages
-from blockdraft.target.runtime.forward import ForwardBatch, TargetForward
 from blockdraft.cuda_graphs import GraphMode, resolve_mode
 from blockdraft.kv_cache import PagedKVCache
 from blockdraft.parallel.group import TPGroup
+from blockdraft.target.runtime.forward import ForwardBatch, TargetForward
 from blockdraft.target.runtime.graphs import RuntimeGraphs
 from blockdraft.target.runtime.shard import shard_target
 from blockdraft.target.runtime.spec import TargetSpec

@@ -40,8 +40,6 @@ import torch
 
 from blockdraft.devices import default_dtype, sync
 from blockdraft.pretrained import DEFAULT_PROMPT
-from blockdraft.training.data import EOS_TOKEN, SourceFile
-from blockdraft.training.evaluate import EvalReport, distinct_ngram_ratio, evaluate_drafter, heldout_metrics
 from blockdraft.training.builtin.model_card import write_model_card
 from blockdraft.training.builtin.presets import PRESETS, DrafterSpec, Preset, rollout_kinds
 from blockdraft.training.builtin.target import (
@@ -53,6 +51,8 @@ from blockdraft.training.builtin.target import (
     train_and_save_target,
     tune_and_save_target,
 )
+from blockdraft.training.data import EOS_TOKEN, SourceFile
+from blockdraft.training.evaluate import EvalReport, distinct_ngram_ratio, evaluate_drafter, heldout_metrics
 from blockdraft.training.loop import DrafterTrainConfig, train_drafter
 from blockdraft.training.rollouts import rollout_stream
 
