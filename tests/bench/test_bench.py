@@ -102,7 +102,7 @@ def test_static_graph_path_after_an_aborted_plan_rereads_the_table() -> None:
         boom = RuntimeError("injected")
         original = p.drafter.forward_block
 
-        def fail(*a: Any, **k: Any) -> Any:
+        def fail(*a: Any, boom: RuntimeError = boom, **k: Any) -> Any:
             raise boom
 
         p.drafter.forward_block = fail  # type: ignore[method-assign]

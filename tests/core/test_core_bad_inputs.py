@@ -138,7 +138,8 @@ CASES: list[Case] = [
         "not allocated|free",
         lambda w: w.pool.free([w.raw[0], next(b for b in range(8) if not w.pool.is_allocated(b))]),
     ),
-    C("free twice in one call", InvalidStateError, "twice|duplicate|more than once", lambda w: w.pool.free([w.raw[0], w.raw[1], w.raw[0]])),
+    C("free twice in one call", InvalidStateError, "twice|duplicate|more than once",
+      lambda w: w.pool.free([w.raw[0], w.raw[1], w.raw[0]])),
     C("free str", TypeError, "pages", lambda w: w.pool.free("12")),  # type: ignore[arg-type]
     C("free None", TypeError, "pages", lambda w: w.pool.free(None)),  # type: ignore[arg-type]
     C("free float ids", TypeError, "pages", lambda w: w.pool.free([1.0])),  # type: ignore[list-item]
@@ -185,9 +186,11 @@ CASES: list[Case] = [
     C("apply None", TypeError, "AppendPlan", lambda w: w.state.apply_append(None)),  # type: ignore[arg-type]
     # --- precompute
     C("confirm foreign plan", InvalidStateError, PLAN, lambda w: w.state.confirm_precompute(w.resolved_plan)),
-    C("confirm resolved plan", InvalidStateError, "plan|resolved|confirmed", lambda w: w.other.confirm_precompute(w.resolved_plan)),
+    C("confirm resolved plan", InvalidStateError, "plan|resolved|confirmed",
+      lambda w: w.other.confirm_precompute(w.resolved_plan)),
     C("confirm wrong plan type", TypeError, "PrecomputePlan", lambda w: w.state.confirm_precompute(w.other_plan)),  # type: ignore[arg-type]
-    Case("precompute while one is outstanding", InvalidStateError, ("plan|outstanding|pending",), pending_plan_then_another),
+    Case("precompute while one is outstanding", InvalidStateError, ("plan|outstanding|pending",),
+         pending_plan_then_another),
     # --- proposal counters
     C("note_propose negative position", ValueError, POS, lambda w: w.state.note_propose(-1, 3)),
     C("note_propose negative drafts", ValueError, "num_drafted", lambda w: w.state.note_propose(16, -1)),
@@ -197,7 +200,8 @@ CASES: list[Case] = [
     C("after_verify more than drafted", ValueError, "num_accepted", lambda w: w.state.after_verify(1)),
     C("after_verify None", TypeError, "num_accepted", lambda w: w.state.after_verify(None)),  # type: ignore[arg-type]
     # --- the lifecycle: alloc, commit context, propose
-    C("propose on a fresh state", InvalidStateError, ("^propose: ", "no committed context", "commit_ctx before propose"),
+    C("propose on a fresh state", InvalidStateError,
+      ("^propose: ", "no committed context", "commit_ctx before propose"),
       lambda w: plan_proposals("propose", [ContextState(w.pool, 8)], [1], [0], 64, 0)),
     C("propose_batch with a fresh state", InvalidStateError, ("^propose_batch: ", "no committed context"),
       lambda w: plan_proposals("propose_batch", [w.state, ContextState(w.pool, 8)], [1, 1], [16, 0], 64, 0)),

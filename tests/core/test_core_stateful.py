@@ -3,9 +3,9 @@
 Rules drive one BlockPool shared by many ContextStates plus raw allocations by an extra owner:
 append rows (with slides), precompute (confirm, abort or drop; exhaustion), propose/verify
 counters, free, double free, use after free, stale and foreign plans. After every step the
-core's invariants (numbered in ``rust/blockdraft-core/src/lib.rs``) hold (1-3 as ``@invariant``s, 4-6 inside the rules that can break them,
-7 at teardown), and every declined or failed operation is shown to change nothing by comparing a
-snapshot of the pool and of every state before and after.
+core's invariants (numbered in ``rust/blockdraft-core/src/lib.rs``) hold (1-3 as ``@invariant``s,
+4-6 inside the rules that can break them, 7 at teardown), and every declined or failed operation
+is shown to change nothing by comparing a snapshot of the pool and of every state before and after.
 """
 
 from __future__ import annotations

@@ -65,7 +65,9 @@ class OracleProposer(DFlashProposer):
             out.append((tok + 1) % 64 if self.calls % 3 == 0 else tok)
         return out
 
-    def propose(self, st: Any, last_token: int, position: int, num_drafts: int, grammar_bitmask: Any = None) -> list[int]:
+    def propose(
+        self, st: Any, last_token: int, position: int, num_drafts: int, grammar_bitmask: Any = None
+    ) -> list[int]:
         return self._fix(st, position, super().propose(st, last_token, position, num_drafts, grammar_bitmask))
 
     def propose_batch(self, states: Any, last_tokens: Any, positions: Any, num_drafts: int) -> Any:
@@ -199,8 +201,9 @@ def _chi2_sf(stat: float, dof: int) -> float:
 def test_sampling_matches_target_distribution(sampled_drafts: bool) -> None:
     """Chi-square goodness of fit of the 2nd and 3rd generated tokens (the first speculative
     ones) against the target's exact marginals, computed by enumeration on an 8-token
-    vocabulary, with greedy drafts and with drafts sampled from the drafter. With a correct sampler the test fails with probability 1e-3 per statistic
-    (2e-3 in all); the seeds are fixed, so a pass is reproducible."""
+    vocabulary, with greedy drafts and with drafts sampled from the drafter. With a correct
+    sampler the test fails with probability 1e-3 per statistic (2e-3 in all); the seeds are
+    fixed, so a pass is reproducible."""
     vocab, n = 8, 480
     target = tiny_target(vocab=vocab, seed=5)
     drafter = tiny_drafter(drafter_config(vocab=vocab, block=4), seed=6)

@@ -157,7 +157,7 @@ def soak(
             continue
         drafts: list[int] = []
 
-        def step(seq: Seq = seq) -> None:
+        def step(seq: Seq = seq, drafts: list[int] = drafts) -> None:
             drafts[:] = prop.propose(seq.state, seq.pos % VOCAB, seq.pos, 3)
 
         rep.operations += 1

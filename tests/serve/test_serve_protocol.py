@@ -110,8 +110,8 @@ def test_every_field_is_read() -> None:
     req = completion(model="m", max_tokens=7, temperature=0, top_p=0.5, top_k=40, stop="\n",
                      seed=-3, stream=True, stream_options={"include_usage": True},
                      return_meta_info=True)
-    assert (req.model, req.max_tokens, req.sampling.temperature, req.sampling.top_p, req.sampling.top_k, req.stop, req.seed,
-            req.stream, req.include_usage, req.return_meta_info) == (
+    assert (req.model, req.max_tokens, req.sampling.temperature, req.sampling.top_p, req.sampling.top_k, req.stop,
+            req.seed, req.stream, req.include_usage, req.return_meta_info) == (
         "m", 7, 0.0, 0.5, 40, ("\n",), -3, True, True, True)
     assert isinstance(req.sampling.temperature, float) and isinstance(req.sampling.top_p, float)
 

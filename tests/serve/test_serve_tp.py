@@ -194,7 +194,7 @@ def test_killed_rank_ends_the_command_with_one_line(start: Any) -> None:
                 "stream": True}
         try:
             with httpx.stream("POST", f"{srv.url}/v1/completions", json=body, timeout=120) as r:
-                for ev in sse_events(r):
+                for _ in sse_events(r):
                     if not ended:
                         ended.append("first")
         except httpx.TransportError:

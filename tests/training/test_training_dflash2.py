@@ -43,7 +43,8 @@ def _stream(n: int = 4000, seed: int = 0) -> torch.Tensor:
 
 def _random_dflash2(target: Any, block: int = 4, seed: int = 1) -> DFlash2Drafter:
     """A DFlash2 drafter whose convolutions and selector all act (not the identity start)."""
-    raw = DrafterShape.for_target(target.config, num_layers=2, block_size=block, mask_token_id=MASK, dflash2=SIZES).config_dict()
+    shape = DrafterShape.for_target(target.config, num_layers=2, block_size=block, mask_token_id=MASK, dflash2=SIZES)
+    raw = shape.config_dict()
     drafter = new_drafter(raw, seed=seed)
     assert isinstance(drafter, DFlash2Drafter)
     gen = torch.Generator().manual_seed(seed)
@@ -75,7 +76,8 @@ def test_fresh_dflash2_drafter_starts_as_its_dflash_part() -> None:
     """Identity convolutions and a selector that adds nothing: picks are the argmax."""
     torch.manual_seed(0)
     target = tiny_target(vocab=VOCAB)
-    raw = DrafterShape.for_target(target.config, num_layers=2, block_size=4, mask_token_id=MASK, dflash2=SIZES).config_dict()
+    shape = DrafterShape.for_target(target.config, num_layers=2, block_size=4, mask_token_id=MASK, dflash2=SIZES)
+    raw = shape.config_dict()
     drafter = new_drafter(raw, seed=3)
     plain_raw = DrafterShape.for_target(target.config, num_layers=2, block_size=4, mask_token_id=MASK).config_dict()
     plain = new_drafter(plain_raw, seed=3)

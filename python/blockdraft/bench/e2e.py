@@ -8,6 +8,7 @@ import math
 import statistics
 import time
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import torch
@@ -48,16 +49,16 @@ def bench_e2e(
             # sdpa_backends); under the "default" setting it is also timed on torch's own
             # choice, the one the reference runs with there.
             runners: dict[str, Callable[[], dict[str, Any]]] = {
-                "blockdraft": lambda: e2e_blockdraft(drafter, target, prompt, steps, device),
+                "blockdraft": partial(e2e_blockdraft, drafter, target, prompt, steps, device),
             }
             if backend == "default" and device.type == "cuda":
-                runners["blockdraft_torch_choice"] = lambda: e2e_blockdraft(
-                    drafter, target, prompt, steps, device, sdpa_backends=None)
+                runners["blockdraft_torch_choice"] = partial(
+                    e2e_blockdraft, drafter, target, prompt, steps, device, sdpa_backends=None)
             if ref is None:
                 rec["reference_error"] = ref_error
             else:
-                runners["reference"] = lambda: e2e_reference(
-                    dflash_generate, ref, target, prompt, steps, device)
+                runners["reference"] = partial(
+                    e2e_reference, dflash_generate, ref, target, prompt, steps, device)
             # Repeats alternate the engines, so drift of the machine hits all of them alike;
             # each figure is the run with the median ms per step.
             runs: dict[str, list[dict[str, Any]]] = {k: [] for k in runners}

@@ -346,7 +346,8 @@ def drafter_streams(target: Any, corpus: Corpus, p: Preset, specs: list[DrafterS
         if kind not in ("greedy", "sampled"):
             raise ValueError(f"unknown rollout kind {kind!r} (greedy or sampled)")
         t = time.perf_counter()
-        streams[kind] = rollout_stream(target, corpus.stream, corpus.eos_id, temperature=1.0 if kind == "sampled" else 0.0,
+        streams[kind] = rollout_stream(target, corpus.stream, corpus.eos_id,
+                                       temperature=1.0 if kind == "sampled" else 0.0,
                                        seed=seed + (1 if kind == "sampled" else 0), **p.rollout)
         sync(next(target.parameters()).device)
         seconds = time.perf_counter() - t
