@@ -152,9 +152,6 @@ def test_note_propose_edges(position: Any, n: Any) -> None:
         assert state.seq_len == 0 and not state.prefill_done
 
 
-# ---------------------------------------------------------------- panics
-
-
 def test_rust_panic_surfaces_as_python_exception() -> None:
     with pytest.raises(BaseException) as info:
         _core._panic_for_tests()

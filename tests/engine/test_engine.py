@@ -256,9 +256,6 @@ def test_sampling_detects_a_biased_sampler(monkeypatch: pytest.MonkeyPatch) -> N
     assert _chi2_sf(stat, int(keep.sum()) - 1) < 1e-3
 
 
-# ---------------------------------------------------------------- cheaper target calls
-
-
 class KeepsLogits(torch.nn.Module):
     """The target behind a forward that names ``logits_to_keep``; records every call."""
 

@@ -64,9 +64,6 @@ def filled(prop: DFlashProposer, n_rows: int, seed: int, budget: int | None = No
     return st
 
 
-# ---------------------------------------------------------------- window and accumulator
-
-
 def test_window_cap_env_and_budget(drafter: Any, target: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("BLOCKDRAFT_DFLASH_CTX_CAP", "100")
     prop = make(drafter, target, max_seq_len=200)
@@ -169,9 +166,6 @@ def test_commit_bad_inputs_change_nothing(drafter: Any, target: Any) -> None:
     assert same(before, snapshot(prop, [st]))
 
 
-# ---------------------------------------------------------------- propose
-
-
 def test_propose_computes_kv_for_uncommitted_rows_only(drafter: Any, target: Any) -> None:
     prop = make(drafter, target)
     st = filled(prop, 6, 5)
@@ -267,9 +261,6 @@ def test_draft_cap_lever(drafter: Any, target: Any, monkeypatch: pytest.MonkeyPa
     assert a.last_num_drafted == 2 and b.last_num_drafted == 2
 
 
-# ---------------------------------------------------------------- batching
-
-
 def test_propose_batch_max(drafter: Any, target: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     assert make(drafter, target, max_batch=4).propose_batch_max() == 4
     assert make(drafter, target, max_batch=32).propose_batch_max() == 16
@@ -363,9 +354,6 @@ def test_short_forward_declines(drafter: Any, target: Any, monkeypatch: pytest.M
     assert same(before, snapshot(prop, [a, b]))
 
 
-# ---------------------------------------------------------------- after_verify / free_state
-
-
 def test_after_verify_rejects_foreign_and_resets(drafter: Any, target: Any) -> None:
     prop, other = make(drafter, target), make(drafter, target)
     st = filled(prop, 3, 60)
@@ -412,9 +400,6 @@ def test_shared_pool_between_proposers(drafter: Any, target: Any) -> None:
     p1.free_state(s1)
     p2.free_state(s2)
     assert pool.num_free == 16
-
-
-# ---------------------------------------------------------------- construction
 
 
 @pytest.mark.parametrize(

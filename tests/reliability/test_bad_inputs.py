@@ -299,9 +299,6 @@ def test_mismatched_pairs(target: Any) -> None:
         make(wrong_layers, target)
 
 
-# ---------------------------------------------------------------- engine
-
-
 @pytest.fixture(scope="module")
 def engine(drafter: Any, target: Any) -> SpeculativeEngine:
     return SpeculativeEngine(target, drafter, max_seq_len=32, num_pages=32, max_batch=2, page_size=4)
@@ -332,9 +329,6 @@ def test_generate_bad_input(engine: SpeculativeEngine, case: Any) -> None:
     pool = engine.proposer.pool
     assert pool.num_free == pool.num_pages
     score.invariant_checks += 1
-
-
-# ---------------------------------------------------------------- checkpoints
 
 
 def _config() -> dict[str, Any]:
@@ -440,9 +434,6 @@ def test_checkpoint_paths_and_dtype(good_ckpt: Path, tmp_path: Path) -> None:
         load_drafter(good_ckpt, dtype="int8")
     with expect_clear_error(ValueError, "dtype"):
         load_drafter(good_ckpt, dtype=torch.int64)
-
-
-# ---------------------------------------------------------------- CLI
 
 
 def expect_cli_error(capsys: pytest.CaptureFixture[str], argv: list[str], *words: str) -> None:

@@ -206,7 +206,7 @@ def build(args: argparse.Namespace, argv: list[str] | None) -> int:
     write_report(pair, report)
     tokenizer, held_files = corpus.tokenizer, corpus.held_files
 
-    # ---- target
+    # target
     target_dir = pair / "target"
     if args.reuse_target is not None:
         shutil.copytree(args.reuse_target, target_dir)
@@ -249,7 +249,7 @@ def build(args: argparse.Namespace, argv: list[str] | None) -> int:
         log.info("target and rollouts written to %s and %s in %.0f s", pair, work, report["total_seconds"])
         return 0
 
-    # ---- drafters: each gets the same time budget (a fair comparison), time allowing
+    # drafters: each gets the same time budget (a fair comparison), time allowing
     report["drafters"] = {}
     reserve = 45.0 if device.type == "cuda" and not args.skip_eval else 5.0
     for spec in specs:
