@@ -5,8 +5,8 @@ runtime, target-only decoding on the same runtime, and Hugging Face ``generate``
 a time; then all 16 prompts at once against one at a time. Each path runs once untimed first
 (compiles, graph captures). On a CPU the figures follow the host's speed: the record carries a
 yardstick beside them (the median time of one fp32 ``[1, 256] x [256, 1536]`` GEMV: the fused
-gate/up shape of the first built-in target, kept fixed so that records of every pair compare). Prints a table and writes ``builtin_pair.json`` under the
-given directory (or ``$OUT``).
+gate/up shape of the first built-in target, kept fixed so that records of every pair compare).
+Prints a table and writes ``builtin_pair.json`` under the given directory (or ``$OUT``).
 
     python benchmarks/builtin_pair.py [OUT_DIR] [--device cpu|cuda] [--prompts N] [--new N] [--block-size 8|16]
 """
@@ -115,7 +115,8 @@ def main() -> None:
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "builtin_pair.json").write_text(json.dumps(rec, indent=1))
-    print(f"built-in pair (B = {args.block_size}) on {rec.get('gpu', rec['host'])} ({dev}), {len(prompts)} prompts x {n}:")
+    print(f"built-in pair (B = {args.block_size}) on {rec.get('gpu', rec['host'])} ({dev}), "
+          f"{len(prompts)} prompts x {n}:")
     for key in ("yardstick_gemv_us", "speculative_tok_s", "tau", "runtime_decode_tok_s", "hf_generate_tok_s",
                 "speedup_vs_runtime_decode", "speedup_vs_hf_generate", "batched_tok_s",
                 "batched_vs_one_at_a_time", "identical_to_hf", "decode_identical_to_hf",

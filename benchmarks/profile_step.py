@@ -31,10 +31,10 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from blockdraft import bench, pretrained
-from blockdraft.pair import SHAPES, random_drafter, random_target
 from blockdraft.bench.spec import no_replays
 from blockdraft.devices import sync
 from blockdraft.engine import SpeculativeEngine
+from blockdraft.pair import SHAPES, random_drafter, random_target
 
 
 def engine_at(target: Any, drafter: Any, ctx: int, n: int, steps: int, gen: torch.Generator,

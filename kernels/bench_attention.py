@@ -17,8 +17,7 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.functional import scaled_dot_product_attention as sdpa
 
-from common import (bench_ms, copy_bandwidth_gbs, gb_per_s, graph_ms, import_kernels, parse_args,
-                    record)
+from common import bench_ms, copy_bandwidth_gbs, gb_per_s, graph_ms, import_kernels, parse_args, record
 
 
 def main() -> None:
@@ -63,7 +62,7 @@ def main() -> None:
                     with sdpa_kernel(be):
                         o = sdpa(qt, kk, vv, scale=scale, enable_gqa=gqa)
                         err = (o.transpose(1, 2).float() - ref.float()).abs().max().item()
-                        t = bench_ms(lambda: sdpa(qt, kk, vv, scale=scale, enable_gqa=gqa))
+                        t = bench_ms(partial(sdpa, qt, kk, vv, scale=scale, enable_gqa=gqa))
                     sdpa_ms[f"{name}{'' if gqa else '_expanded'}"] = round(t, 4)
                     if err > 0.05:
                         print(f"warning: sdpa {name} differs from kernel by {err}")

@@ -28,8 +28,12 @@ def main() -> None:
         kc = torch.zeros(layers, num_pages, page, heads, dim, dtype=torch.bfloat16, device=dev)
         vc = torch.zeros_like(kc)
         sp = torch.zeros(num_pages * page, dtype=torch.int32, device=dev)
-        ms = bench_ms(lambda: K.ops("triton").ctx_kv_store(kv, pos, slots, w, inv, 1.0, 1e-6,
-                                                            kc, vc, sp))
+        def call(kv: torch.Tensor = kv, pos: torch.Tensor = pos, slots: torch.Tensor = slots,
+                 w: torch.Tensor = w, inv: torch.Tensor = inv, kc: torch.Tensor = kc,
+                 vc: torch.Tensor = vc, sp: torch.Tensor = sp) -> object:
+            return K.ops("triton").ctx_kv_store(kv, pos, slots, w, inv, 1.0, 1e-6, kc, vc, sp)
+
+        ms = bench_ms(call)
         nbytes = 2 * kv.numel() * 2 + rows * (8 + 8 + 4)
         gbs = gb_per_s(nbytes, ms)
         record(a.out, {"bench": "ctx_kv_store", "rows": rows, "layers": layers, "kv_heads": heads,

@@ -12,8 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from common import (bench_ms, copy_bandwidth_gbs, gb_per_s, graph_ms, import_kernels, parse_args,
-                    record)
+from common import bench_ms, copy_bandwidth_gbs, gb_per_s, graph_ms, import_kernels, parse_args, record
 
 
 def main() -> None:
@@ -25,14 +24,14 @@ def main() -> None:
         logits = torch.randn(rows, vocab, dtype=torch.bfloat16, device="cuda")
         words = (vocab + 31) // 32
         mask = torch.randint(-(2**31), 2**31 - 1, (rows, words), dtype=torch.int32, device="cuda")
-        torch_ms = bench_ms(lambda: logits.argmax(1))
+        torch_ms = bench_ms(lambda logits=logits: logits.argmax(1))
         for with_mask in (True, False):
             bm = mask if with_mask else None
             got = K.ops("triton").masked_argmax(logits, bm)
             want = K.reference.masked_argmax(logits, bm)
             assert torch.equal(got, want), f"kernel != reference: {rows} rows, mask {with_mask}"
 
-            def call(bm: torch.Tensor | None = bm) -> torch.Tensor:
+            def call(logits: torch.Tensor = logits, bm: torch.Tensor | None = bm) -> torch.Tensor:
                 return K.ops("triton").masked_argmax(logits, bm)
 
             ms = bench_ms(call)

@@ -1,5 +1,6 @@
-"""Shared by the kernel benchmarks: import ``blockdraft.kernels``, measure the copy-bandwidth ceiling, time a call eagerly and replayed from a CUDA graph
-(``triton.testing.do_bench`` medians), and print / append one JSON line per result."""
+"""Shared by the kernel benchmarks: import ``blockdraft.kernels``, measure the copy-bandwidth
+ceiling, time a call eagerly and replayed from a CUDA graph (``triton.testing.do_bench``
+medians), and print / append one JSON line per result."""
 
 from __future__ import annotations
 

@@ -67,7 +67,7 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     terminalreporter.write_line(score.line())
 
 
-# ---- shared fixtures (a module may define its own of the same name; it then wins)
+# shared fixtures (a module may define its own of the same name; it then wins)
 
 
 @pytest.fixture(scope="module")

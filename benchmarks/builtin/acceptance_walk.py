@@ -32,9 +32,9 @@ from typing import Any
 import torch
 
 from blockdraft.checkpoint import load_drafter
+from blockdraft.training.builtin.target import load_target
 from blockdraft.training.data import collect_python_sources, split_heldout
 from blockdraft.training.evaluate import heldout_prompts
-from blockdraft.training.builtin.target import load_target
 from blockdraft.training.objective import block_loss, loss_weights, target_features, token_hardness
 from blockdraft.training.rollouts import rollout
 

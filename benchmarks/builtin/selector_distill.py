@@ -25,10 +25,10 @@ from typing import Any
 import torch
 
 import blockdraft
-from blockdraft.training.data import collect_python_sources, encode_stream, split_heldout
-from blockdraft.training.evaluate import evaluate_drafter
 from blockdraft.training.builtin.presets import PRESETS
 from blockdraft.training.builtin.target import load_target
+from blockdraft.training.data import collect_python_sources, encode_stream, split_heldout
+from blockdraft.training.evaluate import evaluate_drafter
 from blockdraft.training.loop import DrafterTrainConfig, train_drafter
 from blockdraft.training.rollouts import rollout_stream
 
@@ -75,9 +75,11 @@ def main() -> None:
                                  distill_weight=0.5, dflash2=dict(p.dflash2), selector_distill_weight=weight,
                                  init_from=str(PRETRAINED / "drafter-b8"), seed=3)
         res = train_drafter(target, stream, cfg, args.work / f"selector-distill-{weight:g}", progress=True)
-        print(f"selector_distill_weight {weight:g}: {res.steps} steps in {res.seconds:.0f} s, loss {res.final_loss:.3f}")
+        print(f"selector_distill_weight {weight:g}: {res.steps} steps in {res.seconds:.0f} s, "
+              f"loss {res.final_loss:.3f}")
         drafters[f"continued, selector_distill_weight {weight:g}"] = res.drafter_dir
-    prompts = [q["ids"] for q in json.loads((PRETRAINED / "heldout_prompts.json").read_text(encoding="utf-8"))["prompts"]]
+    heldout = json.loads((PRETRAINED / "heldout_prompts.json").read_text(encoding="utf-8"))
+    prompts = [q["ids"] for q in heldout["prompts"]]
     for name, path in drafters.items():
         drafter = blockdraft.load_drafter(path, device="cpu", dtype=torch.float32)
         rep = evaluate_drafter(target, drafter, prompts, max_new_tokens=128, temperatures=(0.0, 1.0),

@@ -27,9 +27,9 @@ from typing import Any
 
 import torch
 
+from blockdraft.training.builtin.target import load_target
 from blockdraft.training.data import collect_python_sources, python_source_roots, split_heldout
 from blockdraft.training.evaluate import distinct_ngram_ratio, heldout_metrics, target_only_greedy
-from blockdraft.training.builtin.target import load_target
 from blockdraft.training.objective import token_hardness
 
 

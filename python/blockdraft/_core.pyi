@@ -376,7 +376,7 @@ def split_bands(
         ValueError: ``n < 1``, ``block_size < 1`` or ``draft_cap < 1``.
     """
 
-# ---------------------------------------------------------------- whole-step entry points
+# whole-step entry points
 # One call does a step's bookkeeping for every sequence of a batch (rust/blockdraft-py/src/step.rs).
 
 def plan_proposals(
@@ -523,7 +523,7 @@ class GraphMeta:
             ValueError: more plans than rows, or lengths that differ.
         """
 
-# ---------------------------------------------------------------- target K/V pages
+# target K/V pages
 # The target runtime's page tables (rust/blockdraft-core/src/pages.rs, pages_step.rs).
 
 @final

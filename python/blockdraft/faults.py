@@ -13,14 +13,14 @@ Sites (each raises what the real failure raises):
 
 | site | where | raises |
 | --- | --- | --- |
-| ``pool_pages`` | before each sequence's ``plan_precompute`` (pool pages for new ctx K/V; in ``plan_proposals``, through :func:`hits`) | ``PoolExhaustedError`` |
+| ``pool_pages`` | before ``plan_precompute`` (in ``plan_proposals``, through :func:`hits`) | ``PoolExhaustedError`` |
 | ``accumulator`` | a state's accumulator, and the staging copies of ``commit_ctx`` | ``torch.OutOfMemoryError`` |
 | ``page_table_dev`` | the device page tables of a proposal | ``torch.OutOfMemoryError`` |
 | ``kv_cache`` | the paged ctx K/V write into newly taken pages | ``torch.OutOfMemoryError`` |
 | ``forward`` | the drafter forward of a proposal | ``RuntimeError`` |
 | ``attention`` | each layer's paged block attention (a kernel) | ``RuntimeError`` |
 | ``logits`` | the lm_head + draft selection of a proposal | ``RuntimeError`` |
-| ``target_forward`` | the target's forward (prefill, verify, decode), runtime or Hugging Face | ``torch.OutOfMemoryError`` |
+| ``target_forward`` | the target's forward (prefill, verify, decode), runtime or HF | ``torch.OutOfMemoryError`` |
 | ``target_pages`` | the runtime's pages for a new sequence | ``PoolExhaustedError`` |
 | ``workspace`` | the runtime's per-forward buffers (the captured rows) | ``torch.OutOfMemoryError`` |
 

@@ -19,7 +19,6 @@ from typing import Any
 
 import pytest
 import torch
-from support.tinypair import drafter_config, tiny_drafter, tiny_target
 
 from blockdraft import ConfigError, DFlashProposer
 from blockdraft import bench as bd_bench
@@ -27,6 +26,8 @@ from blockdraft import pair as bd_pair
 from blockdraft.bench.host import stub_launch
 from blockdraft.cli import main as cli_main
 from blockdraft.cuda_graphs import default_buckets, resolve_mode
+
+from support.tinypair import drafter_config, tiny_drafter, tiny_target
 
 
 def _drive(mode: str, budget: int, seed: int) -> tuple[list[Any], list[list[int]]]:
@@ -101,7 +102,7 @@ def test_static_graph_path_after_an_aborted_plan_rereads_the_table() -> None:
         boom = RuntimeError("injected")
         original = p.drafter.forward_block
 
-        def fail(*a: Any, **k: Any) -> Any:
+        def fail(*a: Any, boom: RuntimeError = boom, **k: Any) -> Any:
             raise boom
 
         p.drafter.forward_block = fail  # type: ignore[method-assign]

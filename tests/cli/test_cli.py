@@ -14,7 +14,6 @@ from typing import Any
 import pytest
 import torch
 from safetensors.torch import save_file
-from support.tinypair import HIDDEN, drafter_config, tiny_drafter, tiny_drafter_shape, tiny_target
 
 import blockdraft
 from blockdraft.cli import main
@@ -24,6 +23,8 @@ from blockdraft.cli.demo import OPTIONS as DEMO_OPTIONS
 from blockdraft.pair import DEMO_SHAPE
 from blockdraft.pair.load import build_demo_pair
 from blockdraft.training.evaluate import EvalReport
+
+from support.tinypair import HIDDEN, drafter_config, tiny_drafter, tiny_drafter_shape, tiny_target
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY_MAX_POSITIONS = 512  # tiny_target's max_position_embeddings
@@ -142,7 +143,7 @@ def test_demo_subcommand_still_works(capsys: pytest.CaptureFixture[str]) -> None
     assert "freed twice" in capsys.readouterr().out
 
 
-# ---------------------------------------------------------------- --debug on every subcommand
+# --debug on every subcommand
 
 REQUIRED = {
     "demo": [],
@@ -178,7 +179,7 @@ def test_debug_shows_the_traceback_and_still_exits_2(where: str, capsys: pytest.
     assert err[-1] == "blockdraft: error: --sequences must be >= 1, not -1"
 
 
-# ---------------------------------------------------------------- the parser: usage errors, --version, help
+# the parser: usage errors, --version, help
 
 @pytest.mark.parametrize(("argv", "words"), [
     (["generate", "--max-new-tokens", "abc"], "argument --max-new-tokens: invalid int value: 'abc'"),
@@ -215,7 +216,7 @@ def test_every_flag_has_help_and_shows_its_default(command: str) -> None:
             assert "default" in action.help or f"(default: {action.default})" in text, (command, action.dest)
 
 
-# ---------------------------------------------------------------- generate: checks before loading
+# generate: checks before loading
 
 
 def test_non_utf8_prompt_is_named_before_loading(
@@ -313,7 +314,7 @@ def test_prompt_longer_than_the_target_is_refused(
     assert model_loads == []
 
 
-# ---------------------------------------------------------------- demo options
+# demo options
 
 
 @pytest.mark.parametrize("flag", [flag for flag, _, _ in DEMO_OPTIONS])
@@ -335,7 +336,7 @@ def test_demo_page_size_and_block_size(capsys: pytest.CaptureFixture[str]) -> No
     capsys.readouterr()
 
 
-# ---------------------------------------------------------------- train-drafter corpus lines
+# train-drafter corpus lines
 
 BAD_LINES = [
     (b'{"text": "a"}\n{"text": "b",\n', 2, "not valid JSON"),
@@ -361,7 +362,7 @@ def test_bad_corpus_line_names_path_and_line(
     assert model_loads == [] and not (tmp_path / "run").exists()
 
 
-# ---------------------------------------------------------------- eval-drafter: each rate once
+# eval-drafter: each rate once
 
 
 def test_eval_report_prints_each_rate_once_and_says_what_it_times() -> None:
@@ -412,7 +413,7 @@ def test_eval_drafter_prints_each_rate_once(
     assert not [r for r in caplog.records if r.levelno >= 20 and "tok/s" in r.getMessage()]
 
 
-# ---------------------------------------------------------------- the package and its entry points
+# the package and its entry points
 
 
 def _python(code_or_args: list[str]) -> subprocess.CompletedProcess[str]:

@@ -18,12 +18,13 @@ from typing import Any
 
 import pytest
 import torch
-from support.scorecard import score
-from support.tinypair import K_H, tiny_drafter, tiny_target
 
 from blockdraft import BlockPool, PoolExhaustedError
 from blockdraft.proposer import DFlashProposer, DFlashState
+
 from support.core_checks import check_world
+from support.scorecard import score
+from support.tinypair import K_H, tiny_drafter, tiny_target
 
 N_THREADS = 4
 

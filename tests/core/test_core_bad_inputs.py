@@ -22,6 +22,7 @@ from blockdraft import (
     ctx_ceiling,
     ctx_window,
 )
+from blockdraft._core import plan_proposals
 from blockdraft.core import (
     AppendPlan,
     ContextState,
@@ -30,7 +31,7 @@ from blockdraft.core import (
     read_ctx_cap,
     split_bands,
 )
-from blockdraft._core import plan_proposals
+
 from support.core_checks import world_snapshot
 from support.scorecard import expect_clear_error
 
@@ -113,7 +114,7 @@ FREED = "free"
 PLAN = "plan|another state|foreign|stale|version"
 
 CASES: list[Case] = [
-    # --- BlockPool construction
+    # BlockPool construction
     C("pool num_pages zero", ValueError, "num_pages", lambda w: BlockPool(0, 4)),
     C("pool num_pages negative", ValueError, "num_pages", lambda w: BlockPool(-3, 4)),
     C("pool page_size zero", ValueError, "page_size", lambda w: BlockPool(4, 0)),
@@ -121,7 +122,7 @@ CASES: list[Case] = [
     C("pool num_pages str", TypeError, "num_pages", lambda w: BlockPool("4", 4)),  # type: ignore[arg-type]
     C("pool num_pages float", TypeError, "num_pages", lambda w: BlockPool(4.0, 4)),  # type: ignore[arg-type]
     C("pool page_size None", TypeError, "page_size", lambda w: BlockPool(4, None)),  # type: ignore[arg-type]
-    # --- BlockPool.alloc / free
+    # BlockPool.alloc / free
     C("alloc negative", ValueError, NEG, lambda w: w.pool.alloc(-1)),
     C("alloc huge", PoolExhaustedError, "exhausted", lambda w: w.pool.alloc(2**63 - 1)),
     C("alloc more than free", PoolExhaustedError, "exhausted", lambda w: w.pool.alloc(w.pool.num_free + 1)),
@@ -137,11 +138,12 @@ CASES: list[Case] = [
         "not allocated|free",
         lambda w: w.pool.free([w.raw[0], next(b for b in range(8) if not w.pool.is_allocated(b))]),
     ),
-    C("free twice in one call", InvalidStateError, "twice|duplicate|more than once", lambda w: w.pool.free([w.raw[0], w.raw[1], w.raw[0]])),
+    C("free twice in one call", InvalidStateError, "twice|duplicate|more than once",
+      lambda w: w.pool.free([w.raw[0], w.raw[1], w.raw[0]])),
     C("free str", TypeError, "pages", lambda w: w.pool.free("12")),  # type: ignore[arg-type]
     C("free None", TypeError, "pages", lambda w: w.pool.free(None)),  # type: ignore[arg-type]
     C("free float ids", TypeError, "pages", lambda w: w.pool.free([1.0])),  # type: ignore[list-item]
-    # --- window policy
+    # window policy
     C("window max_seq_len zero", ValueError, "max_seq_len", lambda w: ctx_window(0, 4)),
     C("window max_seq_len negative", ValueError, "max_seq_len", lambda w: ctx_window(-5, 4)),
     C("window block_size zero", ValueError, "block_size", lambda w: ctx_window(100, 0)),
@@ -159,7 +161,7 @@ CASES: list[Case] = [
     Case("env cap garbage (read)", ConfigError, (ENV,), with_env("garbage", read_ctx_cap)),
     Case("env cap negative (window)", ConfigError, (ENV,), with_env("-5", lambda: ctx_window(100, 4))),
     Case("env cap float (ceiling)", ConfigError, (ENV,), with_env("2.5", lambda: ctx_ceiling(100))),
-    # --- ContextState construction
+    # ContextState construction
     C("state window zero", ValueError, "window", lambda w: ContextState(w.pool, 0)),
     C("state window negative", ValueError, "window", lambda w: ContextState(w.pool, -4)),
     C("state owner negative", ValueError, "owner", lambda w: ContextState(w.pool, 8, owner=-1)),
@@ -167,7 +169,7 @@ CASES: list[Case] = [
     C("state window float", TypeError, "window", lambda w: ContextState(w.pool, 8.0)),  # type: ignore[arg-type]
     C("state pool None", TypeError, "pool", lambda w: ContextState(None, 8)),  # type: ignore[arg-type]
     C("state pool wrong type", TypeError, "pool", lambda w: ContextState(w.state, 8)),  # type: ignore[arg-type]
-    # --- appends
+    # appends
     C("append empty", ValueError, POS, lambda w: w.state.plan_append([])),
     C("append negative position", ValueError, POS, lambda w: ContextState(w.pool, 8).plan_append([-1])),
     C("append out of order", ValueError, POS, lambda w: w.state.plan_append([18, 17])),
@@ -182,12 +184,14 @@ CASES: list[Case] = [
     C("apply stale plan", InvalidStateError, PLAN, lambda w: w.state.apply_append(w.stale_plan)),
     C("apply wrong plan type", TypeError, "AppendPlan", lambda w: w.state.apply_append(w.resolved_plan)),  # type: ignore[arg-type]
     C("apply None", TypeError, "AppendPlan", lambda w: w.state.apply_append(None)),  # type: ignore[arg-type]
-    # --- precompute
+    # precompute
     C("confirm foreign plan", InvalidStateError, PLAN, lambda w: w.state.confirm_precompute(w.resolved_plan)),
-    C("confirm resolved plan", InvalidStateError, "plan|resolved|confirmed", lambda w: w.other.confirm_precompute(w.resolved_plan)),
+    C("confirm resolved plan", InvalidStateError, "plan|resolved|confirmed",
+      lambda w: w.other.confirm_precompute(w.resolved_plan)),
     C("confirm wrong plan type", TypeError, "PrecomputePlan", lambda w: w.state.confirm_precompute(w.other_plan)),  # type: ignore[arg-type]
-    Case("precompute while one is outstanding", InvalidStateError, ("plan|outstanding|pending",), pending_plan_then_another),
-    # --- proposal counters
+    Case("precompute while one is outstanding", InvalidStateError, ("plan|outstanding|pending",),
+         pending_plan_then_another),
+    # proposal counters
     C("note_propose negative position", ValueError, POS, lambda w: w.state.note_propose(-1, 3)),
     C("note_propose negative drafts", ValueError, "num_drafted", lambda w: w.state.note_propose(16, -1)),
     C("note_propose position beyond 64 bits", ValueError, POS, lambda w: w.state.note_propose(2**70, 1)),
@@ -195,18 +199,19 @@ CASES: list[Case] = [
     C("after_verify negative", ValueError, "num_accepted", lambda w: w.state.after_verify(-1)),
     C("after_verify more than drafted", ValueError, "num_accepted", lambda w: w.state.after_verify(1)),
     C("after_verify None", TypeError, "num_accepted", lambda w: w.state.after_verify(None)),  # type: ignore[arg-type]
-    # --- the lifecycle: alloc, commit context, propose
-    C("propose on a fresh state", InvalidStateError, ("^propose: ", "no committed context", "commit_ctx before propose"),
+    # the lifecycle: alloc, commit context, propose
+    C("propose on a fresh state", InvalidStateError,
+      ("^propose: ", "no committed context", "commit_ctx before propose"),
       lambda w: plan_proposals("propose", [ContextState(w.pool, 8)], [1], [0], 64, 0)),
     C("propose_batch with a fresh state", InvalidStateError, ("^propose_batch: ", "no committed context"),
       lambda w: plan_proposals("propose_batch", [w.state, ContextState(w.pool, 8)], [1, 1], [16, 0], 64, 0)),
-    # --- use after free
+    # use after free
     C("freed plan_append", InvalidStateError, FREED, lambda w: w.freed.plan_append([5])),
     C("freed apply_append", InvalidStateError, f"{FREED}|{PLAN}", lambda w: w.freed.apply_append(w.pre_free_plan)),
     C("freed plan_precompute", InvalidStateError, FREED, lambda w: w.freed.plan_precompute()),
     C("freed note_propose", InvalidStateError, FREED, lambda w: w.freed.note_propose(3, 2)),
     C("freed after_verify", InvalidStateError, FREED, lambda w: w.freed.after_verify(0)),
-    # --- batch policy
+    # batch policy
     C("split_bands n zero", ValueError, r"\bn\b", lambda w: split_bands([1, 2, 3, 4], 0, 2, False)),
     C("split_bands n negative", ValueError, r"\bn\b", lambda w: split_bands([1, 2, 3, 4], -1, 2, False)),
     C("split_bands block zero", ValueError, "block", lambda w: split_bands([1, 2, 3, 4], 2, 0, False)),

@@ -7,6 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from blockdraft.core import batch_decline_reason, propose_batch_max, split_bands
+
 from support.scorecard import score
 
 

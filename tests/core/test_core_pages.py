@@ -32,6 +32,7 @@ from hypothesis.stateful import (
 
 from blockdraft import BlockPool, InvalidStateError, PoolExhaustedError
 from blockdraft.core import ForwardPlan, SeqPages, accept_rows, free_all, plan_forward
+
 from support.core_checks import assert_seq_freed, ceil_div, check_pages_world, pages_snapshot
 from support.scorecard import expect_clear_error, score
 
@@ -107,8 +108,6 @@ class PagesMachine(RuleBasedStateMachine):
         self.freed_seqs: list[SeqPages] = []
         score.sequences += 1
 
-    # ---- helpers -------------------------------------------------------------------------
-
     @property
     def the_pool(self) -> BlockPool:
         assert self.pool is not None
@@ -139,8 +138,6 @@ class PagesMachine(RuleBasedStateMachine):
                 at = data.draw(st.integers(0, len(seqs)), label="at")
                 seqs = seqs[:at] + [one] + seqs[at:]
         return seqs
-
-    # ---- set-up and creation -------------------------------------------------------------
 
     @initialize(num_pages=st.integers(1, 32), page_size=st.integers(1, 4))
     def make_pool(self, num_pages: int, page_size: int) -> None:
@@ -175,8 +172,6 @@ class PagesMachine(RuleBasedStateMachine):
             SeqPages(self.the_pool, capacity, OWNER)
         score.operations += 1
         assert self.snapshot() == before
-
-    # ---- forwards and accepts ------------------------------------------------------------
 
     @precondition(lambda self: bool(self.live_seqs))
     @rule(data=st.data())
@@ -307,8 +302,6 @@ class PagesMachine(RuleBasedStateMachine):
         score.operations += 1
         assert self.snapshot() == before
 
-    # ---- free, double free, use after free -----------------------------------------------
-
     @rule(target=freed, seq=consumes(live), with_owner=st.booleans())
     def free(self, seq: SeqPages, with_owner: bool) -> SeqPages:
         pool = self.the_pool
@@ -377,8 +370,6 @@ class PagesMachine(RuleBasedStateMachine):
         score.operations += 1
         assert self.snapshot() == before
 
-    # ---- invariants ----------------------------------------------------------------------
-
     @invariant()
     def pool_and_sequences_consistent(self) -> None:
         if self.pool is None:
@@ -413,8 +404,6 @@ class PagesMachine(RuleBasedStateMachine):
 
 TestPagesMachine = PagesMachine.TestCase
 
-
-# ---- the plan against a plain recomputation ------------------------------------------------
 
 seq_cases = st.lists(
     st.tuples(st.integers(1, 40), st.floats(0, 1), st.integers(1, 12), st.integers(0, 2)),
@@ -488,9 +477,6 @@ def test_an_unfreed_sequence_returns_its_pages_when_dropped() -> None:
     gc.collect()
     assert pool.num_free == 6
     pool.check_invariants()
-
-
-# ---- ForwardPlan.fill ----------------------------------------------------------------------
 
 
 def three_sequence_plan() -> tuple[ForwardPlan, BlockPool, list[SeqPages]]:

@@ -24,6 +24,7 @@ from blockdraft.core import (
     free_all,
     plan_forward,
 )
+
 from support.core_checks import pages_snapshot, state_snapshot
 from support.scorecard import expect_clear_error
 
@@ -79,7 +80,7 @@ FREED = "the state was freed"
 FOREIGN = ("another owner", f"owner {OTHER}, expected {OWNER}")
 
 CASES: list[Case] = [
-    # --- construction
+    # construction
     C("capacity zero", ValueError, "capacity", lambda w: SeqPages(w.pool, 0)),
     C("capacity negative", ValueError, "capacity", lambda w: SeqPages(w.pool, -3)),
     C("capacity beyond 64 bits", ValueError, "capacity", lambda w: SeqPages(w.pool, 2**70)),
@@ -92,7 +93,7 @@ CASES: list[Case] = [
     C("capacity past the free pages", PoolExhaustedError, ("exhausted", "7 pages requested", "6 free"),
       lambda w: SeqPages(w.pool, 25)),
     C("capacity past the whole pool", PoolExhaustedError, "exhausted", lambda w: SeqPages(w.pool, 10**6)),
-    # --- one sequence's methods
+    # one sequence's methods
     C("slot at the capacity", ValueError, ("^slot: ", "capacity of 10"), lambda w: w.a.slot(10)),
     C("slot negative", ValueError, "pos", lambda w: w.a.slot(-1)),
     C("slot float", TypeError, "pos", lambda w: w.a.slot(1.0)),  # type: ignore[arg-type]
@@ -105,7 +106,7 @@ CASES: list[Case] = [
     C("free owner negative", ValueError, "owner", lambda w: w.a.free(-1)),
     C("freed accept", InvalidStateError, f"^accept: {FREED}", lambda w: w.freed.accept(0)),
     C("freed slot", InvalidStateError, f"^slot: {FREED}", lambda w: w.freed.slot(0)),
-    # --- plan_forward
+    # plan_forward
     C("rows zero", ValueError, ("^forward: sequence 1: ", "rows", ">= 1, got 0"),
       lambda w: plan_forward("forward", [w.b, w.a], [1, 0], OWNER)),
     C("rows negative", ValueError, ("^forward: sequence 0: ", "rows", ">= 1, got -2"),
@@ -144,7 +145,7 @@ CASES: list[Case] = [
       lambda w: plan_forward("forward", [w.freed], [-1], OWNER)),
     C("forward owner negative", ValueError, "owner", lambda w: plan_forward("forward", [w.b], [1], -1)),
     C("accept owner float", TypeError, "owner", lambda w: accept_rows("accept", [w.a], [0], 1.0)),  # type: ignore[arg-type]
-    # --- accept_rows
+    # accept_rows
     C("counts above pending", ValueError, ("^accept: sequence 1: ", "counts", "exceeds the 0 pending"),
       lambda w: accept_rows("accept", [w.a, w.b], [1, 1], OWNER)),
     C("counts negative", ValueError, ("^accept: sequence 0: ", "counts", ">= 0, got -1"),
@@ -161,14 +162,14 @@ CASES: list[Case] = [
       lambda w: accept_rows("accept", [w.a, w.other], [1, 0], OWNER)),
     C("accept freed", InvalidStateError, f"^accept: sequence 1: {FREED}",
       lambda w: accept_rows("accept", [w.a, w.freed], [1, 0], OWNER)),
-    # --- free_all
+    # free_all
     C("free_all another owner's", InvalidStateError, ("^free: sequence 2: ", *FOREIGN),
       lambda w: free_all("free", [w.a, w.b, w.other], OWNER)),
     C("free_all twice the same", ValueError, ("^free: sequence 1: ", "twice"),
       lambda w: free_all("free", [w.b, w.b], OWNER)),
     C("free_all a ContextState", InvalidStateError, ("^free: sequence 1: ", "not a SeqPages"),
       lambda w: free_all("free", [w.b, w.ctx], OWNER)),  # type: ignore[list-item]
-    # --- the plan
+    # the plan
     C("page_table narrower than the pages", ValueError, ("^page_table: ", "width", "3 pages"),
       lambda w: w.plan.page_table(2)),
     C("page_table width negative", ValueError, "width", lambda w: w.plan.page_table(-1)),

@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 
 import blockdraft
 from blockdraft import BlockPool, InvalidStateError, PoolExhaustedError
+
 from support.core_checks import check_world, pool_snapshot
 from support.scorecard import expect_clear_error, score
 

@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 from blockdraft import BlockPool, InvalidStateError, PoolExhaustedError
 from blockdraft.core import AppendPlan, ContextState, PrecomputePlan
+
 from support.core_checks import assert_fresh, ceil_div, check_world, state_snapshot, world_snapshot
 from support.scorecard import expect_clear_error, score
 

@@ -3,9 +3,9 @@
 Rules drive one BlockPool shared by many ContextStates plus raw allocations by an extra owner:
 append rows (with slides), precompute (confirm, abort or drop; exhaustion), propose/verify
 counters, free, double free, use after free, stale and foreign plans. After every step the
-core's invariants (numbered in ``rust/blockdraft-core/src/lib.rs``) hold (1-3 as ``@invariant``s, 4-6 inside the rules that can break them,
-7 at teardown), and every declined or failed operation is shown to change nothing by comparing a
-snapshot of the pool and of every state before and after.
+core's invariants (numbered in ``rust/blockdraft-core/src/lib.rs``) hold (1-3 as ``@invariant``s,
+4-6 inside the rules that can break them, 7 at teardown), and every declined or failed operation
+is shown to change nothing by comparing a snapshot of the pool and of every state before and after.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from hypothesis.stateful import (
 
 from blockdraft import BlockPool, InvalidStateError, PoolExhaustedError
 from blockdraft.core import AppendPlan, ContextState
+
 from support.core_checks import assert_fresh, ceil_div, check_world, world_snapshot
 from support.scorecard import expect_clear_error, score
 
@@ -62,8 +63,6 @@ class CoreMachine(RuleBasedStateMachine):
         self.raw: list[list[int]] = []
         score.sequences += 1
 
-    # ---- helpers -------------------------------------------------------------------------
-
     def snapshot(self) -> object:
         assert self.pool is not None
         return world_snapshot(self.pool, self.live_states + self.freed_states)
@@ -81,8 +80,6 @@ class CoreMachine(RuleBasedStateMachine):
         for s in steps:
             out.append(out[-1] + s)
         return out
-
-    # ---- set-up and states ---------------------------------------------------------------
 
     @initialize(num_pages=st.integers(1, 16), page_size=st.integers(1, 4))
     def make_pool(self, num_pages: int, page_size: int) -> None:
@@ -123,8 +120,6 @@ class CoreMachine(RuleBasedStateMachine):
         self.pool.free(group)
         score.operations += 1
         assert self.pool.num_free == free_before + len(group)
-
-    # ---- appends and slides --------------------------------------------------------------
 
     @rule(state=live, data=st.data(), apply=st.integers(0, 4))
     def commit_rows(self, state: ContextState, data: st.DataObject, apply: int) -> None:
@@ -191,8 +186,6 @@ class CoreMachine(RuleBasedStateMachine):
         score.operations += 1
         assert self.snapshot() == before
 
-    # ---- precompute ----------------------------------------------------------------------
-
     @rule(state=live, outcome=st.sampled_from(["confirm", "confirm", "abort", "drop"]), again=st.booleans())
     def precompute(self, state: ContextState, outcome: str, again: bool) -> None:
         assert self.pool is not None
@@ -241,8 +234,6 @@ class CoreMachine(RuleBasedStateMachine):
             assert self.snapshot() == before, "dropping an unresolved plan must abort it"
         score.operations += 1
 
-    # ---- proposal counters ---------------------------------------------------------------
-
     @rule(state=live, position=st.integers(0, 10_000), drafted=st.integers(0, 16), data=st.data())
     def propose_and_verify(self, state: ContextState, position: int, drafted: int, data: st.DataObject) -> None:
         m = self.model(state)
@@ -262,8 +253,6 @@ class CoreMachine(RuleBasedStateMachine):
             state.after_verify(accepted)
             m.last_accepted, m.last_drafted = accepted, 0
             score.operations += 1
-
-    # ---- stale and foreign plans ---------------------------------------------------------
 
     @rule(state=live, via_precompute=st.booleans())
     def stale_plan(self, state: ContextState, via_precompute: bool) -> None:
@@ -303,8 +292,6 @@ class CoreMachine(RuleBasedStateMachine):
             b.apply_append(plan)
         score.operations += 2
         assert self.snapshot() == before
-
-    # ---- free and after free -------------------------------------------------------------
 
     @rule(target=freed, state=consumes(live))
     def free(self, state: ContextState) -> ContextState:
@@ -353,8 +340,6 @@ class CoreMachine(RuleBasedStateMachine):
                 state.after_verify(0)
         score.operations += 1
         assert self.snapshot() == before
-
-    # ---- invariants ----------------------------------------------------------------------
 
     @invariant()
     def pool_and_states_consistent(self) -> None:

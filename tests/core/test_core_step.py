@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from support.scorecard import expect_clear_error, score
 
 from blockdraft import _core
 from blockdraft._core import BlockPool, ContextState, InvalidStateError, PoolExhaustedError
+
+from support.scorecard import expect_clear_error, score
 
 OWNER = 7
 

@@ -20,6 +20,7 @@ import pytest
 
 from blockdraft import BlockPool, PoolExhaustedError
 from blockdraft.core import ContextState, SeqPages, accept_rows, free_all, plan_forward
+
 from support.core_checks import check_pages_world, check_world
 from support.scorecard import score
 

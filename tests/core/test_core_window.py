@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 import blockdraft
 from blockdraft import ConfigError, ctx_ceiling, ctx_window
 from blockdraft.core import read_ctx_cap
+
 from support.scorecard import expect_clear_error, score
 
 ENV = "BLOCKDRAFT_DFLASH_CTX_CAP"

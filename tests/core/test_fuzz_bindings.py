@@ -16,11 +16,11 @@ from typing import Any
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from support.scorecard import score
 
-from blockdraft import BlockdraftError, BlockPool, InvalidStateError, ctx_ceiling, ctx_window
+from blockdraft import BlockdraftError, BlockPool, InvalidStateError, _core, ctx_ceiling, ctx_window
 from blockdraft.core import ContextState, batch_decline_reason, propose_batch_max, split_bands
-from blockdraft import _core
+
+from support.scorecard import score
 
 ALLOWED = (TypeError, ValueError, BlockdraftError)
 
@@ -150,9 +150,6 @@ def test_note_propose_edges(position: Any, n: Any) -> None:
         assert isinstance(position, int) and state.seq_len == position + 1
     elif isinstance(position, float) and math.isnan(position):
         assert state.seq_len == 0 and not state.prefill_done
-
-
-# ---------------------------------------------------------------- panics
 
 
 def test_rust_panic_surfaces_as_python_exception() -> None:

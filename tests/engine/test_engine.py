@@ -2,24 +2,23 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import contextlib
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
 import torch.nn.attention
-from support.tinypair import drafter_config, tiny_drafter, tiny_target
 from torch.nn.attention import SDPBackend
 
 import blockdraft
 from blockdraft.engine import DEFAULT_SDPA_BACKENDS, Request, SpeculativeEngine, generate
 from blockdraft.engine.accept import accept_blocks, first_tokens
-from blockdraft.target import HFTarget
-from blockdraft.sampling import SamplingParams, sample_rows
-from blockdraft.sampling import target_probs
 from blockdraft.proposer import DFlashProposer, DFlashState
+from blockdraft.sampling import SamplingParams, sample_rows, target_probs
+from blockdraft.target import HFTarget
+
+from support.tinypair import drafter_config, tiny_drafter, tiny_target
 
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9], [10, 11, 12, 13, 14, 15, 16, 17, 18], [30]]
 
@@ -66,7 +65,9 @@ class OracleProposer(DFlashProposer):
             out.append((tok + 1) % 64 if self.calls % 3 == 0 else tok)
         return out
 
-    def propose(self, st: Any, last_token: int, position: int, num_drafts: int, grammar_bitmask: Any = None) -> list[int]:
+    def propose(
+        self, st: Any, last_token: int, position: int, num_drafts: int, grammar_bitmask: Any = None
+    ) -> list[int]:
         return self._fix(st, position, super().propose(st, last_token, position, num_drafts, grammar_bitmask))
 
     def propose_batch(self, states: Any, last_tokens: Any, positions: Any, num_drafts: int) -> Any:
@@ -200,8 +201,9 @@ def _chi2_sf(stat: float, dof: int) -> float:
 def test_sampling_matches_target_distribution(sampled_drafts: bool) -> None:
     """Chi-square goodness of fit of the 2nd and 3rd generated tokens (the first speculative
     ones) against the target's exact marginals, computed by enumeration on an 8-token
-    vocabulary, with greedy drafts and with drafts sampled from the drafter. With a correct sampler the test fails with probability 1e-3 per statistic
-    (2e-3 in all); the seeds are fixed, so a pass is reproducible."""
+    vocabulary, with greedy drafts and with drafts sampled from the drafter. With a correct
+    sampler the test fails with probability 1e-3 per statistic (2e-3 in all); the seeds are
+    fixed, so a pass is reproducible."""
     vocab, n = 8, 480
     target = tiny_target(vocab=vocab, seed=5)
     drafter = tiny_drafter(drafter_config(vocab=vocab, block=4), seed=6)
@@ -252,9 +254,6 @@ def test_sampling_detects_a_biased_sampler(monkeypatch: pytest.MonkeyPatch) -> N
     keep = expected > 5
     stat = float((((counts - expected) ** 2)[keep] / expected[keep]).sum())
     assert _chi2_sf(stat, int(keep.sum()) - 1) < 1e-3
-
-
-# ---------------------------------------------------------------- cheaper target calls
 
 
 class KeepsLogits(torch.nn.Module):

@@ -10,11 +10,12 @@ import torch
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
-from support.scorecard import expect_clear_error, score
-from support.tinypair import drafter_config, tiny_drafter, tiny_target
 
 from blockdraft import faults
 from blockdraft.engine import SpeculativeEngine, Status
+
+from support.scorecard import expect_clear_error, score
+from support.tinypair import drafter_config, tiny_drafter, tiny_target
 
 TARGET = tiny_target("qwen3")
 DRAFTER = tiny_drafter(drafter_config(block=4))

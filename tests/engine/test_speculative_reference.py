@@ -20,9 +20,10 @@ import torch
 from dflash.model import dflash_generate
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-from support.dflash_ref import logged_seed, save_reference_drafter
 import blockdraft
 from blockdraft.models.reference import speculative_greedy
+
+from support.dflash_ref import logged_seed, save_reference_drafter
 
 log = logging.getLogger(__name__)
 VOCAB = 512

@@ -36,7 +36,8 @@ def _run(prop: DFlashProposer, shape: Any, seed: int) -> list[Any]:
         for i in idx:
             prop.after_verify(states[i], 0)
             k = 1 + (step + i) % 4
-            prop.commit_ctx(states[i], torch.randn(k, shape.ctx_row_width, generator=gen, device=dev, dtype=prop.dtype), range(pos[i], pos[i] + k))
+            rows = torch.randn(k, shape.ctx_row_width, generator=gen, device=dev, dtype=prop.dtype)
+            prop.commit_ctx(states[i], rows, range(pos[i], pos[i] + k))
             pos[i] += k
     for st in states:
         prop.free_state(st)

@@ -26,9 +26,10 @@ import torch
 from dflash.model import dflash_generate
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-from support.dflash_ref import logged_seed, rel_err, save_reference_drafter
 import blockdraft
 from blockdraft.models.reference import speculative_greedy
+
+from support.dflash_ref import logged_seed, rel_err, save_reference_drafter
 
 pytestmark = [
     pytest.mark.gpu,
@@ -168,7 +169,8 @@ def compare(
         tally.identical += 1
         return
     gap, top = top2_gap(target, b[:i], device)
-    note = f"{name}: position {i}, tokens {a[i] if i < len(a) else None} vs {b[i] if i < len(b) else None}, top-2 gap {gap:.3g} (|top| {top:.3g})"
+    note = (f"{name}: position {i}, tokens {a[i] if i < len(a) else None} vs {b[i] if i < len(b) else None}, "
+            f"top-2 gap {gap:.3g} (|top| {top:.3g})")
     if gap <= TIE_GAP[dtype] * max(top, 1.0):
         tally.near_tie.append(note)
     else:

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from support.kernel_support import K, need_triton, pack_bitmask, random_bitmask
-
 from blockdraft._core import GraphMeta
+
+from support.kernel_support import K, need_triton, pack_bitmask, random_bitmask
 
 CPU = torch.device("cpu")
 

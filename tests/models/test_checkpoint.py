@@ -11,8 +11,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from support.dflash_ref import save_reference_drafter
 import blockdraft
+
+from support.dflash_ref import save_reference_drafter
 
 
 def save_reference(tmp: Path, dflash2: bool = False, **save_kwargs: Any) -> Any:

@@ -14,9 +14,10 @@ from typing import Any
 import pytest
 import torch
 
-from support.dflash_ref import logged_seed, rel_err, save_reference_drafter
 import blockdraft
 from blockdraft.models import ReferenceAttend, apply_rope, rms_norm
+
+from support.dflash_ref import logged_seed, rel_err, save_reference_drafter
 
 TOL = 1e-5
 pytestmark = pytest.mark.usefixtures("one_thread")

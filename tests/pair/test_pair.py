@@ -9,7 +9,6 @@ from typing import Any
 
 import pytest
 import torch
-from support.tinypair import tiny_target
 
 import blockdraft
 from blockdraft.checkpoint import load_drafter, save_drafter
@@ -25,6 +24,8 @@ from blockdraft.pair import (
     random_pair,
 )
 from blockdraft.pair.load import ByteTokenizer, find_pair, load_pair
+
+from support.tinypair import tiny_target
 
 FITS: dict[str, Any] = dict(drafter_hidden=32, target_layer_ids=[0, 2], mask_token_id=63, target_hidden=32,
                             target_layers=3, embed_rows=64)

@@ -10,13 +10,14 @@ from typing import Any
 
 import pytest
 import torch
-from support.runtime_models import CASES, make_target
-from support.scorecard import expect_clear_error, score
-from support.tp_support import RUNTIME_CASES, everything
 
 from blockdraft import ConfigError, TargetRuntime
 from blockdraft.parallel import TPGroup, check_split, launch, part
 from blockdraft.target.runtime.shard import model_shard
+
+from support.runtime_models import CASES, make_target
+from support.scorecard import expect_clear_error, score
+from support.tp_support import RUNTIME_CASES, everything
 
 
 def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:

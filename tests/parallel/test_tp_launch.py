@@ -15,12 +15,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from support.scorecard import expect_clear_error, score
-from support.tp_support import decode_until_killed, fail_on_rank, pid_alive, save_pair, symptom_before_cause
 
 from blockdraft import ConfigError
 from blockdraft.cli import main
 from blockdraft.parallel import RankFailedError, TPGroup, init_tp, launch, launched_by_torchrun
+
+from support.scorecard import expect_clear_error, score
+from support.tp_support import decode_until_killed, fail_on_rank, pid_alive, save_pair, symptom_before_cause
 
 ROOT = Path(__file__).resolve().parents[2]
 HANG_BOUND_S = 60.0

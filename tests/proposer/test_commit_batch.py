@@ -8,20 +8,20 @@ here and on the GPU in ``tests/gpu``.
 from __future__ import annotations
 
 import dataclasses
-
 from typing import Any
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from support.scorecard import expect_clear_error
-from support.tinypair import K_H, make_proposer
-from test_proposer import snapshot
 
 from blockdraft import InvalidStateError
 from blockdraft.kernels import triton_available
 from blockdraft.proposer import DFlashProposer, DFlashState
+
+from support.scorecard import expect_clear_error
+from support.tinypair import K_H, make_proposer
+from test_proposer import snapshot
 
 BACKENDS = ["torch", pytest.param("triton", marks=pytest.mark.skipif(
     not triton_available(), reason="Triton is not importable here"))]

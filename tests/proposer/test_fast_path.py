@@ -12,13 +12,13 @@ from typing import Any
 
 import pytest
 import torch
-from support.tinypair import drafter_config, tiny_drafter, tiny_target
 
-from blockdraft import DFlashProposer
-from blockdraft import kernels
+from blockdraft import DFlashProposer, kernels
 from blockdraft.kernels import triton_available
 from blockdraft.models.attention import ReferenceAttend
 from blockdraft.proposer.fast import FastDrafter
+
+from support.tinypair import drafter_config, tiny_drafter, tiny_target
 
 BACKENDS = ["torch", pytest.param("triton", marks=pytest.mark.skipif(
     not triton_available(), reason="Triton is not importable here"))]

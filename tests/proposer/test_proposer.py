@@ -10,12 +10,14 @@ from typing import Any
 
 import pytest
 import torch
-from support.scorecard import expect_clear_error, score
-from support.tinypair import K_H, drafter_config, make_proposer, tiny_drafter, tiny_target
 
 import blockdraft.proposer.proposer as proposer_mod
 from blockdraft import BlockPool, ConfigError, InvalidStateError, PoolExhaustedError
 from blockdraft.proposer import DFlashProposer, DFlashState
+
+from support.scorecard import expect_clear_error, score
+from support.tinypair import K_H, drafter_config, make_proposer, tiny_drafter, tiny_target
+
 
 def make(drafter: Any, target: Any, **kw: Any) -> DFlashProposer:
     prop: DFlashProposer = make_proposer(drafter, target, **kw)
@@ -60,9 +62,6 @@ def filled(prop: DFlashProposer, n_rows: int, seed: int, budget: int | None = No
     st = prop.alloc_state() if budget is None else prop.alloc_state_for(budget)
     prop.commit_ctx(st, rows(n_rows, seed), range(n_rows))
     return st
-
-
-# ---------------------------------------------------------------- window and accumulator
 
 
 def test_window_cap_env_and_budget(drafter: Any, target: Any, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -167,9 +166,6 @@ def test_commit_bad_inputs_change_nothing(drafter: Any, target: Any) -> None:
     assert same(before, snapshot(prop, [st]))
 
 
-# ---------------------------------------------------------------- propose
-
-
 def test_propose_computes_kv_for_uncommitted_rows_only(drafter: Any, target: Any) -> None:
     prop = make(drafter, target)
     st = filled(prop, 6, 5)
@@ -265,9 +261,6 @@ def test_draft_cap_lever(drafter: Any, target: Any, monkeypatch: pytest.MonkeyPa
     assert a.last_num_drafted == 2 and b.last_num_drafted == 2
 
 
-# ---------------------------------------------------------------- batching
-
-
 def test_propose_batch_max(drafter: Any, target: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     assert make(drafter, target, max_batch=4).propose_batch_max() == 4
     assert make(drafter, target, max_batch=32).propose_batch_max() == 16
@@ -361,9 +354,6 @@ def test_short_forward_declines(drafter: Any, target: Any, monkeypatch: pytest.M
     assert same(before, snapshot(prop, [a, b]))
 
 
-# ---------------------------------------------------------------- after_verify / free_state
-
-
 def test_after_verify_rejects_foreign_and_resets(drafter: Any, target: Any) -> None:
     prop, other = make(drafter, target), make(drafter, target)
     st = filled(prop, 3, 60)
@@ -410,9 +400,6 @@ def test_shared_pool_between_proposers(drafter: Any, target: Any) -> None:
     p1.free_state(s1)
     p2.free_state(s2)
     assert pool.num_free == 16
-
-
-# ---------------------------------------------------------------- construction
 
 
 @pytest.mark.parametrize(

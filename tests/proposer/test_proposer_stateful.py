@@ -20,11 +20,12 @@ import torch
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, rule
-from support.scorecard import expect_clear_error, score
-from support.tinypair import K_H, tiny_drafter, tiny_target
 
 from blockdraft import InvalidStateError, PoolExhaustedError
 from blockdraft.proposer import DFlashProposer, DFlashState
+
+from support.scorecard import expect_clear_error, score
+from support.tinypair import K_H, tiny_drafter, tiny_target
 
 THOROUGH = os.environ.get("HYPOTHESIS_PROFILE") == "thorough"
 TARGET = tiny_target()

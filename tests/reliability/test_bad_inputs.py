@@ -21,14 +21,15 @@ from typing import Any
 import pytest
 import torch
 from safetensors.torch import save_file
-from support.scorecard import expect_clear_error, score
-from support.tinypair import K_H, drafter_config, make_proposer, tiny_drafter, tiny_drafter_shape
 
 from blockdraft import CheckpointError, ConfigError, InvalidStateError, SamplingParams
 from blockdraft.checkpoint import load_drafter
 from blockdraft.cli import main
 from blockdraft.engine import SpeculativeEngine
 from blockdraft.proposer import DFlashProposer, DFlashState
+
+from support.scorecard import expect_clear_error, score
+from support.tinypair import K_H, drafter_config, make_proposer, tiny_drafter, tiny_drafter_shape
 
 WORDS = 2  # ceil(64 / 32) bitmask words of the tiny vocabulary
 
@@ -118,13 +119,17 @@ API_CASES = [
     Case("budget bool", TypeError, ("budget_tokens",), lambda w: w.prop.alloc_state_for(True)),
     Case("budget float", TypeError, ("budget_tokens",), lambda w: w.prop.alloc_state_for(8.0)),  # type: ignore[arg-type]
     # commit_ctx: hidden rows
-    Case("rows wrong width", ValueError, ("hidden_rows",), lambda w: w.prop.commit_ctx(w.st2, torch.zeros(2, K_H + 1), [3, 4])),
+    Case("rows wrong width", ValueError, ("hidden_rows",),
+         lambda w: w.prop.commit_ctx(w.st2, torch.zeros(2, K_H + 1), [3, 4])),
     Case("rows 3-D", ValueError, ("hidden_rows",), lambda w: w.prop.commit_ctx(w.st2, torch.zeros(1, 2, K_H), [3, 4])),
     Case("rows 1-D", ValueError, ("hidden_rows",), lambda w: w.prop.commit_ctx(w.st2, torch.zeros(K_H), [3])),
-    Case("rows integer dtype", TypeError, ("hidden_rows",), lambda w: w.prop.commit_ctx(w.st2, torch.zeros(2, K_H, dtype=torch.int32), [3, 4])),
-    Case("rows bool dtype", TypeError, ("hidden_rows",), lambda w: w.prop.commit_ctx(w.st2, torch.zeros(2, K_H, dtype=torch.bool), [3, 4])),
+    Case("rows integer dtype", TypeError, ("hidden_rows",),
+         lambda w: w.prop.commit_ctx(w.st2, torch.zeros(2, K_H, dtype=torch.int32), [3, 4])),
+    Case("rows bool dtype", TypeError, ("hidden_rows",),
+         lambda w: w.prop.commit_ctx(w.st2, torch.zeros(2, K_H, dtype=torch.bool), [3, 4])),
     Case("rows a list", TypeError, ("hidden_rows",), lambda w: w.prop.commit_ctx(w.st2, [[0.0] * K_H], [3])),  # type: ignore[arg-type]
-    Case("rows on another device", ValueError, ("hidden_rows",), lambda w: w.prop.commit_ctx(w.st2, torch.zeros(2, K_H, device="meta"), [3, 4])),
+    Case("rows on another device", ValueError, ("hidden_rows",),
+         lambda w: w.prop.commit_ctx(w.st2, torch.zeros(2, K_H, device="meta"), [3, 4])),
     # commit_ctx: positions
     Case("fewer positions than rows", ValueError, ("positions",), lambda w: w.prop.commit_ctx(w.st2, rows(2), [3])),
     Case("negative position", ValueError, ("positions",), lambda w: w.prop.commit_ctx(w.st2, rows(1), [-4])),
@@ -133,9 +138,11 @@ API_CASES = [
     Case("no positions", ValueError, ("positions",), lambda w: w.prop.commit_ctx(w.st2, rows(0), [])),
     Case("float positions", TypeError, ("positions",), lambda w: w.prop.commit_ctx(w.st2, rows(2), [3.0, 4.0])),
     Case("NaN position", TypeError, ("positions",), lambda w: w.prop.commit_ctx(w.st2, rows(1), [float("nan")])),
-    Case("float tensor positions", TypeError, ("positions",), lambda w: w.prop.commit_ctx(w.st2, rows(2), torch.tensor([3.0, 4.0]))),
+    Case("float tensor positions", TypeError, ("positions",),
+         lambda w: w.prop.commit_ctx(w.st2, rows(2), torch.tensor([3.0, 4.0]))),
     Case("commit to a freed state", InvalidStateError, ("freed",), lambda w: w.prop.commit_ctx(w.freed, rows(1), [0])),
-    Case("commit to a foreign state", InvalidStateError, ("another proposer",), lambda w: w.prop.commit_ctx(w.foreign, rows(1), [5])),
+    Case("commit to a foreign state", InvalidStateError, ("another proposer",),
+         lambda w: w.prop.commit_ctx(w.foreign, rows(1), [5])),
     # propose
     Case("num_drafts zero", ValueError, ("num_drafts",), lambda w: w.prop.propose(w.st2, 1, 3, 0)),
     Case("num_drafts = B", ValueError, ("num_drafts",), lambda w: w.prop.propose(w.st2, 1, 3, w.prop.block_gamma)),
@@ -149,30 +156,43 @@ API_CASES = [
     Case("last_token negative", ValueError, ("last_token",), lambda w: w.prop.propose(w.st2, -1, 3, 1)),
     Case("last_token beyond vocab", ValueError, ("last_token",), lambda w: w.prop.propose(w.st2, 2**70, 3, 1)),
     Case("last_token tensor of floats", TypeError, ("last_token",), lambda w: w.prop.propose(w.st2, 1.0, 3, 1)),  # type: ignore[arg-type]
-    Case("bitmask one word short", ValueError, ("grammar_bitmask",), lambda w: w.prop.propose(w.st2, 1, 3, 1, mask(WORDS - 1))),
-    Case("bitmask one word long", ValueError, ("grammar_bitmask",), lambda w: w.prop.propose(w.st2, 1, 3, 1, mask(WORDS + 1))),
-    Case("bitmask too few rows", ValueError, ("grammar_bitmask",), lambda w: w.prop.propose(w.st2, 1, 3, 3, mask(WORDS, 2))),
-    Case("bitmask 3-D", ValueError, ("grammar_bitmask",), lambda w: w.prop.propose(w.st2, 1, 3, 1, torch.zeros(1, 1, WORDS, dtype=torch.int32))),
-    Case("bitmask float", ValueError, ("grammar_bitmask",), lambda w: w.prop.propose(w.st2, 1, 3, 1, torch.zeros(WORDS))),
-    Case("bitmask bool", ValueError, ("grammar_bitmask",), lambda w: w.prop.propose(w.st2, 1, 3, 1, torch.ones(WORDS, dtype=torch.bool))),
+    Case("bitmask one word short", ValueError, ("grammar_bitmask",),
+         lambda w: w.prop.propose(w.st2, 1, 3, 1, mask(WORDS - 1))),
+    Case("bitmask one word long", ValueError, ("grammar_bitmask",),
+         lambda w: w.prop.propose(w.st2, 1, 3, 1, mask(WORDS + 1))),
+    Case("bitmask too few rows", ValueError, ("grammar_bitmask",),
+         lambda w: w.prop.propose(w.st2, 1, 3, 3, mask(WORDS, 2))),
+    Case("bitmask 3-D", ValueError, ("grammar_bitmask",),
+         lambda w: w.prop.propose(w.st2, 1, 3, 1, torch.zeros(1, 1, WORDS, dtype=torch.int32))),
+    Case("bitmask float", ValueError, ("grammar_bitmask",),
+         lambda w: w.prop.propose(w.st2, 1, 3, 1, torch.zeros(WORDS))),
+    Case("bitmask bool", ValueError, ("grammar_bitmask",),
+         lambda w: w.prop.propose(w.st2, 1, 3, 1, torch.ones(WORDS, dtype=torch.bool))),
     Case("bitmask empty list", ValueError, ("grammar_bitmask",), lambda w: w.prop.propose(w.st2, 1, 3, 1, [])),
     Case("propose a freed state", InvalidStateError, ("freed",), lambda w: w.prop.propose(w.freed, 1, 0, 1)),
-    Case("propose a foreign state", InvalidStateError, ("another proposer",), lambda w: w.prop.propose(w.foreign, 1, 5, 1)),
+    Case("propose a foreign state", InvalidStateError, ("another proposer",),
+         lambda w: w.prop.propose(w.foreign, 1, 5, 1)),
     Case("propose a core state", InvalidStateError, ("not a DFlash",), lambda w: w.prop.propose(w.st2.ctx, 1, 3, 1)),  # type: ignore[arg-type]
     # after_verify / free_state
     Case("accept more than drafted", ValueError, ("num_accepted",), lambda w: w.prop.after_verify(w.st, 3)),
     Case("accept negative", ValueError, ("num_accepted",), lambda w: w.prop.after_verify(w.st, -1)),
     Case("verify a freed state", InvalidStateError, ("freed",), lambda w: w.prop.after_verify(w.freed, 0)),
-    Case("verify a foreign state", InvalidStateError, ("another proposer",), lambda w: w.prop.after_verify(w.foreign, 0)),
+    Case("verify a foreign state", InvalidStateError, ("another proposer",),
+         lambda w: w.prop.after_verify(w.foreign, 0)),
     Case("free a foreign state", InvalidStateError, ("another proposer",), lambda w: w.prop.free_state(w.foreign)),
     # after_verify_batch (each error at the first state or before any: nothing is recorded)
-    Case("batch: accept more than drafted", ValueError, ("num_accepted",), lambda w: w.prop.after_verify_batch([w.st, w.st2], [3, 0])),
+    Case("batch: accept more than drafted", ValueError, ("num_accepted",),
+         lambda w: w.prop.after_verify_batch([w.st, w.st2], [3, 0])),
     Case("batch: accept negative", ValueError, ("num_accepted",), lambda w: w.prop.after_verify_batch([w.st], [-1])),
-    Case("batch: a freed state", InvalidStateError, ("freed",), lambda w: w.prop.after_verify_batch([w.freed, w.st], [0, 0])),
-    Case("batch: a foreign state", InvalidStateError, ("another proposer",), lambda w: w.prop.after_verify_batch([w.st, w.foreign], [0, 0])),
-    Case("batch: a core state", InvalidStateError, ("not a DFlash",), lambda w: w.prop.after_verify_batch([w.st2.ctx], [0])),  # type: ignore[list-item]
+    Case("batch: a freed state", InvalidStateError, ("freed",),
+         lambda w: w.prop.after_verify_batch([w.freed, w.st], [0, 0])),
+    Case("batch: a foreign state", InvalidStateError, ("another proposer",),
+         lambda w: w.prop.after_verify_batch([w.st, w.foreign], [0, 0])),
+    Case("batch: a core state", InvalidStateError, ("not a DFlash",),
+         lambda w: w.prop.after_verify_batch([w.st2.ctx], [0])),  # type: ignore[list-item]
     Case("batch: a state twice", ValueError, ("twice",), lambda w: w.prop.after_verify_batch([w.st, w.st], [0, 0])),
-    Case("batch: fewer counts", ValueError, ("accepted counts",), lambda w: w.prop.after_verify_batch([w.st, w.st2], [0])),
+    Case("batch: fewer counts", ValueError, ("accepted counts",),
+         lambda w: w.prop.after_verify_batch([w.st, w.st2], [0])),
     Case("batch: a float count", TypeError, ("num_accepted",), lambda w: w.prop.after_verify_batch([w.st], [0.5])),  # type: ignore[list-item]
 ]
 
@@ -204,13 +224,15 @@ def expect_decline(caplog: pytest.LogCaptureFixture, call: Callable[[], Any], *w
 
 BATCH_CASES: list[tuple[str, tuple[str, ...], Callable[[World], Any]]] = [
     ("one sequence", (r"fewer than 2|n=1",), lambda w: w.prop.propose_batch([w.st], [1], [5], 1)),
-    ("more than max_batch", ("max_batch|exceeds",), lambda w: w.prop.propose_batch([w.st, w.st2] * 3, [1] * 6, [5, 3] * 3, 1)),
+    ("more than max_batch", ("max_batch|exceeds",),
+     lambda w: w.prop.propose_batch([w.st, w.st2] * 3, [1] * 6, [5, 3] * 3, 1)),
     ("fewer positions", ("position",), lambda w: w.prop.propose_batch([w.st, w.st2], [1, 1], [5], 1)),
     ("fewer states", ("state",), lambda w: w.prop.propose_batch([w.st], [1, 1], [5, 3], 1)),
     ("num_drafts zero", ("num_drafts",), lambda w: w.prop.propose_batch([w.st, w.st2], [1, 1], [5, 3], 0)),
     ("same state twice", ("twice",), lambda w: w.prop.propose_batch([w.st2, w.st2], [1, 1], [3, 3], 1)),
     ("freed state inside", ("freed",), lambda w: w.prop.propose_batch([w.st, w.freed], [1, 1], [5, 0], 1)),
-    ("foreign state inside", ("another proposer",), lambda w: w.prop.propose_batch([w.st, w.foreign], [1, 1], [5, 5], 1)),
+    ("foreign state inside", ("another proposer",),
+     lambda w: w.prop.propose_batch([w.st, w.foreign], [1, 1], [5, 5], 1)),
     ("bad position inside", ("position",), lambda w: w.prop.propose_batch([w.st, w.st2], [1, 1], [5, 1], 1)),
     ("bad token inside", ("last_token",), lambda w: w.prop.propose_batch([w.st, w.st2], [1, 999], [5, 3], 1)),
     ("a length-less argument", ("bad arguments",), lambda w: w.prop.propose_batch([w.st, w.st2], 7, [5, 3], 1)),  # type: ignore[arg-type]
@@ -255,7 +277,8 @@ CTOR_CASES: list[tuple[str, type[BaseException], str, dict[str, Any]]] = [
     ("page_size zero", ValueError, "page_size", {"page_size": 0}),
     ("num_pages zero", ValueError, "num_pages", {"num_pages": 0}),
     ("memory fraction zero", ValueError, "pool_memory_fraction", {"num_pages": None, "pool_memory_fraction": 0.0}),
-    ("memory fraction NaN", ValueError, "pool_memory_fraction", {"num_pages": None, "pool_memory_fraction": float("nan")}),
+    ("memory fraction NaN", ValueError, "pool_memory_fraction",
+     {"num_pages": None, "pool_memory_fraction": float("nan")}),
     ("unknown backend", ConfigError, "backend", {"backend": "cuda-graphs"}),
 ]
 
@@ -274,9 +297,6 @@ def test_mismatched_pairs(target: Any) -> None:
     wrong_layers = tiny_drafter(drafter_config(target_layers=8))  # reads target layer 7 of 3
     with expect_clear_error(ConfigError, "target_layer_ids"):
         make(wrong_layers, target)
-
-
-# ---------------------------------------------------------------- engine
 
 
 @pytest.fixture(scope="module")
@@ -309,9 +329,6 @@ def test_generate_bad_input(engine: SpeculativeEngine, case: Any) -> None:
     pool = engine.proposer.pool
     assert pool.num_free == pool.num_pages
     score.invariant_checks += 1
-
-
-# ---------------------------------------------------------------- checkpoints
 
 
 def _config() -> dict[str, Any]:
@@ -355,10 +372,12 @@ def _corrupt(root: Path, kind: str, drafter: Any) -> None:
         (root / "pytorch_model.bin").write_bytes(b"not loaded")
     elif kind == "index names a missing shard":
         weights.unlink()
-        (root / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {k: "shard-1.safetensors" for k in state}}))
+        index = {"weight_map": {k: "shard-1.safetensors" for k in state}}
+        (root / "model.safetensors.index.json").write_text(json.dumps(index))
     elif kind == "index escapes the directory":
         weights.unlink()
-        (root / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {k: "../x.safetensors" for k in state}}))
+        index = {"weight_map": {k: "../x.safetensors" for k in state}}
+        (root / "model.safetensors.index.json").write_text(json.dumps(index))
     elif kind == "config not JSON":
         (root / "config.json").write_text("{ hidden_size: 32")
     elif kind == "config truncated":
@@ -417,9 +436,6 @@ def test_checkpoint_paths_and_dtype(good_ckpt: Path, tmp_path: Path) -> None:
         load_drafter(good_ckpt, dtype=torch.int64)
 
 
-# ---------------------------------------------------------------- CLI
-
-
 def expect_cli_error(capsys: pytest.CaptureFixture[str], argv: list[str], *words: str) -> None:
     """Exit code 2 and exactly one ``blockdraft: error:`` line that names the problem."""
     score.bad_inputs += 1
@@ -432,22 +448,27 @@ def expect_cli_error(capsys: pytest.CaptureFixture[str], argv: list[str], *words
     score.clear_errors += 1
 
 
-def test_cli_bad_inputs(capsys: pytest.CaptureFixture[str], tmp_path: Path, good_ckpt: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_cli_bad_inputs(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, good_ckpt: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     expect_cli_error(capsys, ["generate", "x", "--max-new-tokens", "0"], "--max-new-tokens")
     expect_cli_error(capsys, ["generate", "x", "--device", "tpu"], "device 'tpu'")
     expect_cli_error(capsys, ["generate", "x", "--device", "cuda:0"], "cuda")
     expect_cli_error(capsys, ["generate", "x", "--target", str(tmp_path)], "--drafter")
-    expect_cli_error(capsys, ["generate", "x", "--target", str(tmp_path / "no"), "--drafter", str(good_ckpt)], "--target", "not a directory")
+    expect_cli_error(capsys, ["generate", "x", "--target", str(tmp_path / "no"), "--drafter", str(good_ckpt)],
+                     "--target", "not a directory")
     empty = tmp_path / "empty"
     empty.mkdir()
-    expect_cli_error(capsys, ["generate", "x", "--target", str(empty), "--drafter", str(good_ckpt)], "--target", "config.json")
+    expect_cli_error(capsys, ["generate", "x", "--target", str(empty), "--drafter", str(good_ckpt)],
+                     "--target", "config.json")
     expect_cli_error(capsys, ["demo", "--num-pages", "0"], "--num-pages")
     expect_cli_error(capsys, ["demo", "--block-size", "0"], "--block-size")
     monkeypatch.setenv("BLOCKDRAFT_DFLASH_CTX_CAP", "huge")
     expect_cli_error(capsys, ["demo"], "BLOCKDRAFT_DFLASH_CTX_CAP")
     monkeypatch.delenv("BLOCKDRAFT_DFLASH_CTX_CAP")
     monkeypatch.setenv("BLOCKDRAFT_DFLASH_DRAFT_CAP", "none")
-    expect_cli_error(capsys, ["generate", "x", "--max-new-tokens", "2", "--device", "cpu", "--no-progress"], "BLOCKDRAFT_DFLASH_DRAFT_CAP")
+    expect_cli_error(capsys, ["generate", "x", "--max-new-tokens", "2", "--device", "cpu", "--no-progress"],
+                     "BLOCKDRAFT_DFLASH_DRAFT_CAP")
 
 
 def test_cli_unparsable_argument_exits_2(capsys: pytest.CaptureFixture[str]) -> None:

@@ -24,13 +24,14 @@ from typing import Any
 
 import pytest
 import torch
-from support.scorecard import score
-from support.tinypair import K_H, drafter_config, tiny_drafter
 
 from blockdraft import PoolExhaustedError, faults
 from blockdraft.engine import SpeculativeEngine
 from blockdraft.proposer import DFlashProposer, DFlashState
+
 from support.core_checks import check_world
+from support.scorecard import score
+from support.tinypair import K_H, drafter_config, tiny_drafter
 
 BLOCK = 4  # paged block size of these worlds
 

@@ -27,12 +27,13 @@ from typing import Any
 
 import pytest
 import torch
-from support.scorecard import score
-from support.tinypair import K_H, tiny_drafter, tiny_target
 
 from blockdraft import PoolExhaustedError, _core, faults
 from blockdraft.proposer import DFlashProposer, DFlashState, Proposal
+
 from support.core_checks import check_world
+from support.scorecard import score
+from support.tinypair import K_H, tiny_drafter, tiny_target
 
 LIVE = 8
 VOCAB = 64
@@ -168,7 +169,7 @@ def soak(
             continue
         drafts: list[int] = []
 
-        def step(seq: Seq = seq) -> None:
+        def step(seq: Seq = seq, drafts: list[int] = drafts) -> None:
             drafts[:] = prop.propose(seq.state, seq.pos % VOCAB, seq.pos, 3)
 
         rep.operations += 1

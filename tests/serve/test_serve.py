@@ -43,7 +43,8 @@ def test_completion_equals_generate(server: LiveServer, pair: Pair) -> None:
     assert choice.text == want and choice.finish_reason == "length"
     assert got.model == MODEL and got.object == "text_completion"
     n_prompt = len(pair.tokenizer.encode(PROMPT))
-    assert (got.usage.prompt_tokens, got.usage.completion_tokens, got.usage.total_tokens) == (n_prompt, 24, n_prompt + 24)
+    usage = got.usage
+    assert (usage.prompt_tokens, usage.completion_tokens, usage.total_tokens) == (n_prompt, 24, n_prompt + 24)
     meta = got.model_extra["meta_info"]
     # The first token comes from the prefill; every later one from a verify step.
     assert meta["spec_verify_ct"] >= 1
@@ -142,7 +143,8 @@ def test_models_health_and_metrics(server: LiveServer, pair: Pair) -> None:
     after = server.metrics()
     meta = got.model_extra["meta_info"]
     assert requests_total(after, "length") - requests_total(before, "length") == 1
-    assert counter(after, "blockdraft_generated_tokens_total") - counter(before, "blockdraft_generated_tokens_total") == 16
+    assert (counter(after, "blockdraft_generated_tokens_total")
+            - counter(before, "blockdraft_generated_tokens_total")) == 16
     steps = counter(after, "blockdraft_spec_steps_total") - counter(before, "blockdraft_spec_steps_total")
     accepted = (counter(after, "blockdraft_spec_accepted_tokens_total")
                 - counter(before, "blockdraft_spec_accepted_tokens_total"))

@@ -62,9 +62,6 @@ def _refusal(chat: ChatFormat, messages: list[dict[str, str]]) -> APIError:
     return err
 
 
-# ---------------------------------------------------------------------------- the built-in format
-
-
 def test_the_builtin_pair_has_no_template(tokenizer: Any) -> None:
     assert not ChatFormat(tokenizer, builtin=True).has_template
 
@@ -103,9 +100,6 @@ def test_builtin_empty_user_content_renders_to_no_tokens(tokenizer: Any) -> None
     assert ChatFormat(tokenizer, builtin=True).render([{"role": "user", "content": ""}]) == []
 
 
-# ---------------------------------------------------------------------------- no template
-
-
 @pytest.mark.parametrize("template", [None, ""])
 def test_a_model_without_a_template_cannot_chat(template: str | None) -> None:
     tok = _Recorder(template)
@@ -118,9 +112,6 @@ def test_a_model_without_a_template_cannot_chat(template: str | None) -> None:
 
 def test_the_builtin_tokenizer_unflagged_cannot_chat(tokenizer: Any) -> None:
     assert _refusal(ChatFormat(tokenizer, builtin=False), CONVERSATION).code == "no_chat_template"
-
-
-# ---------------------------------------------------------------------------- a chat template
 
 
 @pytest.mark.parametrize("builtin", [False, True])

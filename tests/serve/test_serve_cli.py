@@ -14,10 +14,10 @@ from typing import Any
 import httpx
 import pytest
 
-from support.serve_support import HOST, MODEL, ServerProcess, sse_events
-
 from blockdraft.cli import main
 from blockdraft.parallel import free_port
+
+from support.serve_support import HOST, MODEL, ServerProcess, sse_events
 
 
 class ServeProcess(ServerProcess):

@@ -14,9 +14,20 @@ import httpx
 import pytest
 
 import blockdraft.faults
+
 from support.scorecard import score
-from support.serve_support import (MODEL, LiveServer, Pair, builtin_pair, counter, live_server, requests_total, sse_chunks,
-                           sse_chunks_async, wait_until)
+from support.serve_support import (
+    MODEL,
+    LiveServer,
+    Pair,
+    builtin_pair,
+    counter,
+    live_server,
+    requests_total,
+    sse_chunks,
+    sse_chunks_async,
+    wait_until,
+)
 
 PROMPT = "def fibonacci(n):"
 
@@ -56,14 +67,19 @@ BAD = [
     ("missing prompt", "completions", {"model": MODEL, "max_tokens": 4}, 400, "prompt", "missing_required_parameter"),
     ("missing messages", "chat/completions", {"model": MODEL}, 400, "messages", "missing_required_parameter"),
     ("empty messages", "chat/completions", _chat(messages=[]), 400, "messages", "invalid_value"),
-    ("no user message", "chat/completions", _chat(messages=[{"role": "system", "content": "hi"}]), 400, "messages", "invalid_value"),
-    ("unknown role", "chat/completions", _chat(messages=[{"role": "robot", "content": "hi"}]), 400, "messages[0].role", "invalid_value"),
-    ("image part", "chat/completions", _chat(messages=[{"role": "user", "content": [{"type": "image_url"}]}]), 400, "messages[0].content[0]", "unsupported"),
+    ("no user message", "chat/completions", _chat(messages=[{"role": "system", "content": "hi"}]),
+     400, "messages", "invalid_value"),
+    ("unknown role", "chat/completions", _chat(messages=[{"role": "robot", "content": "hi"}]),
+     400, "messages[0].role", "invalid_value"),
+    ("image part", "chat/completions", _chat(messages=[{"role": "user", "content": [{"type": "image_url"}]}]),
+     400, "messages[0].content[0]", "unsupported"),
     ("max_tokens 0", "completions", _completion(max_tokens=0), 400, "max_tokens", "invalid_value"),
     ("max_tokens -3", "chat/completions", _chat(max_tokens=-3), 400, "max_tokens", "invalid_value"),
-    ("max_tokens past the positions", "completions", _completion(max_tokens=5000), 400, "max_tokens", "context_length_exceeded"),
+    ("max_tokens past the positions", "completions", _completion(max_tokens=5000),
+     400, "max_tokens", "context_length_exceeded"),
     ("prompt past the positions", "completions", _completion(prompt=LONG), 400, "prompt", "context_length_exceeded"),
-    ("chat prompt past the positions", "chat/completions", _chat(messages=[{"role": "user", "content": "x = 1\n" * 1500}]), 400, "messages", "context_length_exceeded"),
+    ("chat prompt past the positions", "chat/completions",
+     _chat(messages=[{"role": "user", "content": "x = 1\n" * 1500}]), 400, "messages", "context_length_exceeded"),
     ("empty prompt", "completions", _completion(prompt=""), 400, "prompt", "invalid_value"),
     ("token id past the vocabulary", "completions", _completion(prompt=[1, 2, 10**6]), 400, "prompt", "invalid_value"),
     ("negative token id", "completions", _completion(prompt=[1, -2]), 400, "prompt", "invalid_value"),
@@ -85,10 +101,13 @@ BAD = [
     ("stop empty", "completions", _completion(stop=[""]), 400, "stop", "invalid_value"),
     ("seed a float", "completions", _completion(seed=1.5), 400, "seed", "invalid_type"),
     ("messages a string", "chat/completions", _chat(messages="hi"), 400, "messages", "invalid_type"),
-    ("message content a number", "chat/completions", _chat(messages=[{"role": "user", "content": 3}]), 400, "messages[0].content", "invalid_type"),
+    ("message content a number", "chat/completions", _chat(messages=[{"role": "user", "content": 3}]),
+     400, "messages[0].content", "invalid_type"),
     ("model a number", "completions", _completion(model=3), 400, "model", "invalid_type"),
-    ("return_meta_info a string", "completions", _completion(return_meta_info="yes"), 400, "return_meta_info", "invalid_type"),
-    ("stream_options a list", "completions", _completion(stream=True, stream_options=[]), 400, "stream_options", "invalid_type"),
+    ("return_meta_info a string", "completions", _completion(return_meta_info="yes"),
+     400, "return_meta_info", "invalid_type"),
+    ("stream_options a list", "completions", _completion(stream=True, stream_options=[]),
+     400, "stream_options", "invalid_type"),
     ("n 2", "completions", _completion(n=2), 400, "n", "unsupported"),
     ("logprobs", "chat/completions", _chat(logprobs=True), 400, "logprobs", "unsupported"),
     ("echo", "completions", _completion(echo=True), 400, "echo", "unsupported"),
@@ -157,7 +176,8 @@ def test_disconnect_mid_stream_cancels_and_returns_pages(server: LiveServer) -> 
     server.wait_idle()
     after = server.metrics()
     assert requests_total(after, "cancelled") - requests_total(before, "cancelled") == 1
-    generated = counter(after, "blockdraft_generated_tokens_total") - counter(before, "blockdraft_generated_tokens_total")
+    generated = (counter(after, "blockdraft_generated_tokens_total")
+                 - counter(before, "blockdraft_generated_tokens_total"))
     assert 3 <= generated < 900
 
 
@@ -168,7 +188,8 @@ def test_disconnect_of_a_plain_request_cancels_it(server: LiveServer) -> None:
     server.wait_idle()
     after = server.metrics()
     assert requests_total(after, "cancelled") - requests_total(before, "cancelled") == 1
-    assert counter(after, "blockdraft_generated_tokens_total") - counter(before, "blockdraft_generated_tokens_total") < 900
+    assert (counter(after, "blockdraft_generated_tokens_total")
+            - counter(before, "blockdraft_generated_tokens_total")) < 900
 
 
 def test_overload_queues_then_429_and_drops_nothing(pair: Pair) -> None:
@@ -228,7 +249,9 @@ def _gauges(srv: LiveServer) -> tuple[float, float]:
     return m[("blockdraft_requests_running", ())], m[("blockdraft_requests_waiting", ())]
 
 
-def _open_running_stream(client: httpx.Client, server: LiveServer, max_tokens: int) -> tuple[Any, Iterator[dict[str, Any]]]:
+def _open_running_stream(
+    client: httpx.Client, server: LiveServer, max_tokens: int
+) -> tuple[Any, Iterator[dict[str, Any]]]:
     cm = client.stream("POST", f"{server.url}/v1/completions", json=_completion(max_tokens=max_tokens, stream=True))
     r = cm.__enter__()
     assert r.status_code == 200

@@ -13,13 +13,14 @@ from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
 
 import pytest
-from support.tinypair import drafter_config, tiny_drafter, tiny_target
 
 import blockdraft
 from blockdraft.engine import SpeculativeEngine
 from blockdraft.serve.errors import APIError
 from blockdraft.serve.loop import EngineLoop, Submission, Ticket, Update
 from blockdraft.serve.metrics import ServeMetrics
+
+from support.tinypair import drafter_config, tiny_drafter, tiny_target
 
 TARGET = tiny_target("qwen3")
 DRAFTER = tiny_drafter(drafter_config(block=4))

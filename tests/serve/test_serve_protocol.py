@@ -12,8 +12,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from blockdraft.serve.errors import APIError
 from blockdraft.sampling import SamplingParams
+from blockdraft.serve.errors import APIError
 from blockdraft.serve.protocol import DEFAULT_COMPLETION_TOKENS, GenerationRequest, parse_json, parse_request
 
 USER = [{"role": "user", "content": "def f():"}]
@@ -35,9 +35,6 @@ def refused(kind: str, body: dict[str, Any]) -> APIError:
     assert err.body() == {"error": {"message": err.message, "type": "invalid_request_error",
                                     "param": err.param, "code": err.code}}
     return err
-
-
-# ---------------------------------------------------------------------------- parse_json
 
 
 def test_parse_json_returns_the_object() -> None:
@@ -64,9 +61,6 @@ def test_parse_json_refuses_what_is_not_a_json_object(raw: bytes, words: str) ->
     err = info.value
     assert (err.status, err.code, err.param) == (400, "invalid_json", None)
     assert words in err.message
-
-
-# ---------------------------------------------------------------------------- defaults
 
 
 def test_a_minimal_completion_body_takes_every_default() -> None:
@@ -110,13 +104,10 @@ def test_every_field_is_read() -> None:
     req = completion(model="m", max_tokens=7, temperature=0, top_p=0.5, top_k=40, stop="\n",
                      seed=-3, stream=True, stream_options={"include_usage": True},
                      return_meta_info=True)
-    assert (req.model, req.max_tokens, req.sampling.temperature, req.sampling.top_p, req.sampling.top_k, req.stop, req.seed,
-            req.stream, req.include_usage, req.return_meta_info) == (
+    assert (req.model, req.max_tokens, req.sampling.temperature, req.sampling.top_p, req.sampling.top_k, req.stop,
+            req.seed, req.stream, req.include_usage, req.return_meta_info) == (
         "m", 7, 0.0, 0.5, 40, ("\n",), -3, True, True, True)
     assert isinstance(req.sampling.temperature, float) and isinstance(req.sampling.top_p, float)
-
-
-# ---------------------------------------------------------------------------- prompt
 
 
 @pytest.mark.parametrize("prompt, want", [
@@ -158,9 +149,6 @@ def test_prompt_is_required() -> None:
 def test_a_chat_body_needs_no_prompt_and_a_completion_body_no_messages() -> None:
     assert chat(prompt=[1, 2]).prompt is None
     assert completion(messages="anything").messages is None
-
-
-# ---------------------------------------------------------------------------- messages
 
 
 def test_every_role_and_the_content_forms() -> None:
@@ -211,9 +199,6 @@ def test_messages_are_required() -> None:
         assert (err.param, err.code) == ("messages", "missing_required_parameter")
 
 
-# ---------------------------------------------------------------------------- max_tokens
-
-
 def test_max_tokens() -> None:
     assert completion(max_tokens=1).max_tokens == 1
     assert completion(max_tokens=10**6).max_tokens == 10**6  # the context limit is the server's
@@ -241,9 +226,6 @@ def test_bad_max_completion_tokens_names_it(value: Any, code: str) -> None:
     err = refused("chat", {"messages": USER, "max_completion_tokens": value, "max_tokens": 4})
     assert (err.param, err.code) == ("max_completion_tokens", code)
     assert "max_completion_tokens" in err.message
-
-
-# ---------------------------------------------------------------------------- sampling
 
 
 def test_sampling_ranges_at_their_edges() -> None:
@@ -304,9 +286,6 @@ def test_top_p_is_accepted_exactly_in_zero_to_one(value: float) -> None:
         assert refused("completion", {"prompt": "x", "top_p": value}).param == "top_p"
 
 
-# ---------------------------------------------------------------------------- stop
-
-
 @pytest.mark.parametrize("stop, want", [
     ("\n", ("\n",)),
     (["\n\n", "def "], ("\n\n", "def ")),
@@ -332,9 +311,6 @@ def test_bad_stop(stop: Any, code: str) -> None:
     assert (err.param, err.code) == ("stop", code)
 
 
-# ---------------------------------------------------------------------------- booleans, stream_options
-
-
 def test_stream_options() -> None:
     assert completion(stream=True, stream_options={"include_usage": True}).include_usage
     assert not completion(stream=True, stream_options={"include_usage": False}).include_usage
@@ -356,9 +332,6 @@ def test_stream_options() -> None:
 def test_bad_booleans_name_the_field(body: dict[str, Any], param: str) -> None:
     err = refused("completion", {"prompt": "x", **body})
     assert (err.param, err.code) == (param, "invalid_type")
-
-
-# ---------------------------------------------------------------------------- unsupported options
 
 
 @pytest.mark.parametrize("kind", ["completion", "chat"])

@@ -18,14 +18,15 @@ from typing import Any
 
 import httpx
 import pytest
-from support.scorecard import score
-from support.serve_support import HOST, MODEL, Pair, ServerProcess, builtin_pair, sse_events, wait_until
-from support.tp_support import pid_alive
 
 from blockdraft.cli import main
 from blockdraft.cli.serve import PID_DIR_ENV
 from blockdraft.parallel import free_port
 from blockdraft.serve.tp import heartbeat_s
+
+from support.scorecard import score
+from support.serve_support import HOST, MODEL, Pair, ServerProcess, builtin_pair, sse_events, wait_until
+from support.tp_support import pid_alive
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="gloo on loopback, Linux signals")
 
@@ -193,7 +194,7 @@ def test_killed_rank_ends_the_command_with_one_line(start: Any) -> None:
                 "stream": True}
         try:
             with httpx.stream("POST", f"{srv.url}/v1/completions", json=body, timeout=120) as r:
-                for ev in sse_events(r):
+                for _ in sse_events(r):
                     if not ended:
                         ended.append("first")
         except httpx.TransportError:

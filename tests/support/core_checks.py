@@ -19,6 +19,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 import blockdraft
+
 from support.scorecard import score
 
 # Every observable attribute of a ContextState, in a fixed order.

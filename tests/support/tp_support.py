@@ -15,12 +15,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from support.runtime_models import VOCAB, make_target
-from support.tinypair import drafter_config, tiny_drafter, tiny_target
 
 import blockdraft
 from blockdraft import ConfigError, SamplingParams, SpeculativeEngine, TargetRuntime
 from blockdraft.parallel import TPGroup
+
+from support.runtime_models import VOCAB, make_target
+from support.tinypair import drafter_config, tiny_drafter, tiny_target
 
 PROMPTS = [[3], [5, 9, 11, 2, 60, 7, 7, 1, 40], [(7 * i + 3) % VOCAB for i in range(23)]]
 def pid_alive(pid: int) -> bool:
@@ -167,9 +168,10 @@ def save_pair(root: Path) -> tuple[Path, Path]:
     import json
 
     from safetensors.torch import save_file
-    from support.tinypair import tiny_drafter_shape
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
+
+    from support.tinypair import tiny_drafter_shape
 
     tdir, ddir = root / "target", root / "drafter"
     tiny_target().save_pretrained(tdir)

@@ -8,13 +8,14 @@ from typing import Any
 
 import pytest
 import torch
-from support.runtime_models import CASES, VOCAB, hf_greedy, make_target
-from support.scorecard import expect_clear_error, score
-from support.tinypair import drafter_config, tiny_drafter
 
 import blockdraft
 from blockdraft import ConfigError, InvalidStateError, TargetRuntime
 from blockdraft.kernels import triton_available
+
+from support.runtime_models import CASES, VOCAB, hf_greedy, make_target
+from support.scorecard import expect_clear_error, score
+from support.tinypair import drafter_config, tiny_drafter
 
 BACKENDS = ["torch", pytest.param("triton", marks=pytest.mark.skipif(
     not triton_available(), reason="Triton is not importable here"))]

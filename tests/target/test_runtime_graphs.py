@@ -15,13 +15,14 @@ from typing import Any
 
 import pytest
 import torch
-from support.runtime_models import make_target
 
 import blockdraft.target.runtime.graphs as graphs_module
 from blockdraft import TargetRuntime, faults
 from blockdraft._core import PAD_SLOT, ConfigError
 from blockdraft.cuda_graphs import default_buckets, resolve_mode
 from blockdraft.target.runtime.forward import ForwardBatch
+
+from support.runtime_models import make_target
 
 MODEL = make_target("qwen3")
 CPU = torch.device("cpu")

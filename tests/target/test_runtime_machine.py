@@ -8,10 +8,11 @@ import torch
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, rule
-from support.runtime_models import VOCAB, make_target
-from support.scorecard import expect_clear_error, score
 
 from blockdraft import InvalidStateError, PoolExhaustedError, TargetRuntime
+
+from support.runtime_models import VOCAB, make_target
+from support.scorecard import expect_clear_error, score
 
 MODEL = make_target("qwen2-sliding")  # biases, a full and two sliding layers
 PAGE = 4

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from blockdraft.training.data import collect_python_sources
 from blockdraft.training.builtin.licences import PermissiveFilter, file_licences, spdx_permissive
+from blockdraft.training.data import collect_python_sources
 
 BODY = "def f(x):\n    return x + 1\n\n" * 12  # longer than collect_python_sources' minimum
 

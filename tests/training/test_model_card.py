@@ -39,5 +39,6 @@ def test_a_report_without_sizes_gives_a_card_without_them(tmp_path: Path) -> Non
     write_model_card(tmp_path, report)
     card = (tmp_path / "MODEL_CARD.md").read_text(encoding="utf-8")
     assert "tied embeddings: 16.92 M parameters.\n" in card
-    assert "selector_top_k 8, distillation weight 0.5, trained on greedy rollouts + sampled rollouts, continued from" in card
+    assert ("selector_top_k 8, distillation weight 0.5, trained on greedy rollouts + sampled rollouts, "
+            "continued from") in card
     assert card.count("MB in bf16") == 1  # the B = 16 drafter's, which the report still sizes

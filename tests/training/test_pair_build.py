@@ -12,13 +12,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from support.tinypair import tiny_target
 
 from blockdraft.training.builtin import corpus_site
-from blockdraft.training.evaluate import distinct_ngram_ratio, heldout_metrics
 from blockdraft.training.builtin.licences import permissive_python_sources
 from blockdraft.training.builtin.make_builtin_pair import DrafterSpec, main
 from blockdraft.training.builtin.presets import PRESETS
+from blockdraft.training.evaluate import distinct_ngram_ratio, heldout_metrics
+
+from support.tinypair import tiny_target
 
 BODY = "def f(x):\n    return x + 1\n" * 20
 

@@ -12,12 +12,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
-from support.tinypair import tiny_target
-from support.training_support import assert_matches_reference_and_target
 
 import blockdraft
-from blockdraft.training.data import sample_windows, step_generator
 from blockdraft.pair import DrafterShape
+from blockdraft.training.data import sample_windows, step_generator
 from blockdraft.training.drafter import new_drafter
 from blockdraft.training.loop import DrafterTrainConfig, train_drafter
 from blockdraft.training.objective import (
@@ -28,6 +26,9 @@ from blockdraft.training.objective import (
     target_features,
     token_hardness,
 )
+
+from support.tinypair import tiny_target
+from support.training_support import assert_matches_reference_and_target
 
 VOCAB = 64
 MASK = VOCAB - 1
@@ -273,8 +274,8 @@ def test_a_grown_drafter_drafts_what_the_saved_one_did_then_learns(tmp_path: Pat
         loss_grown, picks_grown = block_loss(grown, ctx, tokens, labels, anchors, embed, head, loss_weights(4))
     torch.testing.assert_close(loss_grown, loss_one, rtol=1e-5, atol=1e-6)
     assert torch.equal(picks_grown, picks_one)
-    learned = train_drafter(target, stream, _cfg(num_layers=3, init_from=str(saved), dflash2=dflash2,
-                                                 target_layer_ids=ids), tmp_path / "learned", progress=False).drafter_dir
+    cfg = _cfg(num_layers=3, init_from=str(saved), dflash2=dflash2, target_layer_ids=ids)
+    learned = train_drafter(target, stream, cfg, tmp_path / "learned", progress=False).drafter_dir
     w = _weights(learned.parent)
     assert float(w["layers.2.self_attn.o_proj.weight"].abs().sum()) > 0
     with pytest.raises(ValueError, match="num_layers"):

@@ -12,8 +12,6 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from support.tinypair import tiny_target
-from support.training_support import assert_matches_reference_and_target
 
 import blockdraft
 from blockdraft.models import DFlash2Drafter
@@ -29,6 +27,9 @@ from blockdraft.training.selector import (
     teacher_predecessors,
 )
 
+from support.tinypair import tiny_target
+from support.training_support import assert_matches_reference_and_target
+
 VOCAB = 64
 MASK = VOCAB - 1
 SIZES = dict(conv_kernel_size=3, conv_group_size=16, selector_rank=8, selector_top_k=6)
@@ -42,7 +43,8 @@ def _stream(n: int = 4000, seed: int = 0) -> torch.Tensor:
 
 def _random_dflash2(target: Any, block: int = 4, seed: int = 1) -> DFlash2Drafter:
     """A DFlash2 drafter whose convolutions and selector all act (not the identity start)."""
-    raw = DrafterShape.for_target(target.config, num_layers=2, block_size=block, mask_token_id=MASK, dflash2=SIZES).config_dict()
+    shape = DrafterShape.for_target(target.config, num_layers=2, block_size=block, mask_token_id=MASK, dflash2=SIZES)
+    raw = shape.config_dict()
     drafter = new_drafter(raw, seed=seed)
     assert isinstance(drafter, DFlash2Drafter)
     gen = torch.Generator().manual_seed(seed)
@@ -74,7 +76,8 @@ def test_fresh_dflash2_drafter_starts_as_its_dflash_part() -> None:
     """Identity convolutions and a selector that adds nothing: picks are the argmax."""
     torch.manual_seed(0)
     target = tiny_target(vocab=VOCAB)
-    raw = DrafterShape.for_target(target.config, num_layers=2, block_size=4, mask_token_id=MASK, dflash2=SIZES).config_dict()
+    shape = DrafterShape.for_target(target.config, num_layers=2, block_size=4, mask_token_id=MASK, dflash2=SIZES)
+    raw = shape.config_dict()
     drafter = new_drafter(raw, seed=3)
     plain_raw = DrafterShape.for_target(target.config, num_layers=2, block_size=4, mask_token_id=MASK).config_dict()
     plain = new_drafter(plain_raw, seed=3)

@@ -7,9 +7,7 @@ import math
 
 import pytest
 import torch
-from support.tinypair import tiny_target
 
-from blockdraft.training.rollouts import document_starts, prompt_starts, rollout, rollout_stream
 from blockdraft.training.builtin.unlikelihood import (
     TuneConfig,
     kl_to_start,
@@ -18,6 +16,9 @@ from blockdraft.training.builtin.unlikelihood import (
     tune_target,
     unlikelihood_loss,
 )
+from blockdraft.training.rollouts import document_starts, prompt_starts, rollout, rollout_stream
+
+from support.tinypair import tiny_target
 
 VOCAB = 64
 EOS = 0

@@ -47,7 +47,8 @@ def add_arguments(parser: Any) -> None:
     parser.add_argument("--batches", default=None, help="comma-separated (default 1,4,16,32,64; tiny: 1,4)")
     parser.add_argument("--reps", type=int, default=20, help="timed calls per cell")
     parser.add_argument("--warmup", type=int, default=3, help="untimed calls before each cell's timed ones")
-    parser.add_argument("--loop-reps", type=int, default=5, help="repeats of the per-sequence loop (n propose calls each)")
+    parser.add_argument("--loop-reps", type=int, default=5,
+                        help="repeats of the per-sequence loop (n propose calls each)")
     parser.add_argument("--e2e-steps", type=int, default=24,
                         help="speculative steps per end-to-end run")
     parser.add_argument("--e2e-repeats", type=int, default=1,

@@ -19,10 +19,10 @@ from blockdraft.bench.host import bench_host
 from blockdraft.bench.kernels import bench_kernels
 from blockdraft.bench.propose import bench_propose
 from blockdraft.bench.reference import bench_reference
-from blockdraft.pair import SHAPES, Shape, random_drafter, random_target
 from blockdraft.bench.spec import bench_spec
 from blockdraft.bench.target import bench_target
 from blockdraft.devices import sync
+from blockdraft.pair import SHAPES, Shape, random_drafter, random_target
 
 log = logging.getLogger(__name__)
 

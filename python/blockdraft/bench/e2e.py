@@ -8,6 +8,7 @@ import math
 import statistics
 import time
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import torch
@@ -16,9 +17,9 @@ from blockdraft.bench.config import BenchConfig
 from blockdraft.bench.figures import fmt
 from blockdraft.bench.reference import build_reference_drafter, sdpa_context
 from blockdraft.bench.timing import timed_calls
+from blockdraft.bench.workload import release, uncapped_window
 from blockdraft.devices import sync
 from blockdraft.pair import Shape
-from blockdraft.bench.workload import release, uncapped_window
 
 log = logging.getLogger(__name__)
 
@@ -48,16 +49,16 @@ def bench_e2e(
             # sdpa_backends); under the "default" setting it is also timed on torch's own
             # choice, the one the reference runs with there.
             runners: dict[str, Callable[[], dict[str, Any]]] = {
-                "blockdraft": lambda: e2e_blockdraft(drafter, target, prompt, steps, device),
+                "blockdraft": partial(e2e_blockdraft, drafter, target, prompt, steps, device),
             }
             if backend == "default" and device.type == "cuda":
-                runners["blockdraft_torch_choice"] = lambda: e2e_blockdraft(
-                    drafter, target, prompt, steps, device, sdpa_backends=None)
+                runners["blockdraft_torch_choice"] = partial(
+                    e2e_blockdraft, drafter, target, prompt, steps, device, sdpa_backends=None)
             if ref is None:
                 rec["reference_error"] = ref_error
             else:
-                runners["reference"] = lambda: e2e_reference(
-                    dflash_generate, ref, target, prompt, steps, device)
+                runners["reference"] = partial(
+                    e2e_reference, dflash_generate, ref, target, prompt, steps, device)
             # Repeats alternate the engines, so drift of the machine hits all of them alike;
             # each figure is the run with the median ms per step.
             runs: dict[str, list[dict[str, Any]]] = {k: [] for k in runners}

@@ -12,10 +12,10 @@ import torch
 
 from blockdraft.bench.config import BenchConfig
 from blockdraft.bench.figures import fmt
-from blockdraft.pair import Shape
 from blockdraft.bench.timing import time_ms
-from blockdraft.devices import sync
 from blockdraft.bench.workload import Seqs, make_proposer, release
+from blockdraft.devices import sync
+from blockdraft.pair import Shape
 
 log = logging.getLogger(__name__)
 

@@ -8,7 +8,6 @@ from typing import Any
 import torch
 
 
-
 def state_memory(prop: Any, st: Any) -> dict[str, Any]:
     """A state's drafter memory: measured from its tensors vs the formula.
 

@@ -18,9 +18,9 @@ import torch
 from blockdraft.bench.config import BenchConfig
 from blockdraft.bench.figures import fmt
 from blockdraft.bench.memory import state_memory
-from blockdraft.pair import Shape
 from blockdraft.bench.timing import cell_times
 from blockdraft.bench.workload import Seqs, make_proposer, release
+from blockdraft.pair import Shape
 
 log = logging.getLogger(__name__)
 

@@ -10,9 +10,9 @@ from typing import Any
 import torch
 
 from blockdraft.bench.figures import fmt
-from blockdraft.pair import Shape
 from blockdraft.bench.timing import cell_times
 from blockdraft.bench.workload import Seqs, make_proposer, release
+from blockdraft.pair import Shape
 
 log = logging.getLogger(__name__)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from functools import partial
 from typing import Any
 
 import torch
@@ -80,20 +81,26 @@ def bench_reference(
                     )
                     _crop_to(cache, ctx)
 
-                    def step() -> None:
+                    # The loop's tensors are passed in, not closed over, and the partial that
+                    # holds them is dropped once timed, so each cache is freed when replaced.
+                    def step(
+                        ctx: int, ids: torch.Tensor, hidden: torch.Tensor, pos: torch.Tensor, cache: Any
+                    ) -> None:
                         noise = torch.nn.functional.embedding(ids, embed)
-                        # ref and hidden are deleted below, after every call of step
+                        # ref is deleted below, after every call of step
                         h = ref(  # noqa: F821
                             position_ids=pos[:, ctx : ctx + 1 + b],
                             noise_embedding=noise,
-                            target_hidden=hidden[:, ctx : ctx + 1],  # noqa: F821
+                            target_hidden=hidden[:, ctx : ctx + 1],
                             past_key_values=cache,
                             use_cache=True,
                         )[:, 1:]
                         _crop_to(cache, ctx)
                         torch.argmax(ref.compute_logits(h, head), dim=-1).tolist()  # noqa: F821
 
-                    rec["forward_ms"] = cell_times(step, lambda: None, cfg.reps, cfg.warmup, device)
+                    rec["forward_ms"] = cell_times(
+                        partial(step, ctx, ids, hidden, pos, cache), lambda: None, cfg.reps, cfg.warmup, device
+                    )
                 log.info(
                     "reference ctx %d %s: %s ms", ctx, backend, fmt(rec["forward_ms"]["median"])
                 )

@@ -57,7 +57,8 @@ def _propose_md(recs: list[dict[str, Any]], b: int, device: str) -> list[str]:
     lines = [
         f"## Propose latency (ms; {how})",
         "",
-        f"| ctx | n | median | p90 | plain path median | loop of n `propose` | batched speed-up | precompute 1 row/seq | precompute {b} rows/seq | MB/seq (acc + K/V) | = formula |",
+        "| ctx | n | median | p90 | plain path median | loop of n `propose` | batched speed-up "
+        f"| precompute 1 row/seq | precompute {b} rows/seq | MB/seq (acc + K/V) | = formula |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in recs:
@@ -156,7 +157,8 @@ def _e2e_md(recs: list[dict[str, Any]]) -> list[str]:
         "(every backend but cuDNN, its `sdpa_backends` default). The last column is the "
         "engine told to take torch's choice instead (`sdpa_backends=None`).",
         "",
-        "| ctx | SDPA backend | blockdraft | its drafter share | reference dflash_generate | its drafter share | speed-up | blockdraft on torch's choice |",
+        "| ctx | SDPA backend | blockdraft | its drafter share | reference dflash_generate | its drafter share "
+        "| speed-up | blockdraft on torch's choice |",
         "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in recs:

@@ -23,9 +23,9 @@ import torch
 
 from blockdraft.bench.config import BenchConfig
 from blockdraft.bench.figures import fmt
-from blockdraft.pair import Shape
 from blockdraft.bench.timing import summarize
 from blockdraft.devices import sync
+from blockdraft.pair import Shape
 
 log = logging.getLogger(__name__)
 

@@ -25,9 +25,9 @@ import torch
 
 from blockdraft.bench.config import BenchConfig
 from blockdraft.bench.figures import fmt
-from blockdraft.pair import Shape
 from blockdraft.bench.timing import cell_times
 from blockdraft.devices import sync
+from blockdraft.pair import Shape
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +38,7 @@ def bench_target(
     """One record per context: ms per decode and per B-row verify on each engine."""
     from transformers import DynamicCache
 
+    from blockdraft.core import SeqPages
     from blockdraft.target.runtime import TargetRuntime
 
     gen = torch.Generator().manual_seed(cfg.seed + 7)
@@ -60,7 +61,7 @@ def bench_target(
         target(input_ids=torch.tensor([prompt], device=device), past_key_values=cache,
                use_cache=True, logits_to_keep=1)
 
-        def hf(rows: int) -> None:
+        def hf(rows: int, new: list[int] = new, cache: DynamicCache = cache, ctx: int = ctx) -> None:
             target(input_ids=torch.tensor([new[:rows]], device=device), past_key_values=cache,
                    use_cache=True, logits_to_keep=0 if rows > 1 else 1)
             cache.crop(ctx)
@@ -73,7 +74,7 @@ def bench_target(
             seq = runtime.new_sequence(ctx + block)
             runtime.prefill([seq], [prompt])
 
-            def rt(rows: int) -> None:
+            def rt(rows: int, runtime: TargetRuntime = runtime, seq: SeqPages = seq, new: list[int] = new) -> None:
                 runtime.forward([seq], [new[:rows]], logits="all" if rows > 1 else "last",
                                 capture=rows > 1)
 

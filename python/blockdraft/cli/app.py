@@ -8,8 +8,8 @@ import sys
 import traceback
 from collections.abc import Sequence
 
-from blockdraft.bench import add_arguments, main_from_args
 from blockdraft._core import __version__
+from blockdraft.bench import add_arguments, main_from_args
 from blockdraft.cli.common import ArgumentParser, report_failure
 from blockdraft.cli.demo import add_demo_command
 from blockdraft.cli.generate import add_generate_command

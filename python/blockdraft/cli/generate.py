@@ -28,6 +28,7 @@ from blockdraft.cli.common import (
 from blockdraft.pair.load import PairSource, find_pair
 from blockdraft.pretrained import DEFAULT_PROMPT
 
+
 def run_generate(args: argparse.Namespace) -> int:
     """Decode one prompt speculatively; with ``--compare`` also target-only on the same runtime
     and with Hugging Face ``generate``. Every path runs once untimed first (compiles, graph

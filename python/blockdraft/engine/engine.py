@@ -195,8 +195,6 @@ class SpeculativeEngine:
         if tp is not None and tp.size > 1:
             self._seed_base = int(tp.broadcast(secrets.randbits(62)))
 
-    # ------------------------------------------------------------------ set-up
-
     @property
     def target_runtime(self) -> str:
         """``"blockdraft"`` or ``"hf"``: what runs the target."""
@@ -220,8 +218,6 @@ class SpeculativeEngine:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-    # ------------------------------------------------------------------ requests
 
     def submit(
         self,
@@ -323,8 +319,6 @@ class SpeculativeEngine:
 
     def pages_total(self) -> dict[str, int]:
         return {"target": self.target.total_pages or 0, "drafter": self.proposer.pool.num_pages}
-
-    # ------------------------------------------------------------------ stepping
 
     @torch.inference_mode()
     def step(self) -> list[StepEvent]:
@@ -429,8 +423,6 @@ class SpeculativeEngine:
                 self.batched_proposals - batched0, self.single_proposals - single0,
             ),
         )
-
-    # ------------------------------------------------------------------ internals
 
     def _needs(self, req: Request) -> tuple[int, int]:
         """(target pages, drafter pages) the request may hold at its longest."""

@@ -51,7 +51,7 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _sm_count_of(index: int) -> int:
     return int(torch.cuda.get_device_properties(index).multi_processor_count)
 

@@ -70,10 +70,11 @@ def stage_gather(
 ) -> None:
     """Gather the graph path's staged accumulator rows into ``stage`` [cap, C] on the device,
     by the source addresses in ``meta`` (``block_size`` slot and source-address columns from
-    ``slot_col`` and ``src_col``; the layout is ``GraphMeta.layout``): a launch that a CUDA graph can replay, so the host copies no
-    rows. Unused entries (``PAD_SLOT``) give zero rows. The sources must be live tensors of
-    ``stage``'s dtype and row width, on its device; the caller (the graph runner, with the
-    proposer's accumulators) guarantees that, nothing here can check it."""
+    ``slot_col`` and ``src_col``; the layout is ``GraphMeta.layout``): a launch that a CUDA graph
+    can replay, so the host copies no rows. Unused entries (``PAD_SLOT``) give zero rows. The
+    sources must be live tensors of ``stage``'s dtype and row width, on its device; the caller
+    (the graph runner, with the proposer's accumulators) guarantees that, nothing here can check
+    it."""
     cap, num_cols = stage.shape
     if cap == 0 or num_cols == 0:
         return

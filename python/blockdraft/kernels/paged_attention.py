@@ -203,9 +203,9 @@ def block_attention_combine_kernel(
     s_mask = sp < NUM_SPLITS
     base = row * NUM_SPLITS + sp
     m = tl.load(part_ml_ptr + base * 2, mask=s_mask, other=_NEG_BIG)
-    l = tl.load(part_ml_ptr + base * 2 + 1, mask=s_mask, other=0.0)
+    l_sum = tl.load(part_ml_ptr + base * 2 + 1, mask=s_mask, other=0.0)
     m_all = tl.max(m, axis=0)
-    w = tl.exp2(m - m_all) * l
+    w = tl.exp2(m - m_all) * l_sum
     total = tl.sum(w, axis=0)
     o = tl.load(part_o_ptr + base[:, None] * HEAD_DIM + dims[None, :],
                 mask=s_mask[:, None] & (dims[None, :] < HEAD_DIM), other=0.0)

@@ -127,8 +127,6 @@ class DFlashDrafter(nn.Module):
         self.rope = self.rope.to(self.fc.weight.device)
         return self
 
-    # ---- context -------------------------------------------------------------------------
-
     def fuse_context(self, ctx_rows: Tensor) -> Tensor:
         """``hidden_norm(fc(ctx_rows))``: [R, k*H] -> [R, H] (any leading dims)."""
         fused: Tensor = self.fc(ctx_rows.to(self.fc.weight.dtype))
@@ -173,8 +171,6 @@ class DFlashDrafter(nn.Module):
             k = attn.k_norm(k.reshape(r, c.num_kv_heads, c.head_dim))
             out.append((apply_rope(k, cos, sin), v.reshape(r, c.num_kv_heads, c.head_dim)))
         return out
-
-    # ---- block ---------------------------------------------------------------------------
 
     def forward_block(
         self, embeds: Tensor, positions: Tensor, attend: AttendFn, segment: int | None = None

@@ -2,7 +2,7 @@
 
 | module | concept |
 | --- | --- |
-| ``group`` | :class:`TPGroup` and :func:`init_tp`: this rank, its device, the collectives TP needs; :func:`end_rank_process` |
+| ``group`` | :class:`TPGroup` and :func:`init_tp`: this rank, its device, its collectives; :func:`end_rank_process` |
 | ``launch`` | :func:`launch`: a callable on N fresh ranks, watched (a failed rank stops them all) |
 | ``split`` | which head counts and sizes divide, and each rank's part |
 

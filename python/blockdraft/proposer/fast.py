@@ -89,8 +89,6 @@ class FastDrafter:
             return None
         return cls(drafter, ops)
 
-    # ---- fused steps -----------------------------------------------------------------------
-
     def add_rms_norm(self, h: Tensor, y: Tensor | None, weight: Tensor) -> tuple[Tensor, Tensor]:
         """``(h + y, rms_norm(h + y) * weight)`` over [M, H] (``y=None``: no add)."""
         return self.ops.add_rms_norm(h, y, weight, self.eps)
@@ -101,8 +99,6 @@ class FastDrafter:
             qkv, positions, self.q_norm[layer], self.k_norm[layer], self.inv_freq,
             self.rope_scale, self.eps, self.num_heads, self.num_kv_heads,
         )
-
-    # ---- forwards ---------------------------------------------------------------------------
 
     def fuse_context(self, ctx_rows: Tensor) -> Tensor:
         """``hidden_norm(fc(ctx_rows))``: [R, k*H] -> [R, H] (the reference's math)."""

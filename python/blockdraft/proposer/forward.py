@@ -26,10 +26,10 @@ from torch.nn import functional as F
 from blockdraft import faults
 from blockdraft._core import PrecomputePlan
 from blockdraft.kernels import KernelOps
-from blockdraft.models.drafter import AttendFn, DFlashDrafter
-from blockdraft.proposer.fast import FastDrafter
-from blockdraft.models.layers import embed_blocks
 from blockdraft.kv_cache import PagedKVCache
+from blockdraft.models.drafter import AttendFn, DFlashDrafter
+from blockdraft.models.layers import embed_blocks
+from blockdraft.proposer.fast import FastDrafter
 from blockdraft.proposer.spec import DraftSpec
 from blockdraft.proposer.state import DFlashState, Proposal
 from blockdraft.sampling import SamplingParams, allowed_ids, sample_rows, target_probs
@@ -80,7 +80,7 @@ class DraftForward:
         self.last_q: Tensor | None = None
         """The draft distribution ``[n, take, V]`` of the last sampled :meth:`run`."""
 
-    # ------------------------------------------------------------------ 1. ctx K/V
+    # 1. ctx K/V
 
     def write_ctx_kv(
         self, ctx: Tensor, positions: Tensor, slots: Tensor, *, fused: bool = False
@@ -124,7 +124,7 @@ class DraftForward:
             torch.tensor(slots, dtype=torch.int64, device=self.device),
         )
 
-    # ------------------------------------------------------------------ 2. block inputs
+    # 2. block inputs
 
     def embed_blocks(self, anchors: Tensor, starts: Tensor) -> tuple[Tensor, Tensor]:
         """Anchors and start positions ``[n]`` -> the blocks ``[anchor, MASK x (B-1)]``
@@ -144,7 +144,7 @@ class DraftForward:
             self.dtype,
         )
 
-    # ------------------------------------------------------------------ 3. layers
+    # 3. layers
 
     def attention(
         self, page_tables: Tensor, ctx_lens: Tensor, q_pos: Tensor, *, fault_hooks: bool = True
@@ -184,7 +184,7 @@ class DraftForward:
         )
         return forward_block(embeds, q_pos, attend)
 
-    # ------------------------------------------------------------------ 4. drafts
+    # 4. drafts
 
     def greedy(self, rows: Tensor, bitmask: Tensor | None = None) -> Tensor:
         """Hidden rows ``[R, H]`` -> the target head -> masked argmax ``[R]`` int64 (-1 where
@@ -235,7 +235,7 @@ class DraftForward:
         tokens = sample_rows(q, generator)
         return tokens.view(n, take), q.view(n, take, vocab)
 
-    # ------------------------------------------------------------------ the plain path
+    # the plain path
 
     def run(
         self, proposal: Proposal, take: int, mask: Tensor | None,

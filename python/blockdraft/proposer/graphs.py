@@ -137,8 +137,6 @@ class GraphRunner:
         # them into `stage`.
         self.gather = forward.ops.stage_gather is not None
 
-    # ------------------------------------------------------------------ public
-
     def bucket_for(self, n: int) -> int | None:
         """The smallest bucket holding ``n`` sequences, or ``None``."""
         for b in self.buckets:
@@ -216,8 +214,6 @@ class GraphRunner:
         graph.replay()
         self.replays += 1
         return bucket.outs[cap][:n]
-
-    # ------------------------------------------------------------------ internals
 
     def _fill(self, bucket: _Bucket, proposal: Proposal) -> int | None:
         """Write the call into the bucket's buffers; returns the number of staged rows, or

@@ -31,14 +31,14 @@ from torch import Tensor
 import blockdraft._core as _core
 from blockdraft import faults, kernels
 from blockdraft._core import BlockPool, ConfigError, ContextState, InvalidStateError
+from blockdraft.cuda_graphs import GraphMode, resolve_mode
 from blockdraft.kv_cache import PagedKVCache
 from blockdraft.levers import Levers, read_levers
 from blockdraft.parallel.group import TPGroup
+from blockdraft.proposer import run
 from blockdraft.proposer.commit import ContextWriter, as_positions, check_rows
 from blockdraft.proposer.draft import Drafts, Mask, SampledDraft, draft_many
 from blockdraft.proposer.forward import DraftForward
-from blockdraft.cuda_graphs import GraphMode, resolve_mode
-from blockdraft.proposer import run
 from blockdraft.proposer.graphs import GraphRunner
 from blockdraft.proposer.spec import DraftSpec
 from blockdraft.proposer.state import DFlashState, Proposal
@@ -177,8 +177,6 @@ class DFlashProposer:
         )
         self._graphs_paused = False
 
-    # ------------------------------------------------------------------ properties
-
     @property
     def block_gamma(self) -> int:
         """The drafter's block size B (anchor + B-1 drafts)."""
@@ -231,8 +229,6 @@ class DFlashProposer:
             yield
         finally:
             self._graphs_paused = before
-
-    # ------------------------------------------------------------------ states
 
     def alloc_state(self) -> DFlashState:
         """A fresh state whose window is the ceiling (``max_seq_len`` bounded by the cap)."""
@@ -302,8 +298,6 @@ class DFlashProposer:
                 ctxs.append(st.ctx)
         return ctxs
 
-    # ------------------------------------------------------------------ commit
-
     def commit_ctx(
         self, st: DFlashState, hidden_rows: Tensor, positions: Sequence[int] | Tensor | Iterable[int]
     ) -> None:
@@ -363,8 +357,6 @@ class DFlashProposer:
         if batch.n_rows != hidden_rows.shape[0]:
             raise ValueError(f"{hidden_rows.shape[0]} rows but {batch.n_rows} positions in all")
         self.writer.write(states, batch, hidden_rows)
-
-    # ------------------------------------------------------------------ propose
 
     def propose(
         self,
@@ -543,8 +535,6 @@ class DFlashProposer:
         if self._graphs_paused or mask is not None or self.spec.is_dflash2:
             runner = None
         return run.run(self.forward, runner, proposal, take, mask)
-
-    # ------------------------------------------------------------------ verify
 
     def after_verify(self, st: DFlashState, num_accepted: int) -> None:
         """Record the verification of the last proposal (resets ``last_num_drafted``).

@@ -153,8 +153,6 @@ class EngineLoop:
         metrics.tp_size.set(tp.size if tp is not None else 1)
         metrics.set_pools(engine.pages_used(), engine.pages_total())
 
-    # ------------------------------------------------------------------ any thread
-
     def start(self) -> None:
         self._thread.start()
 
@@ -197,8 +195,6 @@ class EngineLoop:
         elif self.final is None:  # never started: no other thread has touched the engine
             self._close_engine()
         return self.final
-
-    # ------------------------------------------------------------------ the engine thread
 
     def _run(self) -> None:
         try:

@@ -120,9 +120,6 @@ def parse_request(kind: Kind, body: dict[str, Any]) -> GenerationRequest:
     )
 
 
-# ---------------------------------------------------------------------------- fields
-
-
 def _refuse_unsupported(kind: Kind, body: dict[str, Any]) -> None:
     for name in ("n", "best_of"):
         value = _int(body, name)

@@ -2,11 +2,11 @@
 
 | module | concept |
 | --- | --- |
-| ``head`` | :class:`TargetHead`: what a drafter reads of a target (embeddings, output head), checked against the drafter |
+| ``head`` | :class:`TargetHead`: what a drafter reads (embeddings, output head), checked against the drafter |
 | ``backend`` | :class:`TargetBackend`, the interface the engine steps; :class:`RuntimeTarget` on the runtime |
-| ``adapter`` | :class:`TargetAdapter`: a Hugging Face causal LM's embeddings, head, and hooked capture of the drafter's layers |
-| ``hf`` | :class:`HFTarget`: the model's own Hugging Face forward, one sequence at a time, under chosen attention backends |
-| ``runtime/`` | blockdraft's own runtime (:class:`TargetRuntime`, :func:`decode`): spec, fused weights, shards, paged K/V, forward, graphs |
+| ``adapter`` | :class:`TargetAdapter`: an HF causal LM's embeddings, head, and hooked capture of the drafter's layers |
+| ``hf`` | :class:`HFTarget`: the model's own HF forward, one sequence at a time, under chosen attention backends |
+| ``runtime/`` | :class:`TargetRuntime` and :func:`decode`: spec, fused weights, shards, paged K/V, forward, graphs |
 """
 
 from __future__ import annotations

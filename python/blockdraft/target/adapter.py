@@ -172,8 +172,6 @@ class TargetAdapter:
 
         return hook
 
-    # ---- pieces the drafter uses -----------------------------------------------------------
-
     @property
     def lm_head(self) -> Tensor:
         """[V, H] output head weight."""
@@ -209,8 +207,6 @@ class TargetAdapter:
     def embed(self, tokens: Tensor) -> Tensor:
         """Raw embedding rows: [...] int64 -> [..., H] (no model-specific scaling)."""
         return F.embedding(tokens.to(self.device), self.embedding_weight)
-
-    # ---- forward ---------------------------------------------------------------------------
 
     def new_cache(self) -> Any:
         """An empty ``DynamicCache`` for incremental forwards."""

@@ -13,9 +13,9 @@ import torch
 from blockdraft._core import SeqPages
 from blockdraft.pair.checks import check_context
 from blockdraft.results import GenerationResult, GenerationStats
+from blockdraft.sampling import SamplingParams, as_sampling, draw, target_probs
 from blockdraft.target.runtime.runtime import TargetRuntime
 from blockdraft.target.runtime.spec import TargetSpec
-from blockdraft.sampling import SamplingParams, as_sampling, draw, target_probs
 
 
 def check_prompts(prompts: Sequence[Sequence[int]], vocab: int) -> list[list[int]]:

@@ -31,10 +31,10 @@ from torch import Tensor
 import blockdraft._core as _core
 from blockdraft import faults, kernels
 from blockdraft._core import BlockPool, ConfigError, ForwardPlan, SeqPages
-from blockdraft.target.runtime.forward import ForwardBatch, TargetForward
 from blockdraft.cuda_graphs import GraphMode, resolve_mode
 from blockdraft.kv_cache import PagedKVCache
 from blockdraft.parallel.group import TPGroup
+from blockdraft.target.runtime.forward import ForwardBatch, TargetForward
 from blockdraft.target.runtime.graphs import RuntimeGraphs
 from blockdraft.target.runtime.shard import shard_target
 from blockdraft.target.runtime.spec import TargetSpec
@@ -180,8 +180,6 @@ class TargetRuntime:
             self.cache.nbytes / 2**20,
         )
 
-    # ------------------------------------------------------------------ properties
-
     @property
     def device(self) -> torch.device:
         return self.spec.device
@@ -235,8 +233,6 @@ class TargetRuntime:
                     f"tensor-parallel rank {r}'s pages differ from rank 0's: {other} != {got[0]}"
                 )
 
-    # ------------------------------------------------------------------ sequences
-
     def new_sequence(self, capacity: int) -> SeqPages:
         """A sequence that may hold up to ``capacity`` tokens (all its pages taken now).
 
@@ -269,8 +265,6 @@ class TargetRuntime:
                 pending rows (nothing changed).
         """
         _core.accept_rows("accept", list(seqs), counts, self._owner)
-
-    # ------------------------------------------------------------------ forwards
 
     def forward(
         self,
@@ -384,8 +378,6 @@ class TargetRuntime:
         if any(t is None for t in last):
             raise ValueError("every prompt must hold at least one token")
         return torch.stack([t for t in last if t is not None])
-
-    # ------------------------------------------------------------------ internals
 
     def _tokens(self, tokens: Sequence[Sequence[int]]) -> list[int]:
         vocab = int(self.spec.embed.weight.shape[0])

@@ -40,8 +40,6 @@ import torch
 
 from blockdraft.devices import default_dtype, sync
 from blockdraft.pretrained import DEFAULT_PROMPT
-from blockdraft.training.data import EOS_TOKEN, SourceFile
-from blockdraft.training.evaluate import EvalReport, distinct_ngram_ratio, evaluate_drafter, heldout_metrics
 from blockdraft.training.builtin.model_card import write_model_card
 from blockdraft.training.builtin.presets import PRESETS, DrafterSpec, Preset, rollout_kinds
 from blockdraft.training.builtin.target import (
@@ -53,6 +51,8 @@ from blockdraft.training.builtin.target import (
     train_and_save_target,
     tune_and_save_target,
 )
+from blockdraft.training.data import EOS_TOKEN, SourceFile
+from blockdraft.training.evaluate import EvalReport, distinct_ngram_ratio, evaluate_drafter, heldout_metrics
 from blockdraft.training.loop import DrafterTrainConfig, train_drafter
 from blockdraft.training.rollouts import rollout_stream
 
@@ -206,7 +206,7 @@ def build(args: argparse.Namespace, argv: list[str] | None) -> int:
     write_report(pair, report)
     tokenizer, held_files = corpus.tokenizer, corpus.held_files
 
-    # ---- target
+    # target
     target_dir = pair / "target"
     if args.reuse_target is not None:
         shutil.copytree(args.reuse_target, target_dir)
@@ -249,7 +249,7 @@ def build(args: argparse.Namespace, argv: list[str] | None) -> int:
         log.info("target and rollouts written to %s and %s in %.0f s", pair, work, report["total_seconds"])
         return 0
 
-    # ---- drafters: each gets the same time budget (a fair comparison), time allowing
+    # drafters: each gets the same time budget (a fair comparison), time allowing
     report["drafters"] = {}
     reserve = 45.0 if device.type == "cuda" and not args.skip_eval else 5.0
     for spec in specs:
@@ -346,7 +346,8 @@ def drafter_streams(target: Any, corpus: Corpus, p: Preset, specs: list[DrafterS
         if kind not in ("greedy", "sampled"):
             raise ValueError(f"unknown rollout kind {kind!r} (greedy or sampled)")
         t = time.perf_counter()
-        streams[kind] = rollout_stream(target, corpus.stream, corpus.eos_id, temperature=1.0 if kind == "sampled" else 0.0,
+        streams[kind] = rollout_stream(target, corpus.stream, corpus.eos_id,
+                                       temperature=1.0 if kind == "sampled" else 0.0,
                                        seed=seed + (1 if kind == "sampled" else 0), **p.rollout)
         sync(next(target.parameters()).device)
         seconds = time.perf_counter() - t

@@ -48,9 +48,9 @@ def _target_lines(report: dict[str, Any]) -> list[str]:
         lines.append(
             f"- Then fine-tuned {tuning['steps']} steps in {tuning['seconds']:.0f} s"
             + (f" on {tuning['device']}" if tuning.get("device") else "")
-            + f" with the sequence-level unlikelihood objective (`blockdraft.training.builtin.unlikelihood`: tokens that "
-            f"complete a repeated {cfg['ngram']}-gram of its own greedy continuations are negatives, weight "
-            f"{cfg['ul_weight']:g}, beside the next-token loss{_tuning_terms(cfg)}). Before "
+            + " with the sequence-level unlikelihood objective (`blockdraft.training.builtin.unlikelihood`: "
+            f"tokens that complete a repeated {cfg['ngram']}-gram of its own greedy continuations are negatives, "
+            f"weight {cfg['ul_weight']:g}, beside the next-token loss{_tuning_terms(cfg)}). Before "
             f"it, on the held-out files: {_metrics(before['heldout'])}; greedy continuations "
             f"({cfg['new_tokens']} tokens): mean distinct 4-gram ratio {_loops(before['distinct_4gram'])}.")
     if "heldout" in tg:

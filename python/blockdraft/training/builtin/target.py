@@ -14,6 +14,9 @@ import torch
 
 from blockdraft.devices import sync
 from blockdraft.pretrained import DEFAULT_PROMPT
+from blockdraft.training.builtin.licences import permissive_python_sources
+from blockdraft.training.builtin.presets import Preset
+from blockdraft.training.builtin.unlikelihood import TuneConfig, tune_target
 from blockdraft.training.data import (
     EOS_TOKEN,
     MASK_TOKEN,
@@ -25,10 +28,7 @@ from blockdraft.training.data import (
     train_bpe_tokenizer,
 )
 from blockdraft.training.evaluate import distinct_ngram_ratio, heldout_metrics, target_only_greedy
-from blockdraft.training.builtin.licences import permissive_python_sources
-from blockdraft.training.builtin.presets import Preset
 from blockdraft.training.optim import BudgetCalibrator, adamw, apply_gradients, cosine_lr
-from blockdraft.training.builtin.unlikelihood import TuneConfig, tune_target
 
 log = logging.getLogger("blockdraft.make_builtin_pair")
 

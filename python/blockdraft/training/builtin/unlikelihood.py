@@ -182,7 +182,8 @@ def tune_target(model: Any, stream: Tensor, eos_id: int, cfg: TuneConfig) -> dic
     sync(device)
     model.eval()
     seconds = time.perf_counter() - t0
-    out = {"steps": step, "seconds": seconds, "final_mle_loss": mle_v, "final_ul_loss": ul_v, "final_kl": kl_v, "final_own_loss": own_v,
+    out = {"steps": step, "seconds": seconds, "final_mle_loss": mle_v, "final_ul_loss": ul_v, "final_kl": kl_v,
+           "final_own_loss": own_v,
            "repeat_share_first": repeat_share[0] if repeat_share else float("nan"),
            "repeat_share_last": repeat_share[-1] if repeat_share else float("nan"),
            "config": {k: getattr(cfg, k) for k in cfg.__dataclass_fields__}}
@@ -206,7 +207,9 @@ def kl_to_start(logits: Tensor, start_logits: Tensor) -> Tensor:
     return (logp.exp() * (logp - logq)).sum(-1).mean()
 
 
-def _continuations(model: Any, stream: Tensor, eos_id: int, cfg: TuneConfig, step: int) -> tuple[Tensor, Tensor, Tensor]:
+def _continuations(
+    model: Any, stream: Tensor, eos_id: int, cfg: TuneConfig, step: int
+) -> tuple[Tensor, Tensor, Tensor]:
     """(prompts, greedy continuations, negatives) for the next ``regen_every`` steps, on the CPU."""
     n = cfg.regen_every * cfg.ul_batch
     gen = step_generator(cfg.seed + 1, step)
