@@ -153,7 +153,7 @@ def test_block_size_picks_the_builtin_drafter(tmp_path: Path, monkeypatch: pytes
     monkeypatch.setattr("blockdraft.pretrained.TARGET_DIR", tdir)
     monkeypatch.setattr("blockdraft.pretrained.builtin_pair", builtin_pair)
     source = find_pair(None, None, block_size=8)
-    assert source.builtin and source.max_positions == 512
+    assert source.builtin and source.max_positions == 512 and "B=8 drafter" in source.description
     assert source.load("cpu").drafter == "drafter" and loaded == [8]
     with pytest.raises(blockdraft.ConfigError, match="the built-in pair has no B=16 drafter installed"):
         find_pair(None, None, block_size=16)

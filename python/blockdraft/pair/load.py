@@ -286,7 +286,7 @@ def _builtin_or_demo(demo: bool, block_size: int | None) -> PairSource:
         raw = read_model_config("the built-in target", pretrained.TARGET_DIR)
         # fp32 on every device: the pair is small, and fp32 makes the speculative output
         # exactly the target's own greedy output
-        return PairSource(BUILTIN_MODEL_NAME, f"built-in trained pair ({pretrained.SUMMARY})",
+        return PairSource(BUILTIN_MODEL_NAME, f"built-in trained pair ({pretrained.summary(block)})",
                           max_positions(raw), raw, True, pretrained.load_tokenizer, builtin,
                           torch.float32)
     if block_size is not None:

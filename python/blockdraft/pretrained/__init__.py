@@ -29,8 +29,14 @@ log = logging.getLogger(__name__)
 ROOT = Path(__file__).resolve().parent
 TARGET_DIR = ROOT / "target"
 DEFAULT_BLOCK_SIZE = 16
-SUMMARY = f"Python code model + B={DEFAULT_BLOCK_SIZE} drafter, fp32"
-"""What the built-in pair is, for the CLI's one-line descriptions."""
+
+
+def summary(block_size: int = DEFAULT_BLOCK_SIZE) -> str:
+    """What the built-in pair with the B = ``block_size`` drafter is, for the CLI's one-line
+    descriptions."""
+    return f"Python code model + B={block_size} drafter, fp32"
+
+
 DEFAULT_PROMPT = "def fibonacci(n):"
 """The prompt ``blockdraft generate`` continues when given none."""
 
