@@ -34,7 +34,7 @@ def view(st: ContextState) -> tuple[object, ...]:
 
 
 def test_plan_proposals_is_all_or_nothing_when_the_pool_runs_out() -> None:
-    # blocks of 4: the states need 2, 2 and 3 blocks; 6 free -> the third fails
+    # pages of 4: the states need 2, 2 and 3 pages; 6 free -> the third fails
     pool = BlockPool(6, 4)
     states = states_with_rows(pool, [8, 5, 9])
     before = [view(s) for s in states]

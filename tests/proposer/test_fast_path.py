@@ -192,7 +192,7 @@ def test_graph_staging_after_double_commits_and_slides(backend: str) -> None:
 def test_graph_path_declining_a_wide_table_leaves_no_stale_staging(backend: str) -> None:
     """A call whose page table is wider than the graphs falls back to the plain path before
     anything is staged. The bucket's staged entries from before must still be cleared by its
-    next graph call: here they name slots of a freed sequence whose blocks a new sequence now
+    next graph call: here they name slots of a freed sequence whose pages a new sequence now
     holds, and storing them again would overwrite the new sequence's K/V with old rows.
     Drafts equal the plain path's throughout."""
     from blockdraft.proposer import GraphRunner
@@ -202,11 +202,11 @@ def test_graph_path_declining_a_wide_table_leaves_no_stale_staging(backend: str)
     rows = torch.randn(400, 64, generator=torch.Generator().manual_seed(21))
 
     def run(graphs: str) -> list[list[list[int]]]:
-        # 11 blocks: a and b at their largest take 10; the pool hands a's freed ones to e
+        # 11 pages: a and b at their largest take 10; the pool hands a's freed ones to e
         prop = DFlashProposer(drafter, target, max_seq_len=120, num_pages=11, page_size=4,
                               max_batch=2, graphs=graphs, backend=backend)  # type: ignore[arg-type]
         if graphs == "static":
-            # graphs 4 blocks wide: longer tables take the plain path
+            # graphs 4 pages wide: longer tables take the plain path
             prop.graph_runner = GraphRunner(prop.forward, "static", ceiling=16, max_batch=2)
         st = {k: prop.alloc_state_for(100) for k in "ab"}
         pos = dict.fromkeys("abe", 0)
@@ -234,7 +234,7 @@ def test_graph_path_declining_a_wide_table_leaves_no_stale_staging(backend: str)
         batch("ba")  # plain path; the bucket's staged entries are still those of a and b
         prop.free_state(st["a"])
         st["e"] = prop.alloc_state_for(100)
-        commit("e", 13, at=200)  # 4 blocks, the first free ones: a's
+        commit("e", 13, at=200)  # 4 pages, the first free ones: a's
         out.append([prop.propose(st["e"], 5, pos["e"], 3)])
         prop.after_verify(st["e"], 0)
         commit("e", 1, at=200)

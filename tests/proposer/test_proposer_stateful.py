@@ -2,7 +2,7 @@
 
 Random interleavings of alloc, commit, propose, propose_batch, after_verify, free, double free
 and use after free, with TESTING.md's invariants checked after every step: conservation of
-pool pages, no page held twice, per-state row/position/block accounting, slides keep the
+pool pages, no page held twice, per-state row/position/page accounting, slides keep the
 newest rows, declined batches change nothing, free resets everything.
 
 Each step runs real tensors through the drafter, so this machine uses fewer examples than the

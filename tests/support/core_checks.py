@@ -122,8 +122,8 @@ def check_world(
 ) -> None:
     """Invariants 1-3: conservation, no page held twice or held while free, per-state shape.
 
-    ``extra_held`` lists blocks the test holds outside any state (raw ``pool.alloc`` results,
-    blocks of outstanding precompute plans).
+    ``extra_held`` lists pages the test holds outside any state (raw ``pool.alloc`` results,
+    pages of outstanding precompute plans).
     """
     pool.check_invariants()
     held: list[int] = list(extra_held)

@@ -12,13 +12,13 @@ def state_memory(prop: Any, st: Any) -> dict[str, Any]:
     """A state's drafter memory: measured from its tensors vs the formula.
 
     The formula: accumulator = window x ctx_slot_bytes (ctx_slot_bytes = k x H x elem); paged
-    K/V = blocks x page_size x (L x 2 x Hkv x D x elem), with blocks <= ceil(ctx rows /
+    K/V = pages x page_size x (L x 2 x Hkv x D x elem), with pages <= ceil(ctx rows /
     page_size).
     """
     cfg = prop.drafter.config
     elem = torch.empty((), dtype=prop.dtype).element_size()
     acc_measured = int(st.acc.numel() * st.acc.element_size())
-    k, v = prop.cache.k, prop.cache.v  # [layers, blocks, page_size, kv_heads, head_dim] each
+    k, v = prop.cache.k, prop.cache.v  # [layers, pages, page_size, kv_heads, head_dim] each
     page_bytes = int(k[:, 0].numel() * k.element_size() + v[:, 0].numel() * v.element_size())
     kv_measured = int(st.ctx.num_pages * page_bytes)
     rows = int(st.ctx_len)
