@@ -205,7 +205,7 @@ def test_propose_bad_inputs(drafter: Any, target: Any) -> None:
 
 def test_propose_pool_exhausted_changes_nothing(drafter: Any, target: Any) -> None:
     prop = make(drafter, target, num_pages=2)
-    st = filled(prop, 12, 8)  # needs 3 blocks of 4
+    st = filled(prop, 12, 8)  # needs 3 pages of 4
     before = snapshot(prop, [st])
     with pytest.raises(PoolExhaustedError):
         prop.propose(st, 1, 12, 1)
