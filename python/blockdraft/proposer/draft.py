@@ -96,13 +96,20 @@ def draft_many(
     if sampling is not None and len(sampling) != n:
         raise ValueError(f"draft: {len(sampling)} sampling settings for {n} states")
     out = Drafts(tokens=[[] for _ in range(n)], q=[None] * n, errors=[None] * n)
-    need = [i for i in range(n) if want[i] > 0]
-    masked = {i for i in need if masks is not None and masks[i] is not None}
+    # A mask makes a draft greedy and per sequence; else settings that sample draft by sampling.
+    single: list[int] = []
     sampled: list[tuple[int, SampledDraft]] = []
-    for i in need:
+    plain: list[int] = []
+    for i in range(n):
+        if want[i] <= 0:
+            continue
         how = sampling[i] if sampling is not None else None
-        if how is not None and not how[0].greedy and i not in masked:
+        if masks is not None and masks[i] is not None:
+            single.append(i)
+        elif how is not None and not how[0].greedy:
             sampled.append((i, how))
+        else:
+            plain.append(i)
     for i, (params, generator) in sampled:
         try:
             got, q = prop.propose_sampled([states[i]], [anchors[i]], [positions[i]], want[i], params, generator)
@@ -111,9 +118,6 @@ def draft_many(
             out.single += 1
         except Exception as exc:  # noqa: BLE001 - this sequence fails, the others go on
             out.errors[i] = exc
-    taken = {i for i, _ in sampled}
-    plain = [i for i in need if i not in taken and i not in masked]
-    single = [i for i in need if i in masked]
     width = prop.propose_batch_max()
     if len(plain) >= 2 and width >= 2:
         for c in range(0, len(plain), width):
