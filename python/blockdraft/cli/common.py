@@ -16,6 +16,8 @@ import sys
 import traceback
 from typing import Any, NoReturn
 
+from blockdraft.errors import error_line
+
 
 class CliError(Exception):
     """A user-facing problem reported as one line (exit code 2)."""
@@ -43,12 +45,6 @@ class ArgumentParser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"blockdraft: error: {message} (see {self.prog} --help)\n")
-
-
-def error_line(exc: BaseException) -> str:
-    """The first line of ``exc``'s message (its type name when the message is empty)."""
-    lines = str(exc).strip().splitlines()
-    return lines[0] if lines else type(exc).__name__
 
 
 def report_failure(exc: BaseException, *, debug: bool) -> int:

@@ -18,16 +18,11 @@ from typing import Any
 
 from blockdraft._core import CheckpointError, ConfigError
 from blockdraft.config import SUPPORTED_ARCHITECTURES
+from blockdraft.errors import error_line
 from blockdraft.pair.shape import DEMO_SHAPE, random_pair
 
 BUILTIN_MODEL_NAME = "blockdraft-builtin"
 DEMO_MODEL_NAME = "blockdraft-demo"
-
-
-def _first_line(exc: BaseException) -> str:
-    # Messages are one line naming the flag; an underlying error contributes its first line.
-    lines = str(exc).strip().splitlines()
-    return lines[0] if lines else type(exc).__name__
 
 
 def quiet_transformers() -> None:
@@ -52,7 +47,7 @@ def read_model_config(flag: str, path: str | Path) -> dict[str, Any]:
     try:
         raw = json.loads(file.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ConfigError(f"{flag} {path}: cannot read config.json: {_first_line(exc)}") from exc
+        raise ConfigError(f"{flag} {path}: cannot read config.json: {error_line(exc)}") from exc
     if not isinstance(raw, dict):
         raise ConfigError(f"{flag} {path}: config.json holds {type(raw).__name__}, not an object")
     return raw
@@ -133,7 +128,7 @@ def load_tokenizer(flag: str, path: str | Path) -> Any:
     try:
         return AutoTokenizer.from_pretrained(str(path))
     except Exception as exc:  # noqa: BLE001 - reported as one line naming the flag
-        raise CheckpointError(f"{flag} {path}: cannot load the tokenizer: {_first_line(exc)}") from exc
+        raise CheckpointError(f"{flag} {path}: cannot load the tokenizer: {error_line(exc)}") from exc
 
 
 def load_target_model(flag: str, path: str | Path, device: Any, dtype: Any) -> Any:
@@ -148,7 +143,7 @@ def load_target_model(flag: str, path: str | Path, device: Any, dtype: Any) -> A
     try:
         model: Any = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
     except Exception as exc:  # noqa: BLE001 - reported as one line naming the flag
-        raise CheckpointError(f"{flag} {path}: cannot load the model: {_first_line(exc)}") from exc
+        raise CheckpointError(f"{flag} {path}: cannot load the model: {error_line(exc)}") from exc
     return model.to(device).eval()
 
 
@@ -163,7 +158,7 @@ def load_drafter_dir(path: str | Path, device: Any, dtype: Any) -> Any:
     try:
         return load_drafter(path, device=device, dtype=dtype)
     except (CheckpointError, ValueError) as exc:
-        raise CheckpointError(f"--drafter {path}: {_first_line(exc)}") from exc
+        raise CheckpointError(f"--drafter {path}: {error_line(exc)}") from exc
 
 
 class ByteTokenizer:

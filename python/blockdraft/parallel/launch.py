@@ -36,6 +36,7 @@ from typing import Any, TypeVar
 import torch
 
 from blockdraft._core import ConfigError
+from blockdraft.errors import error_line
 from blockdraft.parallel.group import DEFAULT_TIMEOUT_S, TPGroup, end_rank_process, init_tp
 
 log = logging.getLogger(__name__)
@@ -99,8 +100,8 @@ def free_port() -> int:
 
 
 def _one_line(exc: BaseException) -> str:
-    lines = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
+    line = error_line(exc)
+    return line if line == type(exc).__name__ else f"{type(exc).__name__}: {line}"
 
 
 def _is_collective_failure(exc: BaseException) -> bool:
