@@ -22,12 +22,12 @@ from typing import Any
 
 from blockdraft.cli.common import (
     CliError,
-    error_line,
     pick_device,
     require_min,
     tp_device,
     tp_sizes,
 )
+from blockdraft.errors import error_line
 from blockdraft.pair.load import BUILTIN_MODEL_NAME, PairSource, find_pair
 from blockdraft.parallel import DEFAULT_TIMEOUT_S as DEFAULT_TP_TIMEOUT_S
 
@@ -59,8 +59,6 @@ def _check_flags(args: argparse.Namespace) -> None:
         require_min("--tp", args.tp)
     if not args.tp_timeout > 0:
         raise CliError(f"--tp-timeout must be > 0 seconds, not {args.tp_timeout}")
-    if (args.target is None) != (args.drafter is None):
-        raise CliError("give both --target DIR and --drafter DIR (or neither for the built-in pair)")
 
 
 def run_serve(args: argparse.Namespace) -> int:

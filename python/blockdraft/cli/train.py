@@ -10,12 +10,12 @@ from typing import Any
 from blockdraft.cli.common import (
     CliError,
     check_lengths,
-    error_line,
     model_dtype,
     pick_device,
     require_min,
     require_temperature,
 )
+from blockdraft.errors import error_line
 from blockdraft.pair.load import check_target_dir, find_pair, load_target_model, load_tokenizer
 
 log = logging.getLogger("blockdraft.cli")
@@ -189,15 +189,15 @@ def _eval(args: argparse.Namespace) -> int:
 
 def add_training_commands(sub: Any) -> None:
     """Add ``train-drafter`` and ``eval-drafter`` to the CLI's subparsers."""
-    # Each help states its default, here or through "(default: %(default)s)", so that --help shows
-    # it whatever formatter the parser has.
+    # The CLI's help formatter shows each flag's default; a help text that says what leaving a
+    # flag out means says it itself.
     tr = sub.add_parser("train-drafter", help="train a DFlash drafter for a target model")
     tr.add_argument("--target", required=True, help="target model directory (HF format, frozen)")
     tr.add_argument("--corpus", required=True, help="directory of text files or a JSONL of {'text': ...}")
     tr.add_argument("--out", required=True, help="output directory (drafter/ and checkpoints/)")
-    tr.add_argument("--layers", type=int, default=1, help="drafter decoder layers (default: %(default)s)")
+    tr.add_argument("--layers", type=int, default=1, help="drafter decoder layers")
     tr.add_argument("--block-size", type=int, default=16,
-                    help="B, tokens per drafted block: the anchor + B-1 masks (default: %(default)s)")
+                    help="B, tokens per drafted block: the anchor + B-1 masks")
     tr.add_argument("--target-layer-ids", default=None, metavar="IDS",
                     help="comma-separated target layers whose hidden states the drafter reads, e.g. 1,9,17 "
                          "(default: the DFlash rule)")
@@ -205,60 +205,60 @@ def add_training_commands(sub: Any) -> None:
                     help="token id of MASK (default: the tokenizer's mask token, else a new <|mask|> token)")
     tr.add_argument("--intermediate-size", type=int, default=None,
                     help="drafter MLP width (default: the target's)")
-    tr.add_argument("--seq-len", type=int, default=512, help="tokens per training window (default: %(default)s)")
-    tr.add_argument("--num-seqs", type=int, default=16, help="windows per step (default: %(default)s)")
-    tr.add_argument("--num-anchors", type=int, default=64, help="blocks per window (default: %(default)s)")
+    tr.add_argument("--seq-len", type=int, default=512, help="tokens per training window")
+    tr.add_argument("--num-seqs", type=int, default=16, help="windows per step")
+    tr.add_argument("--num-anchors", type=int, default=64, help="blocks per window")
     tr.add_argument("--steps", type=int, default=1000,
-                    help="optimizer steps; an upper bound with --time-budget (default: %(default)s)")
+                    help="optimizer steps; an upper bound with --time-budget")
     tr.add_argument("--time-budget", type=float, default=0.0, metavar="SECONDS",
                     help="fit the step count to this many seconds, measured over the first steps; "
-                         "0: run --steps (default: %(default)s)")
+                         "0: run --steps")
     tr.add_argument("--lr", type=float, default=6e-4,
-                    help="peak AdamW learning rate, then cosine decay to a tenth of it (default: %(default)s)")
+                    help="peak AdamW learning rate, then cosine decay to a tenth of it")
     tr.add_argument("--warmup", type=int, default=50,
-                    help="steps of linear learning-rate warm-up (default: %(default)s)")
+                    help="steps of linear learning-rate warm-up")
     tr.add_argument("--labels", choices=("target", "corpus"), default="target",
-                    help="train on the target's greedy choices or on the corpus tokens (default: %(default)s)")
+                    help="train on the target's greedy choices or on the corpus tokens")
     tr.add_argument("--gamma", type=float, default=None,
                     help="loss decay over a block's positions (default: 7/5/4 for B=16/10/8)")
     tr.add_argument("--distill-weight", type=float, default=0.0,
                     help="add the target's T=1 distribution as a soft label with this weight (sampled drafts); "
-                         "0: off (default: %(default)s)")
+                         "0: off")
     tr.add_argument("--anchor-focus", type=float, default=0.0, metavar="F",
                     help="draw this fraction of the anchors where the target was unsure of the anchor token "
-                         "(where blocks start at inference); 0: all uniform (default: %(default)s)")
+                         "(where blocks start at inference); 0: all uniform")
     tr.add_argument("--dflash2", default=None, metavar="K,G,R,C",
                     help="train a DFlash2 drafter: conv kernel K, conv group G, selector rank R, top-K C "
                          "(e.g. 3,32,32,8; default: a DFlash drafter)")
     tr.add_argument("--selector-weight", type=float, default=1.0,
-                    help="DFlash2: weight of the selector loss (default: %(default)s)")
+                    help="DFlash2: weight of the selector loss")
     tr.add_argument("--selector-distill-weight", type=float, default=0.0,
                     help="DFlash2: weight of the selector's distillation towards the target's distribution over "
-                         "its candidates (sampled drafts); 0: off (default: %(default)s)")
+                         "its candidates (sampled drafts); 0: off")
     tr.add_argument("--rollouts", type=int, default=0,
                     help="train on this many continuations written by the target itself (prompts from the "
-                         "corpus) instead of on the corpus; 0: the corpus (default: %(default)s)")
+                         "corpus) instead of on the corpus; 0: the corpus")
     tr.add_argument("--rollout-prompt-tokens", type=int, default=64,
-                    help="corpus tokens that start a rollout (default: %(default)s)")
+                    help="corpus tokens that start a rollout")
     tr.add_argument("--rollout-tokens", type=int, default=256,
-                    help="tokens the target writes per rollout (default: %(default)s)")
+                    help="tokens the target writes per rollout")
     tr.add_argument("--rollout-temperature", type=float, default=0.0,
                     help="0: greedy rollouts; 1: sampled (for drafters that sample their drafts) "
                          "(default: %(default)s)")
     tr.add_argument("--rollout-batch", type=int, default=256,
-                    help="rollouts written at once; 0: all (default: %(default)s)")
+                    help="rollouts written at once; 0: all")
     tr.add_argument("--init-from", default=None, metavar="DIR",
                     help="start from this saved drafter of the same shape, any block size (continued training; "
                          "default: new weights)")
     tr.add_argument("--seed", type=int, default=0,
-                    help="seed of the windows, anchors, new weights and rollouts (default: %(default)s)")
+                    help="seed of the windows, anchors, new weights and rollouts")
     tr.add_argument("--save-every", type=int, default=500,
-                    help="checkpoint interval in steps; 0: at the end only (default: %(default)s)")
+                    help="checkpoint interval in steps; 0: at the end only")
     tr.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --out")
     tr.add_argument("--save-dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16",
-                    help="dtype of the saved drafter's weights (default: %(default)s)")
+                    help="dtype of the saved drafter's weights")
     tr.add_argument("--log-every", type=int, default=50,
-                    help="steps between progress log lines (default: %(default)s)")
+                    help="steps between progress log lines")
     tr.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: auto)")
     tr.add_argument("--no-progress", action="store_true", help="no progress bar")
     tr.set_defaults(func=_train)
@@ -272,21 +272,21 @@ def add_training_commands(sub: Any) -> None:
     ev.add_argument("--texts", default=None,
                     help="held-out texts: a directory or JSONL (default: the built-in pair's held-out prompts; "
                          "needed with --target)")
-    ev.add_argument("--num-prompts", type=int, default=8, help="prompts measured (default: %(default)s)")
+    ev.add_argument("--num-prompts", type=int, default=8, help="prompts measured")
     ev.add_argument("--prompt-tokens", type=int, default=64,
-                    help="tokens per prompt taken from each --texts text (default: %(default)s)")
+                    help="tokens per prompt taken from each --texts text")
     ev.add_argument("--max-new-tokens", type=int, default=64,
-                    help="tokens generated per prompt (default: %(default)s)")
+                    help="tokens generated per prompt")
     ev.add_argument("--temperatures", default="0,1",
-                    help="comma-separated sampling temperatures; 0 = greedy (default: %(default)s)")
+                    help="comma-separated sampling temperatures; 0 = greedy")
     ev.add_argument("--sampled-drafts", action="store_true",
                     help="at temperatures > 0 also measure tau with drafts sampled from the drafter")
     ev.add_argument("--no-compare", action="store_true", help="skip the target-only comparison")
     ev.add_argument("--repeats", type=int, default=1,
-                    help="rounds of engine vs target-only timing; medians are reported (default: %(default)s)")
+                    help="rounds of engine vs target-only timing; medians are reported")
     ev.add_argument("--backend", choices=("auto", "torch", "triton"), default="auto",
                     help="the drafter's kernels: triton, torch, or auto (Triton on CUDA, torch elsewhere) "
                          "(default: %(default)s)")
-    ev.add_argument("--seed", type=int, default=0, help="sampling seed at temperatures > 0 (default: %(default)s)")
+    ev.add_argument("--seed", type=int, default=0, help="sampling seed at temperatures > 0")
     ev.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: auto)")
     ev.set_defaults(func=_eval)
