@@ -77,7 +77,7 @@ class PagedKVCache:
         slot_pos: bool = False,
     ) -> int:
         """:attr:`bytes_per_page` of a cache not yet made."""
-        elem = torch.empty((), dtype=dtype).element_size()
+        elem = dtype.itemsize
         per_slot = 2 * num_layers * num_kv_heads * head_dim * elem + (4 if slot_pos else 0)
         return page_size * per_slot
 

@@ -31,7 +31,7 @@ TARGET_DIR = ROOT / "target"
 DEFAULT_BLOCK_SIZE = 16
 
 
-def summary(block_size: int = DEFAULT_BLOCK_SIZE) -> str:
+def summary(block_size: int) -> str:
     """What the built-in pair with the B = ``block_size`` drafter is, for the CLI's one-line
     descriptions."""
     return f"Python code model + B={block_size} drafter, fp32"

@@ -5,7 +5,7 @@
 :mod:`~blockdraft.training.rollouts`            continuations written by the target itself
 :mod:`~blockdraft.training.objective`           anchors, the block attention mask, the loss
 :mod:`~blockdraft.training.selector`            the DFlash2 candidate selector's objective
-:mod:`~blockdraft.training.drafter`             the drafter's config, start, growth and export
+:mod:`~blockdraft.training.drafter`             the drafter's start: random, from the target, grown
 :mod:`~blockdraft.training.optim`               AdamW, the schedule, the time budget
 :mod:`~blockdraft.training.loop`                the training loop (:func:`train_drafter`)
 :mod:`~blockdraft.training.evaluate`            tau and speed on held-out prompts

@@ -178,7 +178,7 @@ def train_drafter(
         raise ValueError(
             f"mask_token_id {cfg.mask_token_id} is outside the target's embeddings ({embed_weight.shape[0]} rows)"
         )
-    raw = DrafterShape.for_target(
+    shape = DrafterShape.for_target(
         target.config,
         num_layers=cfg.num_layers,
         block_size=cfg.block_size,
@@ -186,8 +186,9 @@ def train_drafter(
         target_layer_ids=cfg.target_layer_ids or None,
         intermediate_size=cfg.intermediate_size,
         dflash2=cfg.dflash2,
-    ).config_dict()
-    layer_ids = tuple(raw["dflash_config"]["target_layer_ids"])
+    )
+    raw = shape.config_dict()
+    layer_ids = shape.target_layer_ids
     if cfg.init_from_target and cfg.init_from:
         raise ValueError("init_from_target and init_from exclude each other")
     if cfg.selector_distill_weight < 0 or (cfg.selector_distill_weight > 0 and cfg.dflash2 is None):
