@@ -12,13 +12,16 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
 from blockdraft.proposer.state import DFlashState
 from blockdraft.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from blockdraft.proposer.proposer import DFlashProposer
 
 Mask = Tensor | Sequence[int] | Callable[[], Tensor | None]
 """A grammar mask for a sequence's drafts: packed allowed-token bits (see
@@ -27,31 +30,6 @@ sequence is drafted, so an error making them is that sequence's."""
 
 SampledDraft = tuple[SamplingParams, torch.Generator | None]
 """A sequence's sampling settings and random source, to draft by sampling."""
-
-
-class Proposes(Protocol):
-    """The contract methods drafts are made with (:class:`~blockdraft.DFlashProposer`'s)."""
-
-    def propose_batch_max(self) -> int:
-        """Most sequences one :meth:`propose_batch` drafts (below 2: none batched)."""
-
-    def propose_batch(
-        self, states: Sequence[DFlashState], last_tokens: Sequence[int], positions: Sequence[int],
-        num_drafts: int,
-    ) -> list[list[int]] | None:
-        """Greedy drafts for many sequences in one forward, or ``None`` to decline."""
-
-    def propose(
-        self, st: DFlashState, last_token: int, position: int, num_drafts: int,
-        grammar_bitmask: Tensor | Sequence[int] | None = None,
-    ) -> list[int]:
-        """Greedy drafts for one sequence, under a grammar mask when given."""
-
-    def propose_sampled(
-        self, states: Sequence[DFlashState], last_tokens: Sequence[int], positions: Sequence[int],
-        num_drafts: int, params: SamplingParams, generator: torch.Generator | None = None,
-    ) -> tuple[list[list[int]], Tensor]:
-        """Sampled drafts and the distribution each was drawn from."""
 
 
 @dataclass
@@ -75,7 +53,7 @@ class Drafts:
 
 
 def draft_many(
-    prop: Proposes,
+    prop: DFlashProposer,
     states: Sequence[DFlashState],
     anchors: Sequence[int],
     positions: Sequence[int],
@@ -149,4 +127,4 @@ def draft_many(
     return out
 
 
-__all__ = ["Drafts", "Mask", "Proposes", "SampledDraft", "draft_many"]
+__all__ = ["Drafts", "Mask", "SampledDraft", "draft_many"]
