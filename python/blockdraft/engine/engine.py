@@ -533,8 +533,10 @@ class SpeculativeEngine:
             [r.out[-1] for r in running],
             [r.anchor_position for r in running],
             [min(self.block_size - 1, r.remaining - 1) for r in running],
-            masks=[r.bitmask if r.mask_fn is not None else None for r in running],
-            sampling=[(r.params, r.generator) if self.sampled_drafts else None for r in running],
+            # Lists only when some request needs them: most steps have no grammar and greedy drafts.
+            masks=([r.bitmask if r.mask_fn is not None else None for r in running]
+                   if any(r.mask_fn is not None for r in running) else None),
+            sampling=[(r.params, r.generator) for r in running] if self.sampled_drafts else None,
         )
         self.batched_proposals += got.batched
         self.single_proposals += got.single
