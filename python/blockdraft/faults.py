@@ -1,6 +1,6 @@
 """Test-only fault injection: make the N-th allocation (or forward step) at a chosen site fail.
 
-Off by default and free when off: every hook in the library is one line,
+Off by default and nearly free when off: every hook in the library is one line,
 
     if faults.active():
         faults.hit("accumulator")

@@ -51,18 +51,17 @@ def validate_sampling(temperature: float, top_p: float, top_k: int) -> None:
         raise ValueError(f"top_k must be >= 0, not {top_k}")
 
 
-GREEDY = SamplingParams()
-"""Greedy decoding (what ``sampling=None`` means)."""
+_GREEDY = SamplingParams()
 
 
 def as_sampling(sampling: object) -> SamplingParams:
-    """``sampling`` as given, or :data:`GREEDY` for ``None``.
+    """``sampling`` as given, or greedy settings (``SamplingParams()``) for ``None``.
 
     Raises:
         TypeError: neither a :class:`SamplingParams` nor ``None``.
     """
     if sampling is None:
-        return GREEDY
+        return _GREEDY
     if not isinstance(sampling, SamplingParams):
         raise TypeError(f"sampling must be a SamplingParams or None, not {type(sampling).__name__}")
     return sampling
@@ -144,7 +143,6 @@ def accept_draft(
 
 
 __all__ = [
-    "GREEDY",
     "SamplingParams",
     "accept_draft",
     "allowed_ids",
