@@ -306,10 +306,7 @@ def engine(drafter: Any, target: Any) -> SpeculativeEngine:
 
 GEN_CASES: list[tuple[str, type[BaseException], str, list[Any], dict[str, Any]]] = [
     ("max_new_tokens zero", ValueError, "max_new_tokens", [[1, 2]], {"max_new_tokens": 0}),
-    ("temperature negative", ValueError, "temperature", [[1, 2]], {"sampling": {"temperature": -0.5}}),
-    ("top_p zero", ValueError, "top_p", [[1, 2]], {"sampling": {"top_p": 0.0}}),
-    ("top_p above one", ValueError, "top_p", [[1, 2]], {"sampling": {"top_p": 1.5}}),
-    ("top_k negative", ValueError, "top_k", [[1, 2]], {"sampling": {"top_k": -1}}),
+    ("sampling not settings", TypeError, "sampling", [[1, 2]], {"sampling": 0.5}),
     ("no prompts", ValueError, "prompts", [], {}),
     ("an empty prompt", ValueError, "prompt 1", [[1], []], {}),
     ("prompt beyond max_seq_len", ValueError, "max_seq_len", [list(range(30))], {}),
@@ -322,13 +319,27 @@ GEN_CASES: list[tuple[str, type[BaseException], str, list[Any], dict[str, Any]]]
 @pytest.mark.parametrize("case", GEN_CASES, ids=[c[0] for c in GEN_CASES])
 def test_generate_bad_input(engine: SpeculativeEngine, case: Any) -> None:
     _, exc, word, prompts, kw = case
-    kw = {"max_new_tokens": 4, **kw}
-    sampling = kw.pop("sampling", None)
     with expect_clear_error(exc, word):
-        engine.generate(prompts, sampling=None if sampling is None else SamplingParams(**sampling), **kw)
+        engine.generate(prompts, **{"max_new_tokens": 4, **kw})
     pool = engine.proposer.pool
     assert pool.num_free == pool.num_pages
     score.invariant_checks += 1
+
+
+# Sampling settings are checked where they are made, before any request exists.
+SAMPLING_CASES: list[tuple[str, str, dict[str, Any]]] = [
+    ("temperature negative", "temperature", {"temperature": -0.5}),
+    ("top_p zero", "top_p", {"top_p": 0.0}),
+    ("top_p above one", "top_p", {"top_p": 1.5}),
+    ("top_k negative", "top_k", {"top_k": -1}),
+]
+
+
+@pytest.mark.parametrize("case", SAMPLING_CASES, ids=[c[0] for c in SAMPLING_CASES])
+def test_sampling_params_bad_input(case: Any) -> None:
+    _, word, kw = case
+    with expect_clear_error(ValueError, word):
+        SamplingParams(**kw)
 
 
 def _config() -> dict[str, Any]:
