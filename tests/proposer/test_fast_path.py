@@ -47,10 +47,11 @@ def test_fast_forward_equals_the_reference_forward_in_fp32(backend: str) -> None
     assert fast.gate_up_weight[1].shape == (2 * 48, 32)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", BACKENDS[1:])
 @pytest.mark.parametrize(("heads", "kv_heads", "rows"), [(6, 3, 5), (8, 1, 1), (4, 4, 3)])
 def test_qk_norm_rope_head_groups(backend: str, heads: int, kv_heads: int, rows: int) -> None:
-    """Head counts that do not fill the kernel's groups of 8 (12, 10 and 12 heads)."""
+    """Head counts that do not fill the kernel's groups of 8 (12, 10 and 12 heads), through the
+    drafter's fused view against its torch view (the torch view against itself would prove nothing)."""
     drafter = tiny_drafter(drafter_config(extra={
         "num_attention_heads": heads, "num_key_value_heads": kv_heads, "head_dim": 8}))
     ref = FastDrafter.from_drafter(drafter, kernels.ops("torch"))
