@@ -142,8 +142,7 @@ def test_graph_modes_and_buckets() -> None:
 def test_memory_report_matches_the_formula_to_the_byte() -> None:
     shape = bd_pair.SHAPES["tiny"]
     dtype = torch.float32
-    target = bd_pair.random_target(shape, torch.device("cpu"), dtype)
-    drafter = bd_pair.random_drafter(shape, torch.device("cpu"), dtype)
+    target, drafter = bd_pair.random_pair(shape, torch.device("cpu"), dtype)
     prop = bd_bench.make_proposer(drafter, target, shape, 37, 2, "off", 20)
     st = prop.alloc_state()
     prop.commit_ctx(st, torch.randn(37, shape.ctx_row_width), range(37))
@@ -295,8 +294,7 @@ def test_quick_bench_logs_rounded_figures(caplog: pytest.LogCaptureFixture) -> N
     caplog.set_level(logging.INFO, logger="blockdraft.bench")
     shape = bd_pair.SHAPES["tiny"]
     cpu = torch.device("cpu")
-    target = bd_pair.random_target(shape, cpu, torch.float32)
-    drafter = bd_pair.random_drafter(shape, cpu, torch.float32)
+    target, drafter = bd_pair.random_pair(shape, cpu, torch.float32)
     recs = bd_bench.bench_quick(shape, drafter, target, cpu, cells=[(24, 1), (24, 2)], reps=2,
                                 warmup=1)
     assert [(r["context"], r["batch"]) for r in recs] == [(24, 1), (24, 2)]
@@ -305,8 +303,7 @@ def test_quick_bench_logs_rounded_figures(caplog: pytest.LogCaptureFixture) -> N
 
 def test_memory_figures_read_the_cache() -> None:
     shape = bd_pair.SHAPES["tiny"]
-    target = bd_pair.random_target(shape, torch.device("cpu"), torch.float32)
-    drafter = bd_pair.random_drafter(shape, torch.device("cpu"), torch.float32)
+    target, drafter = bd_pair.random_pair(shape, torch.device("cpu"), torch.float32)
     prop = bd_bench.make_proposer(drafter, target, shape, 20, 1, "off", 8)
     assert prop.page_size == 16
     # One block: every layer's K and V rows of 16 slots, fp32 (+ its slot positions).
@@ -315,8 +312,7 @@ def test_memory_figures_read_the_cache() -> None:
 
 def test_graphs_off_and_a_stubbed_launch_steer_the_graph_path() -> None:
     shape = bd_pair.SHAPES["tiny"]
-    target = bd_pair.random_target(shape, torch.device("cpu"), torch.float32)
-    drafter = bd_pair.random_drafter(shape, torch.device("cpu"), torch.float32)
+    target, drafter = bd_pair.random_pair(shape, torch.device("cpu"), torch.float32)
     prop = bd_bench.make_proposer(drafter, target, shape, 20, 2, "static", 40)
     runner = prop.graph_runner
     assert runner is not None and runner.mode == "static"

@@ -296,8 +296,7 @@ def test_quick_bench_runs_on_the_tiny_shape() -> None:
 
     shape = bd_pair.SHAPES["tiny"]
     cpu = torch.device("cpu")
-    target = bd_pair.random_target(shape, cpu, torch.float32)
-    drafter = bd_pair.random_drafter(shape, cpu, torch.float32)
+    target, drafter = bd_pair.random_pair(shape, cpu, torch.float32)
     recs = bd_bench.bench_quick(shape, drafter, target, cpu, cells=[(32, 1), (32, 2)], reps=2,
                                 warmup=1)
     assert [(r["context"], r["batch"]) for r in recs] == [(32, 1), (32, 2)]
