@@ -9,6 +9,7 @@ gate/up shape of the first built-in target, kept fixed so that records of every 
 Prints a table and writes ``builtin_pair.json`` under the given directory (or ``$OUT``).
 
     python benchmarks/builtin_pair.py [OUT_DIR] [--device cpu|cuda] [--prompts N] [--new N] [--block-size 8|16]
+        [--draft-length adaptive|K]
 """
 
 from __future__ import annotations
@@ -57,7 +58,12 @@ def main() -> None:
     ap.add_argument("--new", type=int, default=128)
     ap.add_argument("--block-size", type=int, default=pretrained.DEFAULT_BLOCK_SIZE, choices=(8, 16),
                     help="which shipped drafter (default: the built-in default)")
+    ap.add_argument("--draft-length", default=None,
+                    help="'adaptive' or a fixed number of drafts per step (default: the engine's)")
     args = ap.parse_args()
+    draft_length: Any = args.draft_length
+    if draft_length not in (None, "adaptive"):
+        draft_length = int(draft_length)
     dev = torch.device(args.device)
     target, drafter, _ = pretrained.builtin_pair(device=dev, dtype=torch.float32, block_size=args.block_size)
     prompts = pretrained.heldout_prompts()[: args.prompts]
@@ -65,10 +71,11 @@ def main() -> None:
     longest = max(len(p) for p in prompts) + n
     engine = blockdraft.SpeculativeEngine(target, drafter, runtime="blockdraft",
                                           max_seq_len=longest, max_active=len(prompts),
-                                          max_batch=len(prompts))
+                                          max_batch=len(prompts), draft_length=draft_length)
     runtime = engine.runtime
     assert runtime is not None
-    rec: dict[str, Any] = {"device": str(dev), "block_size": args.block_size, "prompts": len(prompts), "new_tokens": n,
+    rec: dict[str, Any] = {"device": str(dev), "block_size": args.block_size,
+                           "draft_length": engine.draft_length, "prompts": len(prompts), "new_tokens": n,
                            "host": platform.processor() or platform.machine(),
                            "cpus": os.cpu_count(), "torch": torch.__version__}
     if dev.type == "cuda":
@@ -115,7 +122,8 @@ def main() -> None:
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "builtin_pair.json").write_text(json.dumps(rec, indent=1))
-    print(f"built-in pair (B = {args.block_size}) on {rec.get('gpu', rec['host'])} ({dev}), "
+    print(f"built-in pair (B = {args.block_size}, draft length {engine.draft_length}) "
+          f"on {rec.get('gpu', rec['host'])} ({dev}), "
           f"{len(prompts)} prompts x {n}:")
     for key in ("yardstick_gemv_us", "speculative_tok_s", "tau", "runtime_decode_tok_s", "hf_generate_tok_s",
                 "speedup_vs_runtime_decode", "speedup_vs_hf_generate", "batched_tok_s",

@@ -3,12 +3,14 @@
 #   OUT=/some/dir bash benchmarks/quick_h200.sh
 # Random qwen3-8b pair in bf16; propose n=1 at 4K and 16K, propose_batch n=32 at 4K, median of
 # REPS timed calls (CUDA events, each call preceded by one committed ctx row), graphs on, then
-# the plain path (no graphs) on the same states. Prints one table; writes $OUT/quick.json and
+# the plain path (no graphs) on the same states; the same cells with the DFlash2 drafter of
+# shape qwen3-8b-dflash2 on the same target (SHAPES="qwen3-8b" skips it), with its ratio to
+# DFlash's. Prints one table; writes $OUT/quick.json and
 # $OUT/quick.md (default: a new directory under ${TMPDIR:-/tmp}/blockdraft-bench, outside the
 # checkout). Needs blockdraft importable (wheel or `maturin develop`).
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh" quick
-export PYTHONUNBUFFERED=1 OUT REPS="${REPS:-20}"
+export PYTHONUNBUFFERED=1 OUT REPS="${REPS:-20}" SHAPES="${SHAPES:-qwen3-8b qwen3-8b-dflash2}"
 "$py" - <<'PY'
 import json, logging, os, time
 from pathlib import Path
@@ -19,20 +21,26 @@ from blockdraft import bench, pair
 
 logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
 device, dtype = torch.device("cuda"), torch.bfloat16
+names = os.environ["SHAPES"].split()
 shape = pair.SHAPES["qwen3-8b"]
 t0 = time.perf_counter()
+records = []
 with torch.inference_mode():
-    target = pair.random_target(shape, device, dtype, 0)
-    drafter = pair.random_drafter(shape, device, dtype, 1)
+    target = pair.random_target(shape, device, dtype, 0)  # the same target for every drafter
     torch.cuda.synchronize(device)
     build_s = time.perf_counter() - t0
-    records = bench.bench_quick(shape, drafter, target, device, reps=int(os.environ["REPS"]))
+    for name in names:
+        drafter_shape = pair.SHAPES[name]
+        drafter = pair.random_drafter(drafter_shape, device, dtype, 1)
+        records += bench.bench_quick(drafter_shape, drafter, target, device, reps=int(os.environ["REPS"]))
+        del drafter
+        torch.cuda.empty_cache()
     # How fast this host is at the Rust core's per-step calls: host-bound figures vary by up to
     # 2x between machines of the same kind, so read them next to this one.
     core = bench.bench_core_bookkeeping(16, shape, calls=20000)
 result = {
     "environment": bench.environment(device),
-    "shape": "qwen3-8b",
+    "shapes": names,
     "dtype": "bf16",
     "build_s": build_s,
     "total_s": time.perf_counter() - t0,

@@ -1,5 +1,6 @@
 """Masked argmax over bf16 logits, 151936 vocab, with a packed bitmask and without: 512 rows (a
-32-sequence batch's drafted rows) and 15 rows (one sequence, B = 16).
+32-sequence batch's drafted rows) and 15 rows (one sequence, B = 16). Then DFlash2's top-8 at
+480, 15 and 1 rows against ``torch.topk(sorted=False)`` (``torch_ms``); bytes: the logits.
 
 ``ms`` is the launcher called back to back; ``graph_ms`` the same call replayed from a CUDA
 graph, as the proposer's graph path runs it; ``torch_argmax_nomask_ms`` is ``torch.argmax`` on
@@ -45,6 +46,27 @@ def main() -> None:
                            "ratio": round(gb_per_s(nbytes, ms) / copy, 3),
                            "graph_ratio": round(gb_per_s(nbytes, replay_ms) / copy, 3),
                            "torch_argmax_nomask_ms": round(torch_ms, 4), "target_ratio": 0.70})
+
+    top_k = 8
+    for rows in (480, 15, 1):
+        logits = torch.randn(rows, vocab, dtype=torch.bfloat16, device="cuda")
+        vals, ids = K.ops("triton").topk(logits, top_k)
+        want = torch.topk(logits, top_k, dim=-1).values
+        assert torch.equal(vals.sort(-1, descending=True).values, want), f"topk: {rows} rows"
+
+        def top(logits: torch.Tensor = logits) -> tuple[torch.Tensor, torch.Tensor]:
+            return K.ops("triton").topk(logits, top_k)
+
+        def torch_top(logits: torch.Tensor = logits) -> object:
+            return torch.topk(logits, top_k, dim=-1, sorted=False)
+
+        ms = bench_ms(top)
+        nbytes = logits.numel() * 2
+        record(a.out, {"bench": "topk", "rows": rows, "vocab": vocab, "k": top_k,
+                       "ms": round(ms, 4), "graph_ms": round(graph_ms(top), 4),
+                       "gb_per_s": round(gb_per_s(nbytes, ms), 1),
+                       "ratio": round(gb_per_s(nbytes, ms) / copy, 3),
+                       "torch_ms": round(bench_ms(torch_top), 4)})
 
 
 if __name__ == "__main__":

@@ -41,7 +41,7 @@ from blockdraft.engine import SpeculativeEngine, generate
 from blockdraft.levers import Levers, read_levers
 from blockdraft.models import DFlash2Drafter, DFlashDrafter
 from blockdraft.proposer import DFlashProposer, DFlashState
-from blockdraft.results import GenerationResult, GenerationStats
+from blockdraft.results import GenerationResult, GenerationStats, TokenLogprob
 from blockdraft.sampling import SamplingParams
 from blockdraft.target import TargetAdapter, TargetOutput, TargetRuntime, decode
 
@@ -68,6 +68,7 @@ __all__ = [
     "TargetAdapter",
     "TargetOutput",
     "TargetRuntime",
+    "TokenLogprob",
     "core",
     "ctx_ceiling",
     "ctx_window",

@@ -19,6 +19,12 @@ ENV_CTX_CAP: Final[str]
 DEFAULT_CTX_CAP: Final[int]
 """Cap used when the environment variable is unset (16384 tokens)."""
 
+ENV_SLIDE: Final[str]
+"""Name of the environment variable holding the slide fraction (``BLOCKDRAFT_DFLASH_SLIDE``)."""
+
+DEFAULT_SLIDE: Final[float]
+"""Slide fraction used when the environment variable is unset (0.125 of the window)."""
+
 PAD_SLOT: Final[int]
 """Slot value that marks a row the K/V store must skip (-1)."""
 
@@ -83,6 +89,23 @@ def read_ctx_cap() -> int:
 
     Raises:
         ConfigError: the value is not a non-negative integer.
+    """
+
+def read_slide() -> float:
+    """The slide fraction from ``BLOCKDRAFT_DFLASH_SLIDE`` (default 0.125): the share of the
+    window a slide leaves free beyond the rows of the commit that caused it.
+
+    Raises:
+        ConfigError: the value is not a fraction in ``[0, 1)``.
+    """
+
+def slide_room(window: int, fraction: float | None = None) -> int:
+    """Rows a slide of a ``window``-row context leaves free: ``floor(window * fraction)``,
+    at most ``window - 1``. ``fraction=None`` reads ``BLOCKDRAFT_DFLASH_SLIDE``.
+
+    Raises:
+        ValueError: ``window < 1`` or a fraction outside ``[0, 1)``.
+        ConfigError: the environment variable is not a fraction in ``[0, 1)``.
     """
 
 @final
@@ -202,17 +225,28 @@ class ContextState:
     pages, as a safety net against leaks.
     """
 
-    def __new__(cls, pool: BlockPool, window: int, owner: int = 0) -> ContextState:
+    def __new__(
+        cls, pool: BlockPool, window: int, owner: int = 0, slide_room: int = 0
+    ) -> ContextState:
         """A fresh state with an empty context of ``window`` rows (``window >= 1``).
 
         ``owner`` tags the state with the id of the proposer that made it, so a proposer can
-        reject states of another one.
+        reject states of another one. ``slide_room`` (``0 <= slide_room < window``) is how many
+        rows every slide leaves free beyond the commit's (0: slide by exactly what the commit
+        needs).
+
+        Raises:
+            ValueError: ``window < 1`` or ``slide_room`` negative or not below the window.
         """
 
     @property
     def owner(self) -> int: ...
     @property
     def window(self) -> int: ...
+    @property
+    def slide_room(self) -> int:
+        """Rows a slide leaves free beyond the rows of the commit that caused it."""
+
     @property
     def ctx_len(self) -> int: ...
     @property
@@ -255,7 +289,7 @@ class ContextState:
 
         Positions must be non-negative, strictly increasing, and greater than the last context
         position. When the rows would overflow the window, the plan slides first, keeping the
-        newest ``window - n`` rows.
+        newest ``max(0, window - slide_room - n)`` rows (never cutting a new one).
 
         Raises:
             ValueError: empty, negative, unordered positions, or more rows than the window.

@@ -12,7 +12,8 @@ them. Here are the pieces it is built from (all implemented in Rust, ``blockdraf
 * the proposer's batch policy: :func:`propose_batch_max`, :func:`batch_decline_reason`,
   :func:`split_bands`;
 * the context-window cap lever: :func:`read_ctx_cap`, :data:`ENV_CTX_CAP`,
-  :data:`DEFAULT_CTX_CAP`;
+  :data:`DEFAULT_CTX_CAP`; the slide lever: :func:`read_slide`, :func:`slide_room`,
+  :data:`ENV_SLIDE`, :data:`DEFAULT_SLIDE`;
 * :data:`PAD_SLOT`, the slot of a row that must not be written.
 
 Every decision here is deterministic and property-tested (``cargo test``); the pool, the window
@@ -23,7 +24,9 @@ from __future__ import annotations
 
 from blockdraft._core import (
     DEFAULT_CTX_CAP,
+    DEFAULT_SLIDE,
     ENV_CTX_CAP,
+    ENV_SLIDE,
     PAD_SLOT,
     AppendPlan,
     ContextState,
@@ -37,12 +40,16 @@ from blockdraft._core import (
     plan_forward,
     propose_batch_max,
     read_ctx_cap,
+    read_slide,
+    slide_room,
     split_bands,
 )
 
 __all__ = [
     "DEFAULT_CTX_CAP",
+    "DEFAULT_SLIDE",
     "ENV_CTX_CAP",
+    "ENV_SLIDE",
     "PAD_SLOT",
     "AppendPlan",
     "ContextState",
@@ -56,5 +63,7 @@ __all__ = [
     "plan_forward",
     "propose_batch_max",
     "read_ctx_cap",
+    "read_slide",
+    "slide_room",
     "split_bands",
 ]

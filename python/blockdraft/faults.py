@@ -23,6 +23,7 @@ Sites (each raises what the real failure raises):
 | ``target_forward`` | the target's forward (prefill, verify, decode), runtime or HF | ``torch.OutOfMemoryError`` |
 | ``target_pages`` | the runtime's pages for a new sequence | ``PoolExhaustedError`` |
 | ``workspace`` | the runtime's per-forward buffers (the captured rows) | ``torch.OutOfMemoryError`` |
+| ``prefill`` | the engine's prefill of the requests a step admits (before its forward) | ``torch.OutOfMemoryError`` |
 
 Every injected exception's message starts with ``fault injection``. Not thread-safe: arm
 faults from one thread at a time.
@@ -58,9 +59,13 @@ PROPOSER_SITES: tuple[str, ...] = (
 """The sites inside the proposer (a test of the proposer alone arms these)."""
 TARGET_SITES: tuple[str, ...] = ("target_forward", "target_pages", "workspace")
 """The sites of the target's side: its forward and the runtime's allocations."""
-SITES: tuple[str, ...] = PROPOSER_SITES + TARGET_SITES
+ENGINE_SITES: tuple[str, ...] = ("prefill",)
+"""The engine's own sites: a prefill that runs out of memory (only the prefill hits it, so a
+test can fail one request's prefill while others run)."""
+SITES: tuple[str, ...] = PROPOSER_SITES + TARGET_SITES + ENGINE_SITES
 
-_OOM_SITES = frozenset({"accumulator", "page_table_dev", "kv_cache", "target_forward", "workspace"})
+_OOM_SITES = frozenset({"accumulator", "page_table_dev", "kv_cache", "target_forward", "workspace",
+                        "prefill"})
 _POOL_SITES = frozenset({"pool_pages", "target_pages"})
 
 

@@ -7,6 +7,7 @@ in the middle of a serve.
 | variable | default | meaning |
 | --- | --- | --- |
 | ``BLOCKDRAFT_DFLASH_CTX_CAP`` | 16384 | context-window cap in rows; ``0`` = uncapped |
+| ``BLOCKDRAFT_DFLASH_SLIDE`` | 0.125 | share of a full window a slide leaves free, in ``[0, 1)`` |
 | ``BLOCKDRAFT_DFLASH_BATCH_PROPOSE`` | 16 | ``propose_batch`` width; below 2 turns batching off |
 | ``BLOCKDRAFT_DFLASH_BATCHED_PRECOMPUTE`` | on | one ctx K/V precompute for a whole batch |
 | ``BLOCKDRAFT_DFLASH_DRAFT_CAP`` | unset (all B-1) | at most this many drafts per sequence |
@@ -18,7 +19,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from blockdraft._core import ConfigError, read_ctx_cap
+from blockdraft._core import DEFAULT_SLIDE, ConfigError, read_ctx_cap, read_slide
 
 ENV_BATCH_PROPOSE = "BLOCKDRAFT_DFLASH_BATCH_PROPOSE"
 ENV_BATCHED_PRECOMPUTE = "BLOCKDRAFT_DFLASH_BATCHED_PRECOMPUTE"
@@ -36,6 +37,10 @@ class Levers:
 
     Attributes:
         ctx_cap: context-window cap in rows (0 = uncapped).
+        slide: the share of a full window a slide leaves free beyond the commit's rows, in
+            ``[0, 1)``: one recompute of the kept rows then serves the next ``slide * window``
+            committed rows (0 slides by exactly the rows a commit needs, recomputing the
+            window on every commit once it is full).
         batch_propose: requested ``propose_batch`` width (< 2 = batching off).
         batched_precompute: whether ``propose_batch`` computes every sequence's ctx K/V in one
             GEMM.
@@ -43,9 +48,17 @@ class Levers:
     """
 
     ctx_cap: int
+    slide: float = DEFAULT_SLIDE
     batch_propose: int = DEFAULT_BATCH_PROPOSE
     batched_precompute: bool = True
     draft_cap: int | None = None
+
+    def __post_init__(self) -> None:
+        # Checked here, not at the first slide: a bad share would otherwise fail mid-serve.
+        if isinstance(self.slide, bool) or not isinstance(self.slide, (int, float)):
+            raise TypeError(f"slide must be a float, not {type(self.slide).__name__}")
+        if not 0.0 <= self.slide < 1.0:
+            raise ValueError(f"slide must be in [0, 1), got {self.slide}")
 
 
 def _int_var(env: Mapping[str, str], name: str, *, minimum: int) -> int | None:
@@ -82,6 +95,7 @@ def read_levers() -> Levers:
     width = _int_var(os.environ, ENV_BATCH_PROPOSE, minimum=0)
     return Levers(
         ctx_cap=read_ctx_cap(),
+        slide=read_slide(),
         batch_propose=DEFAULT_BATCH_PROPOSE if width is None else width,
         batched_precompute=_bool_var(os.environ, ENV_BATCHED_PRECOMPUTE, True),
         draft_cap=_int_var(os.environ, ENV_DRAFT_CAP, minimum=1),

@@ -1,8 +1,29 @@
-"""What a generation call returns: the tokens per prompt and what the call measured."""
+"""What a generation call returns: the tokens per prompt, their log-probabilities when asked
+for, and what the call measured."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """The target's log-probability of one generated token and of its likeliest alternatives.
+
+    Log-probabilities are the log-softmax of the target's raw logits at the position that
+    produced the token (before penalties, temperature, top-k/top-p or a grammar mask), as
+    vLLM reports by default: they say what the model thinks, not how the token was drawn.
+
+    Attributes:
+        token: the generated token id.
+        logprob: its log-probability.
+        top: the ``k`` likeliest ids as ``(id, logprob)``, likeliest first (``k`` as asked
+            for; empty for 0).
+    """
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass
@@ -59,10 +80,16 @@ class GenerationStats:
 
 @dataclass
 class GenerationResult:
-    """Generated tokens per prompt (prompt excluded, stop token included) and stats."""
+    """Generated tokens per prompt (prompt excluded, stop token included) and stats.
+
+    Attributes:
+        logprobs: per prompt, one :class:`TokenLogprob` per generated token when the call
+            asked for them (``logprobs=k``), else ``None``.
+    """
 
     tokens: list[list[int]]
     stats: GenerationStats = field(repr=False)
+    logprobs: list[list[TokenLogprob]] | None = field(default=None, repr=False)
 
 
-__all__ = ["GenerationResult", "GenerationStats"]
+__all__ = ["GenerationResult", "GenerationStats", "TokenLogprob"]

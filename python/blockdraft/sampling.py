@@ -5,10 +5,16 @@ sampling, lossless for any draft distribution ``q``: draft ``d`` is accepted wit
 ``min(1, p(d) / q(d))``, and on rejection the token is drawn from ``norm(max(0, p - q))``; when
 every draft is accepted the bonus token is drawn from ``p``. Greedy drafts are the case
 ``q = onehot(d)``: accept with probability ``p(d)``, else draw from ``p`` without ``d``.
+
+Penalties (:class:`Penalties`) change the target's logits before everything else, at every
+verify row after the tokens before it; ``p`` is then the penalised distribution, so greedy
+and sampled output with penalties equal target-only decoding with the same penalties.
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -22,18 +28,34 @@ class SamplingParams:
     Attributes:
         temperature: 0 = greedy; else sampling at this temperature.
         top_p / top_k: nucleus and top-k filtering of the target distribution (1.0 / 0: off).
+        presence_penalty / frequency_penalty: OpenAI's penalties, in [-2, 2]: subtracted
+            from the logit of every token already generated, once (presence) and once per
+            time it was generated (frequency). 0: off.
+        repetition_penalty: the Hugging Face / vLLM penalty, > 0: the logit of every token
+            of the prompt or the generated text is divided by it when positive, multiplied
+            when negative. 1: off.
     """
 
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
 
     def __post_init__(self) -> None:
         validate_sampling(self.temperature, self.top_p, self.top_k)
+        validate_penalties(self.presence_penalty, self.frequency_penalty, self.repetition_penalty)
 
     @property
     def greedy(self) -> bool:
         return self.temperature <= 0
+
+    @property
+    def penalised(self) -> bool:
+        """Whether any penalty is on (the target's logits then depend on the tokens so far)."""
+        return (self.presence_penalty != 0 or self.frequency_penalty != 0
+                or self.repetition_penalty != 1)
 
 
 def validate_sampling(temperature: float, top_p: float, top_k: int) -> None:
@@ -49,6 +71,20 @@ def validate_sampling(temperature: float, top_p: float, top_k: int) -> None:
         raise ValueError(f"top_p must be in (0, 1], not {top_p}")
     if top_k < 0:
         raise ValueError(f"top_k must be >= 0, not {top_k}")
+
+
+def validate_penalties(presence: float, frequency: float, repetition: float) -> None:
+    """Raises ``ValueError`` (``TypeError`` for non-numbers) naming a bad penalty."""
+    values = (("presence_penalty", presence), ("frequency_penalty", frequency),
+              ("repetition_penalty", repetition))
+    for name, value in values:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise TypeError(f"{name} must be a number, not {type(value).__name__}")
+    for name, value in values[:2]:
+        if not -2.0 <= value <= 2.0:
+            raise ValueError(f"{name} must be in [-2, 2], not {value}")
+    if not 0.0 < repetition < math.inf:
+        raise ValueError(f"repetition_penalty must be > 0 and finite, not {repetition}")
 
 
 _GREEDY = SamplingParams()
@@ -72,6 +108,57 @@ def allowed_ids(bitmask: Tensor, vocab: int) -> Tensor:
     allows id ``32 * w + j``)."""
     ids = torch.arange(vocab, device=bitmask.device)
     return ((bitmask.to(torch.int64)[..., ids // 32] >> (ids % 32)) & 1).to(torch.bool)
+
+
+class Penalties:
+    """A request's penalties at one position: what the prompt and the tokens generated so far
+    make of the target's logits (:attr:`SamplingParams.presence_penalty` and the others).
+
+    The repetition penalty counts the prompt and the generated tokens (as Hugging Face and
+    vLLM do); presence and frequency count the generated tokens only (as OpenAI does). The
+    repetition penalty applies first, then frequency and presence are subtracted.
+
+    Args:
+        params: the request's settings.
+        vocab: the logits' width ``V``; ids outside ``[0, V)`` count for nothing.
+        prompt / generated: the tokens before the position.
+    """
+
+    def __init__(self, params: SamplingParams, vocab: int, prompt: Sequence[int],
+                 generated: Sequence[int]) -> None:
+        self.params = params
+        self.vocab = vocab
+        self.counts = _bincount(generated, vocab)  # [V] fp32: times each id was generated
+        self.seen: Tensor | None = None  # [V] bool: in the prompt or generated
+        if params.repetition_penalty != 1:
+            self.seen = (_bincount(prompt, vocab) + self.counts) > 0
+
+    def add(self, token: int) -> None:
+        """One more generated token (the next position's penalties)."""
+        if 0 <= token < self.vocab:
+            self.counts[token] += 1
+            if self.seen is not None:
+                self.seen[token] = True
+
+    def apply(self, logits: Tensor) -> Tensor:
+        """``logits [..., V]`` (fp32) penalised (a new tensor; the input is left as it was)."""
+        p = self.params
+        out = logits
+        counts = self.counts.to(out.device)
+        if self.seen is not None:
+            scaled = torch.where(out > 0, out / p.repetition_penalty, out * p.repetition_penalty)
+            out = torch.where(self.seen.to(out.device), scaled, out)
+        if p.frequency_penalty != 0:
+            out = out - p.frequency_penalty * counts
+        if p.presence_penalty != 0:
+            out = out - p.presence_penalty * (counts > 0).to(out.dtype)
+        return out
+
+
+def _bincount(ids: Sequence[int], vocab: int) -> Tensor:
+    t = torch.as_tensor(list(ids), dtype=torch.int64)
+    t = t[(t >= 0) & (t < vocab)]
+    return torch.bincount(t, minlength=vocab).to(torch.float32)
 
 
 def target_probs(
@@ -143,11 +230,13 @@ def accept_draft(
 
 
 __all__ = [
+    "Penalties",
     "SamplingParams",
     "accept_draft",
     "allowed_ids",
     "as_sampling",
     "draw",
     "target_probs",
+    "validate_penalties",
     "validate_sampling",
 ]

@@ -222,6 +222,25 @@ def test_bench_rejects_bad_configs() -> None:
         bd_bench.run(bd_bench.BenchConfig(e2e_backends=["cudnn"]))
     with pytest.raises(ValueError, match="e2e_repeats"):
         bd_bench.run(bd_bench.BenchConfig(e2e_repeats=0))
+    for caps in ([], [None, -1]):
+        with pytest.raises(ValueError, match="spec caps"):
+            bd_bench.run(bd_bench.BenchConfig(spec_caps=caps))
+
+
+def test_spec_caps_option() -> None:
+    """``--spec-caps``: ``env`` (the environment's cap) and token counts, in order; anything
+    else is a clear error naming the option."""
+    import argparse
+
+    from blockdraft.bench.command import add_arguments, config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    assert config_from_args(parser.parse_args([])).spec_caps == [None]
+    assert config_from_args(parser.parse_args(["--spec-caps", "0, env,4096"])).spec_caps == [0, None, 4096]
+    for bad in ("lots", "-1"):
+        with pytest.raises(ValueError, match="--spec-caps"):
+            config_from_args(parser.parse_args(["--spec-caps", bad]))
 
 
 _UNROUNDED = re.compile(r"\d\.\d{4,}|\d[eE][-+]?\d")
@@ -341,3 +360,22 @@ def test_graphs_off_and_a_stubbed_launch_steer_the_graph_path() -> None:
     assert prop.pool.num_free == prop.pool.num_pages
     bd_bench.release(prop)
     assert prop.graph_runner is None
+
+
+def test_quick_bench_puts_a_dflash2_drafter_beside_dflash() -> None:
+    """The ``*-dflash2`` shapes are the same pair with a DFlash2 drafter; the quick table shows
+    its latency beside DFlash's, with their ratio."""
+    cpu = torch.device("cpu")
+    base, two = bd_pair.SHAPES["tiny"], bd_pair.SHAPES["tiny-dflash2"]
+    assert bd_pair.SHAPES["qwen3-8b-dflash2"].dflash2 == (3, 32, 32, 8)
+    target, drafter = bd_pair.random_pair(base, cpu, torch.float32)
+    drafter2 = bd_pair.random_drafter(two, cpu, torch.float32)
+    assert type(drafter2).__name__ == "DFlash2Drafter" and drafter2.config.selector_top_k == 4
+    recs = [*bd_bench.bench_quick(base, drafter, target, cpu, cells=[(24, 2)], reps=2, warmup=1),
+            *bd_bench.bench_quick(two, drafter2, target, cpu, cells=[(24, 2)], reps=2, warmup=1)]
+    assert [r["shape"] for r in recs] == ["tiny", "tiny-dflash2"]
+    rows = bd_bench.quick_markdown(recs).splitlines()[2:]
+    ratio = recs[1]["latency_ms"]["median"] / recs[0]["latency_ms"]["median"]
+    assert rows[0].startswith("| tiny | 24 | 2 |") and "target ≤" not in rows[0]
+    assert rows[1].startswith("| tiny-dflash2 | 24 | 2 |")
+    assert f"| {ratio:.2f}x (target ≤ 1.15x) |" in rows[1]

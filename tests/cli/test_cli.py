@@ -328,8 +328,10 @@ def test_demo_page_size_and_block_size(capsys: pytest.CaptureFixture[str]) -> No
     assert main(["demo", "--page-size", "4", "--block-size", "3", "--budget", "10", "--steps", "2",
                  "--prefill", "5"]) == 0
     out = capsys.readouterr().out.splitlines()
-    # window = budget + B + 1 rows (no cap reached); 5 prefill rows take 2 pages of 4.
-    assert out[0].startswith("pool: 64 pages x 4 tokens;") and out[0].endswith("B=3: 14 rows")
+    # window = budget + B + 1 rows (no cap reached), a slide leaving floor(14 / 8) = 1 row free;
+    # 5 prefill rows take 2 pages of 4.
+    assert out[0].startswith("pool: 64 pages x 4 tokens;")
+    assert out[0].endswith("B=3: 14 rows; a slide leaves 1 free (env BLOCKDRAFT_DFLASH_SLIDE)")
     assert out[1] == "step 0 seq 0: +5 rows -> ctx_len 5, positions 0..4, 2 pages; pool 2/64 used"
     with pytest.raises(SystemExit):
         main(["demo", "--gamma", "8"])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -286,34 +287,40 @@ def test_foreign_plans_are_rejected() -> None:
     check_world(pool, [a, b])
 
 
-def ref_append(ctx: list[int], window: int, new: list[int]) -> tuple[int | None, int, list[int]]:
-    """(slide src_start or None, dst_start, positions after) of appending ``new`` to ``ctx``."""
+def ref_append(
+    ctx: list[int], window: int, new: list[int], room: int = 0
+) -> tuple[int | None, int, list[int]]:
+    """(slide src_start or None, dst_start, positions after) of appending ``new`` to ``ctx``
+    in a window whose slides leave ``room`` rows free beyond the new ones."""
     if len(ctx) + len(new) <= window:
         return None, len(ctx), ctx + new
-    keep = window - len(new)
+    keep = max(0, window - room - len(new))
     return len(ctx) - keep, keep, ctx[len(ctx) - keep :] + new
 
 
 @given(
     window=st.integers(1, 24),
+    room=st.integers(0, 23),
     page_size=st.integers(1, 5),
     steps=st.lists(
         st.tuples(st.integers(1, 24), st.integers(0, 3), st.booleans()), min_size=1, max_size=30
     ),
 )
 def test_appends_and_slides_match_reference(
-    window: int, page_size: int, steps: list[tuple[int, int, bool]]
+    window: int, room: int, page_size: int, steps: list[tuple[int, int, bool]]
 ) -> None:
-    """Random appends (gaps between positions, overflowing windows), precompute in between."""
+    """Random appends (gaps between positions, overflowing windows) in windows with random
+    slide rooms, precompute in between."""
+    room = min(room, window - 1)
     pool = BlockPool(ceil_div(window, page_size), page_size)
-    state = ContextState(pool, window)
+    state = ContextState(pool, window, slide_room=room)
     score.sequences += 1
     next_pos = 0
     for n, gap, commit in steps:
         n = min(n, window)
         new = list(range(next_pos + gap, next_pos + gap + n))
         next_pos = new[-1] + 1
-        src, dst, after = ref_append(state.ctx_positions, window, new)
+        src, dst, after = ref_append(state.ctx_positions, window, new, room)
         old_committed = state.ctx_committed
         plan = state.plan_append(new)
         assert plan.dst_start == dst and plan.n_rows == n and plan.positions == new
@@ -339,6 +346,20 @@ def test_appends_and_slides_match_reference(
         check_world(pool, [state])
     state.free()
     assert pool.num_free == pool.num_pages
+
+
+def test_slide_room_out_of_range_is_refused_and_changes_nothing() -> None:
+    pool = BlockPool(4, 4)
+    before = world_snapshot(pool, [])
+    for bad in (4, 5):
+        with expect_clear_error(ValueError, "slide_room"):
+            ContextState(pool, 4, slide_room=bad)
+    with expect_clear_error(ValueError, "slide_room"):
+        ContextState(pool, 4, slide_room=-1)
+    with pytest.raises(TypeError):
+        ContextState(pool, 4, slide_room=1.5)  # type: ignore[arg-type]
+    assert world_snapshot(pool, []) == before
+    assert ContextState(pool, 4, slide_room=3).slide_room == 3
 
 
 def test_last_position_tracks_the_newest_row_through_slides() -> None:

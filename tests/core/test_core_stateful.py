@@ -1,7 +1,7 @@
 """A hypothesis state machine over the core's public API, checked against a Python model.
 
 Rules drive one BlockPool shared by many ContextStates plus raw allocations by an extra owner:
-append rows (with slides), precompute (confirm, abort or drop; exhaustion), propose/verify
+append rows (with slides over random slide rooms), precompute (confirm, abort or drop; exhaustion), propose/verify
 counters, free, double free, use after free, stale and foreign plans. After every step the
 core's invariants (numbered in ``rust/blockdraft-core/src/lib.rs``) hold (1-3 as ``@invariant``s,
 4-6 inside the rules that can break them, 7 at teardown), and every declined or failed operation
@@ -24,7 +24,7 @@ from hypothesis.stateful import (
 )
 
 from blockdraft import BlockPool, InvalidStateError, PoolExhaustedError
-from blockdraft.core import AppendPlan, ContextState
+from blockdraft.core import AppendPlan, ContextState, slide_room
 
 from support.core_checks import assert_fresh, ceil_div, check_world, world_snapshot
 from support.scorecard import expect_clear_error, score
@@ -36,6 +36,9 @@ class Model:
 
     window: int
     owner: int
+    room: int = 0
+    # (rows of the commit that last slid, rows committed since); None before any slide
+    last_slide: tuple[int, int] | None = None
     positions: list[int] = field(default_factory=list)
     committed: int = 0
     seq_len: int = 0
@@ -86,11 +89,19 @@ class CoreMachine(RuleBasedStateMachine):
         self.pool = BlockPool(num_pages, page_size)
         score.operations += 1
 
-    @rule(target=live, window=st.integers(1, 24), owner=st.integers(0, 3))
-    def new_state(self, window: int, owner: int) -> ContextState:
+    @rule(
+        target=live,
+        window=st.integers(1, 24),
+        owner=st.integers(0, 3),
+        fraction=st.one_of(st.just(0.0), st.floats(0.0, 1.0, exclude_max=True)),
+    )
+    def new_state(self, window: int, owner: int, fraction: float) -> ContextState:
         assert self.pool is not None
-        state = ContextState(self.pool, window, owner=owner)
-        self.models[id(state)] = Model(window, owner)
+        room = slide_room(window, fraction)
+        assert room == min(int(window * fraction), window - 1)
+        state = ContextState(self.pool, window, owner=owner, slide_room=room)
+        assert state.slide_room == room
+        self.models[id(state)] = Model(window, owner, room)
         self.live_states.append(state)
         score.operations += 1
         return state
@@ -137,8 +148,9 @@ class CoreMachine(RuleBasedStateMachine):
             assert plan.slide is None
             assert plan.dst_start == len(ctx)
         else:
-            keep = m.window - n
-            event("commit: slide")
+            # The room is left free beyond the commit's rows; the commit's rows all stay.
+            keep = max(0, m.window - m.room - n)
+            event("commit: slide" if m.room == 0 else "commit: slide with room")
             assert plan.slide is not None
             assert (plan.slide.src_start, plan.slide.keep) == (len(ctx) - keep, keep)
             assert plan.dst_start == keep
@@ -150,7 +162,15 @@ class CoreMachine(RuleBasedStateMachine):
         score.operations += 1
         if plan.slide is None:
             m.positions = ctx + new
+            if m.last_slide is not None:
+                m.last_slide = (m.last_slide[0], m.last_slide[1] + n)
         else:
+            # The policy: no slide before the room the last one left (or what its commit left
+            # of the window) has filled up.
+            if m.last_slide is not None:
+                last_n, since = m.last_slide
+                assert since + n > min(m.room, m.window - last_n), (since, n, m.room, last_n)
+            m.last_slide = (n, 0)
             # Invariant 4: the newest rows, in order, with their positions; K/V recomputed.
             kept = ctx[len(ctx) - plan.slide.keep :]
             m.positions = kept + new
@@ -158,8 +178,10 @@ class CoreMachine(RuleBasedStateMachine):
             assert state.ctx_positions[: plan.slide.keep] == kept
             assert state.ctx_committed == 0 and state.page_table == []
             assert self.pool.num_free == free_before + held
+            assert state.ctx_len == max(m.window - m.room, n)
             score.invariant_checks += 1
         assert state.ctx_positions == m.positions
+        assert state.ctx_len <= m.window
 
     @rule(
         state=live,
@@ -273,8 +295,12 @@ class CoreMachine(RuleBasedStateMachine):
             newer = state.plan_append([m.next_position + 1])
             state.apply_append(newer)
             if newer.slide is not None:
+                assert newer.slide.keep == max(0, m.window - m.room - 1)
                 m.positions = m.positions[len(m.positions) - newer.slide.keep :]
                 m.committed = 0
+                m.last_slide = (1, 0)
+            elif m.last_slide is not None:
+                m.last_slide = (m.last_slide[0], m.last_slide[1] + 1)
             m.positions = m.positions + newer.positions
         score.operations += 2
         before = self.snapshot()

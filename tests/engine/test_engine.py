@@ -14,10 +14,11 @@ from torch.nn.attention import SDPBackend
 import blockdraft
 from blockdraft.engine import DEFAULT_SDPA_BACKENDS, Request, SpeculativeEngine, generate
 from blockdraft.engine.accept import accept_blocks, first_tokens
-from blockdraft.proposer import DFlashProposer, DFlashState
+from blockdraft.proposer import DFlashProposer
 from blockdraft.sampling import SamplingParams, sample_rows, target_probs
 from blockdraft.target import HFTarget
 
+from support.oracle import OracleProposer
 from support.tinypair import drafter_config, tiny_drafter, tiny_target
 
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9], [10, 11, 12, 13, 14, 15, 16, 17, 18], [30]]
@@ -36,45 +37,6 @@ def reference(target: Any, prompt: list[int], n: int, stops: list[int] | None = 
             if t in stops:
                 return out[: i + 1]
     return list(out)
-
-
-class OracleProposer(DFlashProposer):
-    """Real drafting and bookkeeping, but the returned drafts are the target's own greedy
-    continuation with every third draft corrupted: exercises long acceptances and rejections
-    at every offset inside a block."""
-
-    def __init__(self, *args: Any, truth: list[list[int]], **kw: Any) -> None:
-        super().__init__(*args, **kw)
-        self.truth = truth
-        self.owner_of: dict[int, int] = {}
-        self.calls = 0
-        self.allocs = 0
-
-    def alloc_state_for(self, budget_tokens: int) -> DFlashState:
-        st = super().alloc_state_for(budget_tokens)
-        self.owner_of[id(st)] = self.allocs % len(self.truth)  # the engine allocates in prompt order
-        self.allocs += 1
-        return st
-
-    def _fix(self, st: DFlashState, position: int, drafts: list[int]) -> list[int]:
-        seq = self.truth[self.owner_of[id(st)]]
-        out = []
-        for j in range(len(drafts)):
-            tok = seq[position + 1 + j] if position + 1 + j < len(seq) else 0
-            self.calls += 1
-            out.append((tok + 1) % 64 if self.calls % 3 == 0 else tok)
-        return out
-
-    def propose(
-        self, st: Any, last_token: int, position: int, num_drafts: int, grammar_bitmask: Any = None
-    ) -> list[int]:
-        return self._fix(st, position, super().propose(st, last_token, position, num_drafts, grammar_bitmask))
-
-    def propose_batch(self, states: Any, last_tokens: Any, positions: Any, num_drafts: int) -> Any:
-        got = super().propose_batch(states, last_tokens, positions, num_drafts)
-        if got is None:
-            return None
-        return [self._fix(s, p, d) for s, p, d in zip(states, positions, got)]
 
 
 @pytest.fixture(scope="module", params=["qwen3", "llama"])

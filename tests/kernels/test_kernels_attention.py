@@ -157,19 +157,48 @@ def test_attention_page_ids_above_65535_and_offsets_above_2_pow_31(tmp_path: Pat
     assert_close(got, want, "attention output")
 
 
-def test_default_splits_leave_no_split_empty(monkeypatch: pytest.MonkeyPatch) -> None:
-    """About 2 programs per SM, trimmed so that equal whole-tile splits cover the context with
-    none left empty (132 SMs, 8 KV heads, 16K: 33 wanted -> 8 tiles each -> 32)."""
+def test_default_splits_are_few_powers_of_two(monkeypatch: pytest.MonkeyPatch) -> None:
+    """About 2 programs per SM (the batch rounded up to a power of two), as a power of two
+    no larger than the context's tiles rounded up: 132 SMs, 8 KV heads, 16K: 33 wanted ->
+    32; 3 sequences count as 4 (9 wanted -> 8). The count is a compile-time constant of the
+    kernel, so over all batch sizes and contexts it takes only a few values."""
     need_triton(CPU)
     import importlib
 
     mod = importlib.import_module("blockdraft.kernels.paged_attention")
     monkeypatch.setattr(mod, "sm_count", lambda device: 132)
     cases = {(1, 8, 16384): 32, (1, 8, 4096): 32, (32, 8, 16384): 2, (1, 8, 64): 1,
-             (1, 1, 16384): 256, (3, 8, 6400): 10}
+             (1, 1, 16384): 256, (3, 8, 6400): 8, (4, 8, 6400): 8, (1, 8, 5 * 64): 4,
+             (1, 8, 3 * 64): 2}
     for (n, kvh, ctx), want in cases.items():
         got = mod.default_num_splits(n, kvh, ctx, CPU, 64)
-        tiles = -(-ctx // 64)
-        per = -(-tiles // got)
         assert got == want, (n, kvh, ctx)
-        assert (got - 1) * per < tiles <= got * per  # every split holds at least one tile
+    seen = {mod.default_num_splits(n, 8, ctx, CPU, 64)
+            for n in range(1, 33) for ctx in range(1, 20000, 37)}
+    assert seen == {1, 2, 4, 8, 16, 32}
+
+
+def test_causal_launch_config_follows_power_of_two_classes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The target's attention compiles one variant per (sequences, longest new rows) class:
+    any call's compile-time constants equal those of the call at the powers of two above its
+    sizes, which is the call the engine's warm-up runs (132 SMs, Qwen3-8B heads, a full-width
+    table). A ragged prefill chunk of 5 sequences, the longest 100 rows, is the (8, 128) call."""
+    need_triton(CPU)
+    mod = importlib.import_module("blockdraft.kernels.causal_attention")
+    monkeypatch.setattr(mod, "sm_count", lambda device: 132)
+
+    def constants(n: int, rows: int) -> tuple[int, ...]:
+        block_q, _, block_m, block_n, splits = mod.launch_config(n, rows, 4, 8, 4096 * 16, CPU)
+        return block_q, block_m, block_n, splits
+
+    def up(x: int) -> int:
+        return 1 << (x - 1).bit_length()
+
+    seen = set()
+    for n in range(1, 33):
+        for rows in (*range(1, 70), *range(70, 513, 7)):
+            got = constants(n, rows)
+            assert got == constants(up(n), up(rows)), (n, rows)
+            seen.add(got)
+    assert constants(5, 100) == constants(8, 128)
+    assert len({s for *_, s in seen}) > 1  # the split count does vary with the class

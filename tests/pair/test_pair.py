@@ -23,7 +23,7 @@ from blockdraft.pair import (
     random_drafter,
     random_pair,
 )
-from blockdraft.pair.load import ByteTokenizer, find_pair, load_pair
+from blockdraft.pair.load import ByteTokenizer, find_pair, load_pair, max_positions
 
 from support.tinypair import tiny_target
 
@@ -171,3 +171,11 @@ def test_load_pair_loads_both_models_and_the_tokenizer(tmp_path: Path) -> None:
     assert pair.max_positions == 512 and pair.target.dtype == torch.float32
     assert pair.drafter.config.hidden_size == pair.target.config.hidden_size
     assert pair.tokenizer.encode("w1 w2") == [1, 2]
+
+
+def test_max_positions_reads_the_family_name_for_it() -> None:
+    assert max_positions({"model_type": "gpt2", "n_positions": 1024, "n_ctx": 1024}) == 1024
+    assert max_positions({"model_type": "gpt_neox", "max_position_embeddings": 2048}) == 2048
+    assert max_positions({"text_config": {"model_type": "gpt2", "n_positions": 512}}) == 512
+    assert max_positions({"model_type": "not-a-known-type", "n_positions": 1024}) is None
+    assert max_positions({"model_type": "gpt2"}) is None

@@ -83,8 +83,9 @@ def _argv(tdir: Path, ddir: Path, *extra: str) -> list[str]:
 
 
 def _text(out: str) -> list[str]:
-    """The decoded text and the tau line's token count (the timings vary)."""
-    lines = out.splitlines()
+    """The decoded text and the tau line's token count (the timings, and the warm-up line
+    with them, vary)."""
+    lines = [line for line in out.splitlines() if not line.startswith("warm-up:")]
     spec = next(line for line in lines if line.startswith("speculative:"))
     return [lines[1], spec.split(",")[0]]
 

@@ -18,7 +18,7 @@ from blockdraft.kernels import triton_available
 from blockdraft.models.attention import ReferenceAttend
 from blockdraft.proposer.fast import FastDrafter
 
-from support.tinypair import drafter_config, tiny_drafter, tiny_target
+from support.tinypair import drafter_config, tiny_dflash2, tiny_drafter, tiny_target
 
 BACKENDS = ["torch", pytest.param("triton", marks=pytest.mark.skipif(
     not triton_available(), reason="Triton is not importable here"))]
@@ -64,25 +64,26 @@ def test_qk_norm_rope_head_groups(backend: str, heads: int, kv_heads: int, rows:
         torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5)
 
 
-def test_dflash2_drafters_have_no_fused_view() -> None:
-    cfg = drafter_config(extra={"architectures": ["DFlash2DraftModel"], "conv_kernel_size": 2,
-                                "conv_group_size": 8, "selector_rank": 4, "selector_top_k": 4})
-    from blockdraft.models import DFlash2Drafter
-
-    drafter = DFlash2Drafter(cfg, device="cpu", dtype=torch.float32)
-    assert FastDrafter.from_drafter(drafter, kernels.ops("torch")) is None
+def test_only_dflash_drafters_have_a_fused_view() -> None:
     assert FastDrafter.from_drafter(object(), kernels.ops("torch")) is None
 
 
 def _steps(prop: DFlashProposer, eager_calls: list[int]) -> list[list[list[int]]]:
-    """3 sequences: a long first commit (stored eagerly), then 1..4 rows per step (staged)."""
-    original = prop.forward.store_plans
+    """3 sequences: a long first commit (stored before the forward: ``store_plans`` on the
+    plain path, ``store_long_plans`` on the graph path), then 1..4 rows per step (staged)."""
+    fwd = prop.forward
+    plain_store, long_store = fwd.store_plans, fwd.store_long_plans
 
     def counting(items: Any) -> None:
         eager_calls.append(len(items))
-        original(items)
+        plain_store(items)
 
-    prop.forward.store_plans = counting  # type: ignore[method-assign]
+    def counting_long(items: Any) -> None:
+        eager_calls.append(len(items))
+        long_store(items)
+
+    fwd.store_plans = counting  # type: ignore[method-assign]
+    fwd.store_long_plans = counting_long  # type: ignore[method-assign]
     rows = torch.randn(200, 64, generator=torch.Generator().manual_seed(5))
     states = [prop.alloc_state_for(80) for _ in range(3)]
     pos = [11, 5, 17]
@@ -303,3 +304,67 @@ def test_quick_bench_runs_on_the_tiny_shape() -> None:
     assert all(r["latency_ms"]["median"] > 0 for r in recs)
     table = bd_bench.quick_markdown(recs)
     assert table.count("\n") == 4 and "| 32 | 2 |" in table
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_dflash2_fast_forward_equals_the_reference_forward_in_fp32(backend: str) -> None:
+    drafter = tiny_dflash2(block=5)
+    fast = FastDrafter.from_drafter(drafter, kernels.ops(backend))  # type: ignore[arg-type]
+    assert fast is not None and all(a is not None and m is not None for a, m in fast.convs)
+    gen = torch.Generator().manual_seed(2)
+    ctx = torch.randn(3, 6, 64, generator=gen)
+    ctx_pos = [torch.arange(6), torch.arange(2, 8), torch.arange(9, 15)]
+    kv = [drafter.context_kv(drafter.fuse_context(ctx[i]), ctx_pos[i]) for i in range(3)]
+    embeds = torch.randn(3, 5, 32, generator=gen)
+    block_pos = torch.stack([torch.arange(6, 11), torch.arange(8, 13), torch.arange(15, 20)])
+    attend = ReferenceAttend(drafter.config, kv, ctx_pos, block_pos)
+    want = drafter.forward_block(embeds, block_pos, attend)
+    torch.testing.assert_close(fast.forward_block(embeds, block_pos, attend), want,
+                               atol=2e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_dflash2_graph_path_gives_the_plain_drafts(backend: str) -> None:
+    """DFlash2 drafts through the graph path's buffers (``graphs="static"``: the fused view,
+    the selector walk from the metadata's anchors) equal the plain path's, at n = 1 and in
+    the batched buckets (n = 3 -> bucket 4)."""
+    target = tiny_target()
+    drafter = tiny_dflash2(layers=1)
+
+    def make(graphs: str, be: str) -> DFlashProposer:
+        return DFlashProposer(drafter, target, max_seq_len=120, num_pages=90, page_size=4,
+                              max_batch=4, graphs=graphs, backend=be)  # type: ignore[arg-type]
+
+    plain = _steps(make("off", "torch"), [])
+    static_prop = make("static", backend)
+    runner = static_prop.graph_runner
+    assert runner is not None
+    launches: list[int] = []
+    real_launch = runner.launch
+
+    def recording(bucket: Any, n: int, cap: int) -> Any:
+        launches.append(bucket.size)
+        return real_launch(bucket, n, cap)
+
+    runner.launch = recording  # type: ignore[method-assign]
+    graph = _steps(static_prop, [])
+    assert sorted(set(launches)) == [1, 4] and len(launches) == 8
+    assert graph == plain
+    # the drafts depend on the anchors (the selector's first predecessor): not a constant
+    assert len({tuple(d) for step in plain for d in step}) > 3
+
+
+def test_dflash2_plain_path_on_triton_gives_the_torch_drafts() -> None:
+    """The plain path's select on the Triton backend (split top-K, kernel walk) drafts what the
+    torch backend (``torch.topk``, the reference walk) does."""
+    if not triton_available():
+        pytest.skip("Triton is not importable here")
+    target = tiny_target()
+    drafter = tiny_dflash2(layers=1)
+    got = {}
+    for be in ("torch", "triton"):
+        prop = DFlashProposer(drafter, target, max_seq_len=120, num_pages=90, page_size=4,
+                              max_batch=4, graphs="off", backend=be)  # type: ignore[arg-type]
+        assert prop.forward.ops.backend == be
+        got[be] = _steps(prop, [])
+    assert got["triton"] == got["torch"]

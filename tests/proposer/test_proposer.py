@@ -13,6 +13,7 @@ import torch
 
 import blockdraft.proposer.proposer as proposer_mod
 from blockdraft import BlockPool, ConfigError, InvalidStateError, PoolExhaustedError
+from blockdraft.levers import Levers
 from blockdraft.proposer import DFlashProposer, DFlashState
 
 from support.scorecard import expect_clear_error, score
@@ -110,19 +111,35 @@ def test_accumulator_zeroed_and_sized(drafter: Any, target: Any) -> None:
     assert bool((again.acc == 0).all())
 
 
-def test_commit_slides_keeping_newest_rows(drafter: Any, target: Any) -> None:
+@pytest.mark.parametrize(("slide", "room"), [(None, 1), ("0", 0), ("0.5", 4)])
+def test_commit_slides_keeping_newest_rows(
+    drafter: Any, target: Any, monkeypatch: pytest.MonkeyPatch, slide: str | None, room: int
+) -> None:
+    """A slide keeps the newest rows and leaves ``floor(window * BLOCKDRAFT_DFLASH_SLIDE)``
+    rows free beyond the commit's (default 1/8)."""
+    if slide is not None:
+        monkeypatch.setenv("BLOCKDRAFT_DFLASH_SLIDE", slide)
     prop = make(drafter, target)
     st = prop.alloc_state_for(3)  # window = 3 + B + 1 = 8 rows
-    assert st.window == 8
-    data = rows(14, 1)
+    assert (st.window, st.ctx.slide_room) == (8, room)
+    data = rows(20, 1)
     prop.commit_ctx(st, data[:6], range(6))
     prop.propose(st, 3, 6, 2)
     assert st.ctx_committed == 6 and st.page_table
     prop.commit_ctx(st, data[6:11], range(6, 11))  # 11 rows > 8: slide
     assert st.ctx_committed == 0
     assert st.page_table == []  # pages back; K/V is recomputed by the next propose
-    assert st.ctx_positions == list(range(3, 11))
-    assert st.acc is not None and torch.equal(st.acc, data[3:11])
+    # The newest rows that leave `room` free, but never fewer than the commit's own 5.
+    first = 11 - max(8 - room, 5)
+    assert st.ctx_positions == list(range(first, 11))
+    assert st.acc is not None and torch.equal(st.acc[: 11 - first], data[first:11])
+    # The free rows take that many more commits before the next slide.
+    end = 11 + 8 - (11 - first)
+    for p in range(11, end):
+        prop.commit_ctx(st, data[p : p + 1], [p])
+        assert st.ctx_positions[0] == first
+    prop.commit_ctx(st, data[end : end + 1], [end])
+    assert st.ctx_positions[0] > first and st.ctx_committed == 0
     score.invariant_checks += 3
 
 
@@ -133,11 +150,13 @@ def test_drafts_after_slide_equal_fresh_state(drafter: Any, target: Any) -> None
     prop.commit_ctx(slid, data[:7], range(7))
     prop.propose(slid, 5, 7, 3)
     prop.commit_ctx(slid, data[7:12], range(7, 12))
+    first = slid.ctx_positions[0]
+    assert first > 4  # the default slide room dropped more than the commit needed
     fresh = prop.alloc_state_for(3)
-    prop.commit_ctx(fresh, data[4:12], range(4, 12))
+    prop.commit_ctx(fresh, data[first:12], range(first, 12))
     assert slid.ctx_positions == fresh.ctx_positions
     assert prop.propose(slid, 9, 12, 3) == prop.propose(fresh, 9, 12, 3)
-    assert slid.ctx_committed == slid.ctx_len == 8
+    assert slid.ctx_committed == slid.ctx_len == 12 - first
 
 
 def test_commit_more_rows_than_window_keeps_newest(drafter: Any, target: Any) -> None:
@@ -406,6 +425,9 @@ def test_shared_pool_between_proposers(drafter: Any, target: Any) -> None:
     ("var", "value"),
     [
         ("BLOCKDRAFT_DFLASH_CTX_CAP", "lots"),
+        ("BLOCKDRAFT_DFLASH_SLIDE", "1"),
+        ("BLOCKDRAFT_DFLASH_SLIDE", "-0.1"),
+        ("BLOCKDRAFT_DFLASH_SLIDE", "an eighth"),
         ("BLOCKDRAFT_DFLASH_BATCH_PROPOSE", "x"),
         ("BLOCKDRAFT_DFLASH_BATCH_PROPOSE", "-1"),
         ("BLOCKDRAFT_DFLASH_BATCHED_PRECOMPUTE", "maybe"),
@@ -425,8 +447,10 @@ def test_levers_accept_documented_values(drafter: Any, target: Any, monkeypatch:
     monkeypatch.setenv("BLOCKDRAFT_DFLASH_BATCHED_PRECOMPUTE", "off")
     monkeypatch.setenv("BLOCKDRAFT_DFLASH_DRAFT_CAP", "3")
     monkeypatch.setenv("BLOCKDRAFT_DFLASH_BATCH_PROPOSE", "0")
+    monkeypatch.setenv("BLOCKDRAFT_DFLASH_SLIDE", " 0.25 ")
     lv = make(drafter, target).levers
     assert (lv.batched_precompute, lv.draft_cap, lv.batch_propose) == (False, 3, 0)
+    assert lv.slide == 0.25
 
 
 def test_mismatched_pair_and_backend(drafter: Any, target: Any) -> None:
@@ -552,3 +576,12 @@ def test_draft_sampled_equals_propose_sampled(drafter: Any, target: Any) -> None
     assert got.q[1] is None and got.q[2] is None
     assert got.tokens[1:] == [prop.propose(single[1], 4, 6, 2), prop.propose(single[2], 5, 3, 2)]
     assert (got.batched, got.single) == (1, 1)
+
+
+def test_levers_refuse_a_slide_outside_the_unit_interval() -> None:
+    assert Levers(ctx_cap=0).slide == 0.125
+    for bad in (1.0, -0.01, float("nan")):
+        with expect_clear_error(ValueError, "slide"):
+            Levers(ctx_cap=0, slide=bad)
+    with pytest.raises(TypeError):
+        Levers(ctx_cap=0, slide="0.1")  # type: ignore[arg-type]

@@ -3,7 +3,8 @@
 Random interleavings of alloc, commit, propose, propose_batch, after_verify, free, double free
 and use after free, with TESTING.md's invariants checked after every step: conservation of
 pool pages, no page held twice, per-state row/position/page accounting, slides keep the
-newest rows, declined batches change nothing, free resets everything.
+newest rows and leave the room of the run's slide lever (drawn per run), declined batches
+change nothing, free resets everything.
 
 Each step runs real tensors through the drafter, so this machine uses fewer examples than the
 core's pure-bookkeeping machines (``ci``: 80 runs of up to 30 steps; ``thorough``: 400 x 60).
@@ -19,9 +20,18 @@ import pytest
 import torch
 from hypothesis import settings
 from hypothesis import strategies as st
-from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, rule
+from hypothesis.stateful import (
+    Bundle,
+    RuleBasedStateMachine,
+    consumes,
+    initialize,
+    invariant,
+    rule,
+)
 
 from blockdraft import InvalidStateError, PoolExhaustedError
+from blockdraft.core import slide_room
+from blockdraft.levers import Levers
 from blockdraft.proposer import DFlashProposer, DFlashState
 
 from support.scorecard import expect_clear_error, score
@@ -46,6 +56,14 @@ class ProposerMachine(RuleBasedStateMachine):
         self.seed = 0
         score.sequences += 1
 
+    @initialize(slide=st.sampled_from([0.0, 0.125, 0.3, 0.9]))
+    def slide_lever(self, slide: float) -> None:
+        """The run's proposer slides leaving ``slide`` of each window free."""
+        self.prop = DFlashProposer(
+            DRAFTER, TARGET, max_seq_len=40, num_pages=12, page_size=4, max_batch=3,
+            backend="torch", levers=Levers(ctx_cap=self.prop.levers.ctx_cap, slide=slide),
+        )
+
     def _rows(self, n: int) -> torch.Tensor:
         self.seed += 1
         return torch.randn(n, K_H, generator=torch.Generator().manual_seed(self.seed))
@@ -69,7 +87,10 @@ class ProposerMachine(RuleBasedStateMachine):
         kept = min(n, s.window)
         appended = old_pos + list(range(start, start + n))
         slid = len(appended) > s.window
-        # A slide keeps the newest rows (and may keep fewer than the window).
+        # A slide keeps the newest rows, leaving the lever's room free unless the commit's own
+        # rows need it.
+        if slid:
+            assert s.ctx_len == max(s.window - slide_room(s.window, self.prop.levers.slide), kept)
         expect = appended[len(appended) - s.ctx_len :] if slid else appended
         assert s.ctx_positions == expect
         assert s.acc is not None and torch.equal(s.acc[s.ctx_len - kept : s.ctx_len], data[-kept:])

@@ -254,6 +254,8 @@ def test_propose_batch_bad_input_declines_and_changes_nothing(
 ENV_CASES = [
     ("BLOCKDRAFT_DFLASH_CTX_CAP", "lots"),
     ("BLOCKDRAFT_DFLASH_CTX_CAP", "-1"),
+    ("BLOCKDRAFT_DFLASH_SLIDE", "1.5"),
+    ("BLOCKDRAFT_DFLASH_SLIDE", "nan"),
     ("BLOCKDRAFT_DFLASH_BATCH_PROPOSE", "two"),
     ("BLOCKDRAFT_DFLASH_BATCH_PROPOSE", "-3"),
     ("BLOCKDRAFT_DFLASH_BATCHED_PRECOMPUTE", "maybe"),
@@ -477,6 +479,9 @@ def test_cli_bad_inputs(
     monkeypatch.setenv("BLOCKDRAFT_DFLASH_CTX_CAP", "huge")
     expect_cli_error(capsys, ["demo"], "BLOCKDRAFT_DFLASH_CTX_CAP")
     monkeypatch.delenv("BLOCKDRAFT_DFLASH_CTX_CAP")
+    monkeypatch.setenv("BLOCKDRAFT_DFLASH_SLIDE", "2")
+    expect_cli_error(capsys, ["demo"], "BLOCKDRAFT_DFLASH_SLIDE")
+    monkeypatch.delenv("BLOCKDRAFT_DFLASH_SLIDE")
     monkeypatch.setenv("BLOCKDRAFT_DFLASH_DRAFT_CAP", "none")
     expect_cli_error(capsys, ["generate", "x", "--max-new-tokens", "2", "--device", "cpu", "--no-progress"],
                      "BLOCKDRAFT_DFLASH_DRAFT_CAP")

@@ -87,7 +87,7 @@ BAD = [
     ("unknown model, chat", "chat/completions", _chat(model="nope"), 404, "model", "model_not_found"),
     ("prompt a number", "completions", _completion(prompt=5), 400, "prompt", "invalid_value"),
     ("prompt mixed list", "completions", _completion(prompt=["a", 1]), 400, "prompt", "invalid_value"),
-    ("batch of prompts", "completions", _completion(prompt=["a", "b"]), 400, "prompt", "unsupported"),
+    ("too many prompts", "completions", _completion(prompt=["a"] * 65), 400, "prompt", "invalid_value"),
     ("max_tokens a string", "completions", _completion(max_tokens="8"), 400, "max_tokens", "invalid_type"),
     ("max_tokens a float", "completions", _completion(max_tokens=8.5), 400, "max_tokens", "invalid_type"),
     ("temperature a string", "completions", _completion(temperature="hot"), 400, "temperature", "invalid_type"),
@@ -108,8 +108,11 @@ BAD = [
      400, "return_meta_info", "invalid_type"),
     ("stream_options a list", "completions", _completion(stream=True, stream_options=[]),
      400, "stream_options", "invalid_type"),
-    ("n 2", "completions", _completion(n=2), 400, "n", "unsupported"),
-    ("logprobs", "chat/completions", _chat(logprobs=True), 400, "logprobs", "unsupported"),
+    ("n 17", "completions", _completion(n=17), 400, "n", "invalid_value"),
+    ("best_of above n", "completions", _completion(best_of=2), 400, "best_of", "unsupported"),
+    ("top_logprobs 21", "chat/completions", _chat(logprobs=True, top_logprobs=21), 400, "top_logprobs",
+     "invalid_value"),
+    ("logit_bias", "chat/completions", _chat(logit_bias={"5": 1}), 400, "logit_bias", "unsupported"),
     ("echo", "completions", _completion(echo=True), 400, "echo", "unsupported"),
 ]
 

@@ -66,7 +66,7 @@ def test_parse_json_refuses_what_is_not_a_json_object(raw: bytes, words: str) ->
 def test_a_minimal_completion_body_takes_every_default() -> None:
     req = parse_request("completion", {"prompt": "def f():"})
     assert req == GenerationRequest(
-        kind="completion", model=None, prompt="def f():", messages=None, max_tokens=None,
+        kind="completion", model=None, prompts=["def f():"], messages=None, max_tokens=None,
         sampling=SamplingParams(temperature=1.0, top_p=1.0, top_k=0), stop=(), seed=None, stream=False,
         include_usage=False, return_meta_info=False)
 
@@ -74,7 +74,7 @@ def test_a_minimal_completion_body_takes_every_default() -> None:
 def test_a_minimal_chat_body_takes_every_default() -> None:
     req = parse_request("chat", {"messages": USER})
     assert req == GenerationRequest(
-        kind="chat", model=None, prompt=None, messages=USER, max_tokens=None,
+        kind="chat", model=None, prompts=None, messages=USER, max_tokens=None,
         sampling=SamplingParams(temperature=1.0, top_p=1.0, top_k=0), stop=(), seed=None, stream=False,
         include_usage=False, return_meta_info=False)
     assert DEFAULT_COMPLETION_TOKENS == 16
@@ -82,7 +82,9 @@ def test_a_minimal_chat_body_takes_every_default() -> None:
 
 FIELDS = ["model", "max_tokens", "temperature", "top_p", "top_k", "stop", "seed", "stream",
           "stream_options", "return_meta_info", "n", "best_of", "logprobs", "top_logprobs",
-          "echo", "suffix"]
+          "echo", "suffix", "presence_penalty", "frequency_penalty", "repetition_penalty",
+          "stop_token_ids", "ignore_eos", "min_tokens", "logit_bias", "tools", "functions",
+          "tool_choice", "function_call", "audio", "prediction", "modalities"]
 
 
 @pytest.mark.parametrize("kind", ["completion", "chat"])
@@ -95,7 +97,7 @@ def test_null_means_the_default(kind: str) -> None:
 
 
 def test_unknown_fields_are_ignored() -> None:
-    extra = {"user": "u", "frobnicate": {"x": [1, 2]}, "presence_penalty": 0.5, "metadata": None}
+    extra = {"user": "u", "frobnicate": {"x": [1, 2]}, "metadata": None, "store": False}
     assert completion(**extra) == completion()
     assert chat(**extra) == chat()
 
@@ -111,14 +113,17 @@ def test_every_field_is_read() -> None:
 
 
 @pytest.mark.parametrize("prompt, want", [
-    ("def f():", "def f():"),
-    ("", ""),  # the empty prompt is refused once it is encoded (it may be whitespace-free text)
-    ([1, 2, 3], [1, 2, 3]),
-    (["def f():"], "def f():"),
-    ([[4, 5]], [4, 5]),
+    ("def f():", ["def f():"]),
+    ("", [""]),  # the empty prompt is refused once it is encoded (it may be whitespace-free text)
+    ([1, 2, 3], [[1, 2, 3]]),
+    (["def f():"], ["def f():"]),
+    ([[4, 5]], [[4, 5]]),
+    (["a", "b", "a"], ["a", "b", "a"]),  # several prompts, in order
+    ([[1], [2, 3]], [[1], [2, 3]]),
+    (["p"] * 64, ["p"] * 64),
 ])
-def test_prompt_forms(prompt: Any, want: str | list[int]) -> None:
-    assert completion(prompt=prompt).prompt == want
+def test_prompt_forms(prompt: Any, want: list[str | list[int]]) -> None:
+    assert completion(prompt=prompt).prompts == want
 
 
 @pytest.mark.parametrize("prompt, code", [
@@ -132,8 +137,10 @@ def test_prompt_forms(prompt: Any, want: str | list[int]) -> None:
     ([1.5], "invalid_value"),
     ([["a"]], "invalid_value"),
     (["a", [1]], "invalid_value"),
-    (["a", "b"], "unsupported"),
-    ([[1], [2]], "unsupported"),
+    ([[1], []], "invalid_value"),
+    ([[1], [True]], "invalid_value"),
+    (["p"] * 65, "invalid_value"),  # past MAX_PROMPTS
+    ([[1]] * 65, "invalid_value"),
 ])
 def test_bad_prompts_name_the_prompt(prompt: Any, code: str) -> None:
     err = refused("completion", {"prompt": prompt})
@@ -147,7 +154,7 @@ def test_prompt_is_required() -> None:
 
 
 def test_a_chat_body_needs_no_prompt_and_a_completion_body_no_messages() -> None:
-    assert chat(prompt=[1, 2]).prompt is None
+    assert chat(prompt=[1, 2]).prompts is None
     assert completion(messages="anything").messages is None
 
 
@@ -334,14 +341,21 @@ def test_bad_booleans_name_the_field(body: dict[str, Any], param: str) -> None:
     assert (err.param, err.code) == (param, "invalid_type")
 
 
-@pytest.mark.parametrize("kind", ["completion", "chat"])
-@pytest.mark.parametrize("body, param", [
-    ({"n": 2}, "n"),
-    ({"n": 0}, "n"),
-    ({"best_of": 3}, "best_of"),
-    ({"logprobs": True}, "logprobs"),
-    ({"logprobs": 2}, "logprobs"),
-    ({"top_logprobs": 1}, "logprobs"),
+@pytest.mark.parametrize("kind, body, param", [
+    ("completion", {"echo": True}, "echo"),
+    ("completion", {"suffix": "}"}, "suffix"),
+    ("completion", {"logit_bias": {"5": 10}}, "logit_bias"),
+    ("chat", {"logit_bias": {"5": -100}}, "logit_bias"),
+    ("chat", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ("chat", {"functions": [{"name": "f"}]}, "functions"),
+    ("chat", {"tool_choice": "required"}, "tool_choice"),
+    ("chat", {"tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice"),
+    ("chat", {"function_call": {"name": "f"}}, "function_call"),
+    ("chat", {"audio": {"voice": "alloy", "format": "wav"}}, "audio"),
+    ("chat", {"modalities": ["text", "audio"]}, "modalities"),
+    ("chat", {"prediction": {"type": "content", "content": "x"}}, "prediction"),
+    ("completion", {"best_of": 3}, "best_of"),
+    ("chat", {"n": 2, "best_of": 3}, "best_of"),
 ])
 def test_options_the_server_cannot_honour_are_refused(kind: str, body: dict[str, Any], param: str) -> None:
     base: dict[str, Any] = {"prompt": "x"} if kind == "completion" else {"messages": USER}
@@ -349,30 +363,90 @@ def test_options_the_server_cannot_honour_are_refused(kind: str, body: dict[str,
     assert (err.param, err.code) == (param, "unsupported")
 
 
-@pytest.mark.parametrize("body, param", [({"echo": True}, "echo"), ({"suffix": "}"}, "suffix")])
-def test_completion_only_options_are_refused_on_completions(body: dict[str, Any], param: str) -> None:
-    err = refused("completion", {"prompt": "x", **body})
-    assert (err.param, err.code) == (param, "unsupported")
-    assert chat(**body) == chat()  # unknown fields to chat
-
-
 def test_the_values_that_ask_for_nothing_are_accepted() -> None:
-    same = {"n": 1, "best_of": 1, "logprobs": False, "top_logprobs": 0, "echo": False, "suffix": ""}
+    same = {"n": 1, "best_of": 1, "echo": False, "suffix": "", "logit_bias": {}, "logprobs": None,
+            "presence_penalty": 0, "frequency_penalty": 0.0, "repetition_penalty": 1,
+            "stop_token_ids": [], "ignore_eos": False, "min_tokens": 0}
     assert completion(**same) == completion()
-    assert completion(logprobs=0) == completion()
+    chat_same = {**same, "logprobs": False, "top_logprobs": 0, "tools": [], "tool_choice": "none",
+                 "functions": [], "function_call": "auto", "modalities": ["text"]}
+    del chat_same["echo"], chat_same["suffix"]
+    assert chat(**chat_same) == chat()
+    assert completion(n=3, best_of=3) == completion(n=3)
 
 
-def test_n_of_a_wrong_type_is_a_type_error() -> None:
-    err = refused("completion", {"prompt": "x", "n": "2"})
-    assert (err.param, err.code) == ("n", "invalid_type")
+def test_request_fields_are_read() -> None:
+    req = completion(prompt=["a", "b"], n=3, logprobs=5, presence_penalty=-2, frequency_penalty=2,
+                     repetition_penalty=1.3, stop_token_ids=[7, 0, 7], ignore_eos=True, min_tokens=4,
+                     max_tokens=4)
+    assert (req.prompts, req.n, req.logprobs, req.stop_token_ids, req.ignore_eos, req.min_tokens) == (
+        ["a", "b"], 3, 5, (7, 0), True, 4)
+    assert req.sampling == SamplingParams(1.0, 1.0, 0, -2.0, 2.0, 1.3)
+    assert completion(logprobs=0).logprobs == 0  # the chosen token's log-probability only
+    assert chat(logprobs=True).logprobs == 0
+    assert chat(logprobs=True, top_logprobs=20).logprobs == 20
+    assert chat(logprobs=False).logprobs is None
+    assert completion(n=16).n == 16 and completion(n=2, prompt=["p"] * 32).n == 2
+
+
+@pytest.mark.parametrize("kind, body, param, code", [
+    ("completion", {"n": 0}, "n", "invalid_value"),
+    ("completion", {"n": 17}, "n", "invalid_value"),  # past MAX_N
+    ("chat", {"n": -1}, "n", "invalid_value"),
+    ("completion", {"n": "2"}, "n", "invalid_type"),
+    ("completion", {"n": 3, "prompt": ["p"] * 22}, "n", "invalid_value"),  # 66 choices
+    ("completion", {"n": 2, "best_of": 1}, "best_of", "invalid_value"),
+    ("completion", {"logprobs": 6}, "logprobs", "invalid_value"),
+    ("completion", {"logprobs": -1}, "logprobs", "invalid_value"),
+    ("completion", {"logprobs": True}, "logprobs", "invalid_type"),
+    ("completion", {"top_logprobs": 2}, "top_logprobs", "invalid_value"),
+    ("chat", {"logprobs": 2}, "logprobs", "invalid_type"),
+    ("chat", {"logprobs": True, "top_logprobs": 21}, "top_logprobs", "invalid_value"),
+    ("chat", {"logprobs": True, "top_logprobs": -1}, "top_logprobs", "invalid_value"),
+    ("chat", {"top_logprobs": 3}, "top_logprobs", "invalid_value"),  # without logprobs: true
+    ("chat", {"logprobs": True, "top_logprobs": 1.5}, "top_logprobs", "invalid_type"),
+    ("completion", {"presence_penalty": 2.5}, "presence_penalty", "invalid_value"),
+    ("chat", {"frequency_penalty": -2.01}, "frequency_penalty", "invalid_value"),
+    ("chat", {"presence_penalty": "1"}, "presence_penalty", "invalid_type"),
+    ("completion", {"repetition_penalty": 0}, "repetition_penalty", "invalid_value"),
+    ("chat", {"repetition_penalty": -1}, "repetition_penalty", "invalid_value"),
+    ("completion", {"repetition_penalty": math.inf}, "repetition_penalty", "invalid_value"),
+    ("completion", {"stop_token_ids": 5}, "stop_token_ids", "invalid_type"),
+    ("chat", {"stop_token_ids": [1, "2"]}, "stop_token_ids", "invalid_type"),
+    ("chat", {"stop_token_ids": [-1]}, "stop_token_ids", "invalid_value"),
+    ("completion", {"stop_token_ids": list(range(17))}, "stop_token_ids", "invalid_value"),
+    ("completion", {"ignore_eos": 1}, "ignore_eos", "invalid_type"),
+    ("completion", {"min_tokens": -1}, "min_tokens", "invalid_value"),
+    ("chat", {"min_tokens": 5, "max_tokens": 4}, "min_tokens", "invalid_value"),
+    ("chat", {"min_tokens": 2.0}, "min_tokens", "invalid_type"),
+    ("completion", {"stop": ["s"] * 17}, "stop", "invalid_value"),  # past MAX_STOPS
+    ("chat", {"stop": "x" * 257}, "stop", "invalid_value"),  # past MAX_STOP_CHARS
+])
+def test_bad_request_fields_name_the_field(kind: str, body: dict[str, Any], param: str, code: str) -> None:
+    base: dict[str, Any] = {"prompt": "x"} if kind == "completion" else {"messages": USER}
+    err = refused(kind, {**base, **body})
+    assert (err.param, err.code) == (param, code)
+
+
+def test_the_limits_are_reached_exactly() -> None:
+    assert completion(stop=[str(i) for i in range(16)]).stop == tuple(str(i) for i in range(16))
+    assert chat(stop="x" * 256).stop == ("x" * 256,)
+    assert completion(stop_token_ids=list(range(16))).stop_token_ids == tuple(range(16))
+    assert completion(n=2, prompt=["p"] * 32).n == 2
+    assert completion(logprobs=5).logprobs == 5
 
 
 def test_the_first_field_at_fault_is_named() -> None:
     """An unsupported option is reported before a bad prompt, a bad prompt before a bad
-    max_tokens, and max_tokens before the sampling fields."""
-    bad = {"prompt": 5, "max_tokens": 0, "temperature": -1, "top_p": 2, "stop": 3, "n": 2}
-    good = {"prompt": "x", "max_tokens": 1, "temperature": 0, "top_p": 1, "stop": "s", "n": 1}
-    for name in ["n", "prompt", "max_tokens", "temperature", "top_p", "stop"]:
+    max_tokens, max_tokens before the sampling fields, and those before the choices and
+    outputs."""
+    bad = {"echo": True, "prompt": 5, "max_tokens": 0, "temperature": -1, "top_p": 2,
+           "presence_penalty": 3, "stop": 3, "n": 0, "min_tokens": -1, "logprobs": 9,
+           "stop_token_ids": "x"}
+    good = {"echo": False, "prompt": "x", "max_tokens": 1, "temperature": 0, "top_p": 1,
+            "presence_penalty": 0, "stop": "s", "n": 1, "min_tokens": 1, "logprobs": 1,
+            "stop_token_ids": [3]}
+    for name in good:
         assert refused("completion", bad).param == name
         bad[name] = good[name]
     assert parse_request("completion", bad) == completion(**good)

@@ -9,7 +9,7 @@ import json
 import pytest
 
 from blockdraft.serve.errors import APIError, invalid, queue_full, server_error, unavailable
-from blockdraft.serve.responses import Head, chunk, meta_info, response, usage, usage_chunk
+from blockdraft.serve.responses import Head, choice, chunk, meta_info, response, usage, usage_chunk
 from blockdraft.serve.sse import DONE, event
 
 COMPLETION = Head("completion", "cmpl-1", 7, "m")
@@ -31,14 +31,19 @@ def test_usage_and_meta_info() -> None:
 
 def test_whole_answers() -> None:
     use = usage(2, 1)
-    assert response(COMPLETION, "hi", "length", use, None) == {
+    assert response(COMPLETION, [choice(COMPLETION, "hi", "length")], use, None) == {
         "id": "cmpl-1", "object": "text_completion", **HEAD, "usage": use,
         "choices": [{"index": 0, "logprobs": None, "finish_reason": "length", "text": "hi"}]}
-    assert response(CHAT, "hi", "stop", use, {"spec_verify_ct": 1}) == {
+    assert response(CHAT, [choice(CHAT, "hi", "stop")], use, {"spec_verify_ct": 1}) == {
         "id": "chatcmpl-1", "object": "chat.completion", **HEAD, "usage": use,
         "meta_info": {"spec_verify_ct": 1},
         "choices": [{"index": 0, "logprobs": None, "finish_reason": "stop",
                      "message": {"role": "assistant", "content": "hi"}}]}
+    lps = {"content": [], "refusal": None}
+    two = response(CHAT, [choice(CHAT, "a", "stop", index=0), choice(CHAT, "b", "length", index=1, logprobs=lps)],
+                   use, None)
+    assert [(c["index"], c["message"]["content"], c["finish_reason"], c["logprobs"]) for c in two["choices"]] == [
+        (0, "a", "stop", None), (1, "b", "length", lps)]
 
 
 def test_chat_stream_chunks() -> None:
@@ -58,6 +63,9 @@ def test_chat_stream_chunks() -> None:
 def test_completion_stream_chunks() -> None:
     assert chunk(COMPLETION, "ab")["choices"] == [
         {"index": 0, "logprobs": None, "finish_reason": None, "text": "ab"}]
+    lps = {"tokens": ["ab"], "token_logprobs": [-0.5], "top_logprobs": [{"ab": -0.5}], "text_offset": [0]}
+    assert chunk(COMPLETION, "ab", index=3, logprobs=lps)["choices"] == [
+        {"index": 3, "logprobs": lps, "finish_reason": None, "text": "ab"}]
     closing = chunk(COMPLETION, None, "length")
     assert closing["object"] == "text_completion"
     assert closing["choices"] == [{"index": 0, "logprobs": None, "finish_reason": "length", "text": ""}]

@@ -85,6 +85,50 @@ def test_released_text_equals_a_plain_reference(text: str, stops: tuple[str, ...
     assert stream.stopped == stopped
 
 
+def _counting_stop(text: str, stops: tuple[str, ...], floor: int) -> int | None:
+    """Where the earliest stop string that ends after ``floor`` characters begins."""
+    starts = [i for s in stops for i in range(len(text)) if text.startswith(s, i) and i + len(s) > floor]
+    return min(starts) if starts else None
+
+
+@given(
+    text=st.text(ALPHABET, max_size=30),
+    stops=st.lists(st.text(ALPHABET, min_size=1, max_size=3), min_size=1, max_size=3).map(tuple),
+    sizes=st.lists(st.integers(1, 5), min_size=1, max_size=10),
+    min_tokens=st.integers(0, 12),
+)
+@settings(max_examples=300, deadline=None)
+def test_min_tokens_and_the_tokens_that_count(text: str, stops: tuple[str, ...], sizes: list[int],
+                                              min_tokens: int) -> None:
+    """A stop string counts only where it ends after the first ``min_tokens`` tokens' text;
+    once one ends the text, the tokens that count are those up to the one completing it."""
+    raw = text.encode()
+    bounds: list[int] = []
+    while not bounds or bounds[-1] < len(raw):
+        bounds.append(min(len(raw), (bounds[-1] if bounds else 0) + sizes[len(bounds) % len(sizes)]))
+    floor = len(raw[:min_tokens].decode("utf-8", errors="replace"))
+    want, used, stopped = raw.decode(), len(raw), False
+    previous = 0
+    for end in bounds:
+        seen = raw[:end].decode("utf-8", errors="replace")
+        cut = _counting_stop(seen, stops, floor) if end >= min_tokens else None
+        if cut is not None:
+            want, stopped = seen[:cut], True
+            used = next(k for k in range(previous + 1, end + 1) if k >= min_tokens and _counting_stop(
+                raw[:k].decode("utf-8", errors="replace"), stops, floor) is not None)
+            break
+        previous = end
+    stream = TextStream(_ByteTokenizer(), stops, min_tokens)
+    start = 0
+    pieces = []
+    for end in bounds:
+        pieces.append(stream.push(list(raw[start:end])))
+        start = end
+    pieces.append(stream.finish())
+    assert "".join(pieces) == stream.text == want
+    assert (stream.stopped, stream.used) == (stopped, used)
+
+
 def test_after_a_stop_nothing_more_is_released() -> None:
     stream = TextStream(_ByteTokenizer(), ("\n",))
     assert stream.push(list(b"ab\ncd")) == "ab"

@@ -128,10 +128,13 @@ class ServerProcess:
 
 
 class LiveServer:
-    """An app served by uvicorn on a thread, on a loopback socket bound before it starts."""
+    """An app served by uvicorn on a thread, on a loopback socket bound before it starts;
+    its own requests (metrics, the OpenAI clients) carry ``api_key`` when one is given."""
 
-    def __init__(self, app: Any) -> None:
+    def __init__(self, app: Any, api_key: str | None = None) -> None:
         self.app = app
+        self.api_key = api_key
+        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind((HOST, 0))
@@ -162,16 +165,17 @@ class LiveServer:
     def openai(self, **kw: Any) -> Any:
         import openai
 
-        return openai.OpenAI(base_url=f"{self.url}/v1", api_key="unused", max_retries=0, **kw)
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=self.api_key or "unused", max_retries=0, **kw)
 
     def async_openai(self, **kw: Any) -> Any:
         import openai
 
-        return openai.AsyncOpenAI(base_url=f"{self.url}/v1", api_key="unused", max_retries=0, **kw)
+        return openai.AsyncOpenAI(base_url=f"{self.url}/v1", api_key=self.api_key or "unused", max_retries=0,
+                                  **kw)
 
     def metrics(self) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
         """Every sample of ``/metrics``: ``{(name, sorted labels): value}``."""
-        text = httpx.get(f"{self.url}/metrics", timeout=10).text
+        text = httpx.get(f"{self.url}/metrics", headers=self.headers, timeout=10).text
         return {(s.name, tuple(sorted(s.labels.items()))): s.value
                 for fam in text_string_to_metric_families(text) for s in fam.samples}
 

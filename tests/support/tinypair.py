@@ -5,13 +5,14 @@ Everything is built in memory from fixed seeds, so each test sees the same weigh
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-from blockdraft.config import DrafterConfig
-from blockdraft.models import DFlashDrafter
+from blockdraft.config import DFLASH2_ARCH, DrafterConfig
+from blockdraft.models import DFlash2Drafter, DFlashDrafter
 from blockdraft.pair import DrafterShape
 
 HIDDEN = 32
@@ -90,3 +91,21 @@ def make_proposer(drafter: Any, target: Any, **kw: Any) -> Any:
         kw.setdefault(key, value)
     return DFlashProposer(drafter, target, **kw)
 
+
+
+DFLASH2_SIZES = {"conv_kernel_size": 3, "conv_group_size": 8, "selector_rank": 4, "selector_top_k": 4}
+"""The tiny DFlash2 drafter's sizes: taps reaching past the previous row, 4 of 64 candidates."""
+
+
+def tiny_dflash2(block: int = 4, layers: int = 2, seed: int = 3) -> DFlash2Drafter:
+    """A random DFlash2 drafter (fp32, CPU) for the tiny target; norms 1, the rest ~ N(0, 0.1)."""
+    shape = dataclasses.replace(tiny_drafter_shape(block=block, layers=layers),
+                                architecture=DFLASH2_ARCH, dflash_extra=DFLASH2_SIZES)
+    drafter = DFlash2Drafter(DrafterConfig.from_dict(shape.config_dict()), device="cpu", dtype=torch.float32)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in drafter.named_parameters():
+            p.copy_(torch.ones_like(p) if p.dim() == 1 and "norm" in name
+                    else torch.randn(p.shape, generator=gen) * 0.1)
+    drafter.requires_grad_(False)
+    return drafter.eval()

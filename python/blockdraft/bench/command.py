@@ -39,6 +39,25 @@ def _ints(text: str) -> list[int]:
         raise ValueError(f"expected comma-separated integers, got {text!r}") from None
 
 
+def _caps(text: str) -> list[int | None]:
+    """``--spec-caps``: ``env`` (``None``: the environment's cap) or non-negative ints."""
+    out: list[int | None] = []
+    for word in (w.strip() for w in text.split(",")):
+        if not word:
+            continue
+        if word == "env":
+            out.append(None)
+            continue
+        try:
+            cap = int(word)
+        except ValueError:
+            raise ValueError(f"--spec-caps: expected 'env' or a number of tokens, got {word!r}") from None
+        if cap < 0:
+            raise ValueError(f"--spec-caps: a cap must be >= 0, got {cap}")
+        out.append(cap)
+    return out
+
+
 def add_arguments(parser: Any) -> None:
     """The ``bench`` subcommand's options (shared by the CLI and ``python -m``)."""
     parser.add_argument("--shape", default="tiny", choices=sorted(SHAPES),
@@ -69,13 +88,17 @@ def add_arguments(parser: Any) -> None:
             f"<tmp>/{OUT_ROOT_NAME}/<shape>-<date>-<time>-<random>; the path is printed"
         ),
     )
+    parser.add_argument("--spec-caps", default="env",
+                        help="comma-separated drafter window caps the spec section runs each "
+                             "cell under: 'env' (BLOCKDRAFT_DFLASH_CTX_CAP, default 16384) or "
+                             "a number of tokens (0 = uncapped); e.g. env,0")
     parser.add_argument("--plot", action="store_true", help="also write PNG charts (matplotlib)")
 
 
 def config_from_args(args: Any) -> BenchConfig:
     """The :class:`BenchConfig` of parsed ``bench`` options (the tiny shape has smaller
     default contexts and batches)."""
-    tiny = args.shape == "tiny"
+    tiny = args.shape.startswith("tiny")
     return BenchConfig(
         shape=args.shape,
         contexts=_ints(args.contexts) if args.contexts else ([32, 128] if tiny else [512, 4096, 16384]),
@@ -90,6 +113,7 @@ def config_from_args(args: Any) -> BenchConfig:
         dtype=args.dtype,
         sections=[s for s in args.sections.split(",") if s.strip()],
         seed=args.seed,
+        spec_caps=_caps(args.spec_caps),
     )
 
 

@@ -24,6 +24,10 @@ class BenchConfig:
         sections: which sections to run (see :mod:`blockdraft.bench`).
         seed: weights and inputs.
         profile_context / profile_batches: the host profile's cell(s).
+        spec_caps: the drafter's context-window caps the ``spec`` section runs every cell
+            under, in order (``None``: the environment's ``BLOCKDRAFT_DFLASH_CTX_CAP``, by
+            default 16384; ``0``: uncapped), so a capped and an uncapped step are measured on
+            the same pair in one run.
     """
 
     shape: str = "tiny"
@@ -43,6 +47,7 @@ class BenchConfig:
     seed: int = 0
     profile_context: int | None = None
     profile_batches: list[int] = field(default_factory=lambda: [1, 32])
+    spec_caps: list[int | None] = field(default_factory=lambda: [None])
 
     def wide_context(self) -> int:
         """The context of the host profile and of the kernel profile's batched cells: the

@@ -111,8 +111,10 @@ def e2e_blockdraft(
     from blockdraft.engine import SpeculativeEngine
 
     max_seq_len = len(prompt) + steps + 64
-    # Uncapped, like the reference: with the default 16K cap a 16K prompt fills the window and
-    # every later step slides it (recomputing all of its K/V).
+    # Every draft the block holds, each step (the tables' fixed K = B - 1) unless asked.
+    engine_kwargs.setdefault("draft_length", int(drafter.config.block_size) - 1)
+    # Uncapped, like the reference: with the default 16K cap a 16K prompt fills the window, so
+    # a short run's first steps slide it (recomputing the K/V of the rows it keeps).
     with uncapped_window():
         engine = SpeculativeEngine(
             target, drafter, max_seq_len=max_seq_len, max_batch=1,

@@ -20,6 +20,10 @@ QUICK_TARGETS_MS: dict[tuple[int, int], float] = {(4096, 1): 1.2, (16384, 1): 1.
 """Latency targets (ms) per (context, batch) on one H200, bf16, ``qwen3-8b``: ``propose`` at
 4K and 16K context, ``propose_batch`` of 32 sequences at 4K."""
 
+DFLASH2_RATIO_TARGET = 1.15
+"""A DFlash2 drafter's latency target at each quick cell: at most this times the DFlash
+drafter's of the same shape in the same run."""
+
 QUICK_CELLS: tuple[tuple[int, int], ...] = tuple(QUICK_TARGETS_MS)
 """(context, batch) cells of :func:`bench_quick`: the cells with a latency target."""
 
@@ -48,7 +52,7 @@ def bench_quick(
         before = partial(seqs.advance, idx)
         try:
             runner = prop.graph_runner
-            rec: dict[str, Any] = {"context": ctx, "batch": n}
+            rec: dict[str, Any] = {"shape": shape.name, "context": ctx, "batch": n}
             rec["graph_mode"] = None if runner is None else runner.mode
             rec["fused_drafter"] = runner is not None and prop.forward.fused_view() is not None
             rec["latency_ms"] = cell_times(step, before, reps, warmup, device)
@@ -73,19 +77,31 @@ def bench_quick(
 
 
 def quick_markdown(records: Sequence[dict[str, Any]]) -> str:
-    """One table of :func:`bench_quick` records against :data:`QUICK_TARGETS_MS`."""
+    """One table of :func:`bench_quick` records against :data:`QUICK_TARGETS_MS`; records of
+    several shapes (e.g. ``qwen3-8b`` and ``qwen3-8b-dflash2`` from one run) side by side, a
+    ``*-dflash2`` shape's median also as a ratio to its DFlash shape's at the same cell
+    (target :data:`DFLASH2_RATIO_TARGET`)."""
+    medians = {(r.get("shape"), r["context"], r["batch"]): r["latency_ms"]["median"] for r in records}
     lines = [
-        "| ctx | n | median ms | p90 ms | plain path ms | target ms | graph | fused drafter |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| shape | ctx | n | median ms | p90 ms | plain path ms | target ms | vs DFlash | graph | fused drafter |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in records:
         lat, plain = r["latency_ms"], r.get("latency_plain_ms", {})
         graph = r.get("graph_mode") or "off"
         if r.get("graph_disabled"):
             graph = f"disabled: {r['graph_disabled']}"
+        shape = r.get("shape")
+        target = QUICK_TARGETS_MS.get((r["context"], r["batch"]))
+        ratio = ""
+        if isinstance(shape, str) and shape.endswith("-dflash2"):
+            base = medians.get((shape.removesuffix("-dflash2"), r["context"], r["batch"]))
+            target = None
+            if base:
+                ratio = f"{lat['median'] / base:.2f}x (target ≤ {DFLASH2_RATIO_TARGET}x)"
         lines.append(
-            f"| {r['context']} | {r['batch']} | {fmt(lat['median'])} | {fmt(lat['p90'])} | "
-            f"{fmt(plain.get('median'))} | {fmt(QUICK_TARGETS_MS.get((r['context'], r['batch'])))} | "
+            f"| {shape or ''} | {r['context']} | {r['batch']} | {fmt(lat['median'])} | "
+            f"{fmt(lat['p90'])} | {fmt(plain.get('median'))} | {fmt(target)} | {ratio} | "
             f"{graph} | {'yes' if r.get('fused_drafter') else 'no'} |"
         )
     return "\n".join(lines) + "\n"

@@ -19,9 +19,10 @@ log = logging.getLogger(__name__)
 
 
 def build_reference_drafter(drafter: Any, shape: Shape) -> Any:
-    """The public reference's ``DFlashDraftModel`` holding ``drafter``'s weights (same device
-    and dtype). Raises ImportError without ``dflash``."""
-    from dflash.model import DFlashDraftModel  # type: ignore[import-untyped]
+    """The public reference's ``DFlashDraftModel`` (``DFlash2DraftModel`` for a DFlash2 shape)
+    holding ``drafter``'s weights (same device and dtype). Raises ImportError without
+    ``dflash``."""
+    from dflash.model import DFlash2DraftModel, DFlashDraftModel  # type: ignore[import-untyped]
     from transformers import Qwen3Config
 
     raw = shape.drafter.config_dict()
@@ -29,8 +30,12 @@ def build_reference_drafter(drafter: Any, shape: Shape) -> Any:
     cfg = Qwen3Config(**raw)
     weight = drafter.fc.weight
     with torch.device(weight.device), default_dtype(weight.dtype):
-        ref = DFlashDraftModel(cfg)
-    missing, unexpected = ref.load_state_dict(drafter.state_dict(), strict=False)
+        ref = (DFlash2DraftModel if shape.dflash2 else DFlashDraftModel)(cfg)
+    wanted = ref.state_dict()
+    # DFlash2's codebooks are plain parameters here and embeddings (``.weight``) there
+    state = {k + ".weight" if k not in wanted and k + ".weight" in wanted else k: v
+             for k, v in drafter.state_dict().items()}
+    missing, unexpected = ref.load_state_dict(state, strict=False)
     if unexpected or any("rotary" not in k for k in missing):
         raise RuntimeError(f"reference drafter weights differ: missing {missing}, unexpected {unexpected}")
     return ref.to(device=weight.device, dtype=weight.dtype).eval()

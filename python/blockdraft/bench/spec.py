@@ -6,6 +6,10 @@ device drained after each): ms per step and tokens per step (tau: a random pair 
 nothing, so the step time is the system's cost). Beside it, on the same runtime and
 sequences' shapes, one target-only decode step (n rows through the captured decode graph).
 
+Each cell runs once per drafter window cap of ``cfg.spec_caps`` (the default cap, and e.g.
+uncapped), so a prompt as long as the cap is measured sliding its window and not, on the same
+pair in one run.
+
 ``host_us`` is the step's host work alone: the same steps with every CUDA-graph replay (the
 proposer's and the runtime's) doing nothing, so what is timed is Python, the Rust core and the
 small metadata copies (off CUDA it is the whole step).
@@ -24,6 +28,7 @@ import torch
 from blockdraft.bench.config import BenchConfig
 from blockdraft.bench.figures import fmt
 from blockdraft.bench.timing import summarize
+from blockdraft.bench.workload import window_cap
 from blockdraft.devices import sync
 from blockdraft.pair import Shape
 
@@ -33,9 +38,19 @@ log = logging.getLogger(__name__)
 @contextlib.contextmanager
 def no_replays() -> Iterator[None]:
     """Inside the block a CUDA graph's replay does nothing: both graph paths then queue no
-    device work beyond their small copies, and a step's time is its host work."""
+    device work beyond their small copies, and a step's time is its host work. A graph's
+    first replay inside the block still runs: a graph captured inside it (a staging capacity
+    the steps had not reached before) would otherwise leave its outputs unwritten, and the
+    engine would read that memory as tokens."""
     real = torch.cuda.CUDAGraph.replay
-    torch.cuda.CUDAGraph.replay = lambda self: None  # type: ignore[method-assign]
+    replayed: set[int] = set()
+
+    def first_only(self: torch.cuda.CUDAGraph) -> None:
+        if id(self) not in replayed:
+            replayed.add(id(self))
+            real(self)
+
+    torch.cuda.CUDAGraph.replay = first_only  # type: ignore[method-assign]
     try:
         yield
     finally:
@@ -45,61 +60,71 @@ def no_replays() -> Iterator[None]:
 def bench_spec(
     cfg: BenchConfig, shape: Shape, drafter: Any, target: Any, device: torch.device
 ) -> list[dict[str, Any]]:
-    """One record per (context, batch) cell: ms per speculative step and per target-only
-    decode step, tau, and the step's host work alone."""
+    """One record per (context, batch, window cap) cell: ms per speculative step and per
+    target-only decode step, tau, and the step's host work alone."""
     from blockdraft.engine import SpeculativeEngine
 
     gen = torch.Generator().manual_seed(cfg.seed + 11)
     block = shape.block_size
     out = []
-    for ctx in cfg.contexts:
-        for n in cfg.batches:
-            steps = cfg.warmup + cfg.reps
-            new_tokens = (steps + 4) * block
+    cells = [(ctx, n, cap) for ctx in cfg.contexts for n in cfg.batches for cap in cfg.spec_caps]
+    for ctx, n, cap in cells:
+        steps = cfg.warmup + cfg.reps
+        new_tokens = (steps + 4) * block
+        with window_cap(cap):
             engine = SpeculativeEngine(
                 target, drafter, runtime="blockdraft", max_seq_len=ctx + new_tokens + block,
                 max_active=n, max_batch=min(n, 32),
             )
-            rids = []
-            for _ in range(n):
-                prompt = torch.randint(0, shape.vocab - 1, (ctx,), generator=gen).tolist()
-                rids.append(engine.submit(prompt, max_new_tokens=new_tokens))
-            engine.step()  # admission + prefill + the first step
-            for _ in range(cfg.warmup):
-                engine.step()
-            times, produced = [], 0
+        window = engine.proposer.ceiling
+        rids = []
+        for _ in range(n):
+            prompt = torch.randint(0, shape.vocab - 1, (ctx,), generator=gen).tolist()
+            rids.append(engine.submit(prompt, max_new_tokens=new_tokens))
+        engine.step()  # admission + prefill + the first step
+        # Timed too: with a prompt as long as the cap, the window's one slide (and the
+        # recompute of the rows it keeps) falls in these first steps, not in the timed ones.
+        warm = []
+        for _ in range(cfg.warmup):
+            sync(device)
+            t0 = time.perf_counter()
+            engine.step()
+            sync(device)
+            warm.append((time.perf_counter() - t0) * 1e3)
+        times, produced = [], 0
+        for _ in range(cfg.reps):
+            sync(device)
+            t0 = time.perf_counter()
+            events = engine.step()
+            sync(device)
+            times.append((time.perf_counter() - t0) * 1e3)
+            produced += sum(len(e.tokens) for e in events)
+        rec: dict[str, Any] = {
+            "context": ctx, "batch": n, "block": block, "ctx_cap": cap, "window": window,
+            "step_ms": summarize(times), "tau": produced / (cfg.reps * n), "warmup_ms": warm,
+        }
+        seqs = [engine.request(rid).target_seq for rid in rids]
+        rec["decode_ms"] = _decode_step(engine.runtime, seqs, cfg, device)
+        host = []
+        with no_replays() if device.type == "cuda" else contextlib.nullcontext():
             for _ in range(cfg.reps):
                 sync(device)
                 t0 = time.perf_counter()
-                events = engine.step()
-                sync(device)
-                times.append((time.perf_counter() - t0) * 1e3)
-                produced += sum(len(e.tokens) for e in events)
-            rec: dict[str, Any] = {
-                "context": ctx, "batch": n, "block": block,
-                "step_ms": summarize(times), "tau": produced / (cfg.reps * n),
-            }
-            seqs = [engine.request(rid).target_seq for rid in rids]
-            rec["decode_ms"] = _decode_step(engine.runtime, seqs, cfg, device)
-            host = []
-            with no_replays() if device.type == "cuda" else contextlib.nullcontext():
-                for _ in range(cfg.reps):
-                    sync(device)
-                    t0 = time.perf_counter()
-                    engine.step()
-                    host.append((time.perf_counter() - t0) * 1e6)
-            sync(device)
-            rec["host_us"] = summarize(host)
-            engine.close()
-            del engine, seqs
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
-            log.info(
-                "spec step at %d x %d: %s ms (tau %s), target-only decode %s ms, host %s us",
-                ctx, n, fmt(rec["step_ms"]["median"]), fmt(rec["tau"], 2),
-                fmt(rec["decode_ms"]["median"]), fmt(rec["host_us"]["median"], 1),
-            )
-            out.append(rec)
+                engine.step()
+                host.append((time.perf_counter() - t0) * 1e6)
+        sync(device)
+        rec["host_us"] = summarize(host)
+        engine.close()
+        del engine, seqs
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        log.info(
+            "spec step at %d x %d, drafter window %d: %s ms (tau %s), target-only decode "
+            "%s ms, host %s us",
+            ctx, n, window, fmt(rec["step_ms"]["median"]), fmt(rec["tau"], 2),
+            fmt(rec["decode_ms"]["median"]), fmt(rec["host_us"]["median"], 1),
+        )
+        out.append(rec)
     return out
 
 
@@ -121,13 +146,18 @@ def spec_markdown(recs: list[dict[str, Any]]) -> list[str]:
     lines = [
         "## Speculative step on blockdraft's runtime (random pair: tau ~ 1)",
         "",
-        "| context | batch | step ms | tau | target-only decode ms | host us per step |",
-        "| --- | --- | --- | --- | --- | --- |",
+        "| context | batch | drafter window cap | step ms | tau | target-only decode ms "
+        "| host us per step | warm-up steps ms |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in recs:
+        cap = r.get("ctx_cap")
+        label = "environment" if cap is None else ("uncapped" if cap == 0 else str(cap))
         lines.append(
-            f"| {r['context']} | {r['batch']} | {fmt(r['step_ms']['median'])} | {fmt(r['tau'], 2)} "
-            f"| {fmt(r['decode_ms']['median'])} | {fmt(r['host_us']['median'], 1)} |"
+            f"| {r['context']} | {r['batch']} | {label} (window ceiling {r.get('window', '-')}) "
+            f"| {fmt(r['step_ms']['median'])} | {fmt(r['tau'], 2)} "
+            f"| {fmt(r['decode_ms']['median'])} | {fmt(r['host_us']['median'], 1)} "
+            f"| {' / '.join(fmt(t) for t in r.get('warmup_ms', [])) or '-'} |"
         )
     return [*lines, ""]
 

@@ -15,14 +15,16 @@ from blockdraft.pair import Shape
 
 
 @contextlib.contextmanager
-def uncapped_window() -> Iterator[None]:
-    """Proposers built inside the block have no context-window cap (``ENV_CTX_CAP=0``): the
-    window is ``max_seq_len``, so a context grown past its nominal length never slides (a slide
-    would recompute the whole context's K/V inside a timed call)."""
+def window_cap(cap: int | None) -> Iterator[None]:
+    """Proposers built inside the block have the context-window cap ``cap``
+    (``ENV_CTX_CAP``; 0 = uncapped; ``None`` leaves the environment as it is)."""
     from blockdraft.core import ENV_CTX_CAP
 
+    if cap is None:
+        yield
+        return
     old = os.environ.get(ENV_CTX_CAP)
-    os.environ[ENV_CTX_CAP] = "0"
+    os.environ[ENV_CTX_CAP] = str(cap)
     try:
         yield
     finally:
@@ -30,6 +32,13 @@ def uncapped_window() -> Iterator[None]:
             os.environ.pop(ENV_CTX_CAP, None)
         else:
             os.environ[ENV_CTX_CAP] = old
+
+
+def uncapped_window() -> contextlib.AbstractContextManager[None]:
+    """Proposers built inside the block have no context-window cap: the window is
+    ``max_seq_len``, so a context grown past its nominal length never slides (a slide would
+    recompute the whole context's K/V inside a timed call)."""
+    return window_cap(0)
 
 
 def make_proposer(

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import math
 import sys
+import threading
 import traceback
 from typing import Any, NoReturn
 
@@ -45,6 +46,19 @@ class ArgumentParser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"blockdraft: error: {message} (see {self.prog} --help)\n")
+
+
+_bar_lock = threading.RLock()
+
+
+def progress_bar(**kwargs: Any) -> Any:
+    """A ``tqdm`` bar (``kwargs`` as tqdm's) that locks with a thread lock only. tqdm's default
+    lock holds a multiprocessing semaphore; a tensor-parallel rank killed with one leaves it to
+    the resource tracker, whose warning would then follow the command's one error line."""
+    from tqdm import tqdm  # type: ignore[import-untyped]
+
+    tqdm.set_lock(_bar_lock)
+    return tqdm(**kwargs)
 
 
 def report_failure(exc: BaseException, *, debug: bool) -> int:

@@ -28,12 +28,15 @@ def run_demo(args: argparse.Namespace) -> int:
         require_min(flag, getattr(args, flag[2:].replace("-", "_")))
     pool = bd.BlockPool(args.num_pages, args.page_size)
     window = bd.ctx_window(args.max_seq_len, args.block_size, args.budget)
+    # The proposer's policy: a slide leaves this many rows free beyond its commit's.
+    room = bd.core.slide_room(window)
     print(
         f"pool: {pool.num_pages} pages x {pool.page_size} tokens; "
         f"ctx cap {bd.core.read_ctx_cap()} (env {bd.core.ENV_CTX_CAP}); window for budget "
-        f"{args.budget} and B={args.block_size}: {window} rows"
+        f"{args.budget} and B={args.block_size}: {window} rows; a slide leaves {room} free "
+        f"(env {bd.core.ENV_SLIDE})"
     )
-    states = [bd.core.ContextState(pool, window) for _ in range(args.sequences)]
+    states = [bd.core.ContextState(pool, window, slide_room=room) for _ in range(args.sequences)]
     next_pos = [0] * len(states)
     for step in range(args.steps):
         for i, st in enumerate(states):

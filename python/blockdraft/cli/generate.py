@@ -20,6 +20,7 @@ from blockdraft.cli.common import (
     check_lengths,
     check_text,
     pick_device,
+    progress_bar,
     require_min,
     require_temperature,
     tp_device,
@@ -31,8 +32,9 @@ from blockdraft.pretrained import DEFAULT_PROMPT
 
 def run_generate(args: argparse.Namespace) -> int:
     """Decode one prompt speculatively; with ``--compare`` also target-only on the same runtime
-    and with Hugging Face ``generate``. Every path runs once untimed first (compiles, graph
-    captures, caches), so the timed runs are warm. With ``--tp N`` (or under ``torchrun``) the
+    and with Hugging Face ``generate``. The engine is warmed up first
+    (:meth:`~blockdraft.SpeculativeEngine.warmup`, its time printed apart; ``--no-warmup``
+    skips it) and every path runs once untimed, so the timed runs are warm. With ``--tp N`` (or under ``torchrun``) the
     target is split over N ranks."""
     from blockdraft.parallel import end_rank_process, init_tp, launch, launched_by_torchrun
 
@@ -94,9 +96,21 @@ def _silent(*args: Any, **kwargs: Any) -> None:
     """``print`` on the ranks after rank 0."""
 
 
+def warm_up(engine: Any, *, bar: bool) -> Any:
+    """:meth:`~blockdraft.SpeculativeEngine.warmup` with a progress bar (when ``bar``);
+    returns its :class:`~blockdraft.engine.warmup.WarmupReport`."""
+    if not bar:
+        return engine.warmup()
+    with progress_bar(total=0, desc="warm-up", unit="step", leave=False) as progress:
+        def update(done: int, total: int) -> None:
+            progress.total = total
+            progress.update(done - progress.n)
+
+        return engine.warmup(progress=update)
+
+
 def _generate(args: argparse.Namespace, group: Any) -> int:
     import torch
-    from tqdm import tqdm  # type: ignore[import-untyped]
 
     import blockdraft
     from blockdraft.devices import sync
@@ -124,9 +138,15 @@ def _generate(args: argparse.Namespace, group: Any) -> int:
     where = f"; tensor parallel over {ranks} ranks ({group.backend})" if ranks > 1 else ""
     say(f"blockdraft generate: {source.description}; device {device}{where}; "
         f"target on {'blockdraft runtime' if engine.runtime is not None else 'Hugging Face'}")
+    if not args.no_warmup:
+        report = warm_up(engine, bar=not args.no_progress and say is not _silent)
+        say(f"warm-up: {report.seconds:.1f} s ({report.compiles} kernels compiled, "
+            f"{report.captures} CUDA graphs captured; not in the figures below)")
+    # One untimed run of this very prompt too: caches that follow the data are warm as well.
     warm = min(n, 16)
     engine.generate([ids], max_new_tokens=warm, stop_token_ids=stops)
-    bar = tqdm(total=n, unit="tok", disable=n < 64 or args.no_progress or say is _silent, leave=False)
+    bar = progress_bar(total=n, unit="tok", disable=n < 64 or args.no_progress or say is _silent,
+                       leave=False)
     with bar:
         result = engine.generate([ids], max_new_tokens=n, sampling=SamplingParams(args.temperature),
                                  stop_token_ids=stops, progress=bar.update)
@@ -148,6 +168,9 @@ def _generate(args: argparse.Namespace, group: Any) -> int:
         say(f"target only, blockdraft runtime: {alone.stats.num_new_tokens} tokens, {tps:.1f} tok/s"
             + (f", output {'identical' if alone.tokens[0] == out else 'DIFFERENT'}" if greedy else ""))
         speedups.append(("target-only decoding on the same runtime", spec_tps / tps if tps else float("nan")))
+    if engine.is_warm:
+        say(f"after warm-up: {engine.compiles_after_warmup} kernels compiled, "
+            f"{engine.captures_after_warmup} CUDA graphs captured")
     if ranks > 1:
         say("target only, Hugging Face generate: not run with --tp (each rank holds a shard of "
             "the target)")
@@ -186,6 +209,9 @@ def add_generate_command(sub: Any) -> None:
     gen.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 = greedy")
     gen.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: auto)")
     gen.add_argument("--no-progress", action="store_true", help="no progress bar")
+    gen.add_argument("--no-warmup", action="store_true",
+                     help="skip the warm-up (kernel compiles and CUDA graph captures for every "
+                          "shape); for development: cold paths then land in the timings")
     gen.add_argument("--tp", type=int, default=None, metavar="N",
                      help="split the target over N ranks (tensor parallelism; starts N processes, "
                           "or the ranks torchrun started)")

@@ -8,6 +8,12 @@ the ``serve`` extra's presence too, before any weights load.
 and passes SIGINT/SIGTERM to rank 0), or, run under ``torchrun --nproc-per-node N``, each
 process is one rank. Rank 0 serves HTTP and runs the engine loop; the other ranks follow it
 (:func:`blockdraft.serve.follow`).
+
+Access: ``--api-key`` (or ``BLOCKDRAFT_API_KEY``) makes every route but ``/health`` need
+``Authorization: Bearer <key>`` (``/metrics`` too unless ``--public-metrics``);
+``--max-body-bytes`` bounds what a client may send; ``--ssl-keyfile``/``--ssl-certfile``
+serve HTTPS. The key file and certificate are loaded once before the weights, so a bad pair
+fails with one line.
 """
 
 from __future__ import annotations
@@ -17,12 +23,14 @@ import importlib.util
 import logging
 import os
 import signal
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from blockdraft.cli.common import (
     CliError,
     pick_device,
+    progress_bar,
     require_min,
     tp_device,
     tp_sizes,
@@ -32,6 +40,9 @@ from blockdraft.pair.load import BUILTIN_MODEL_NAME, PairSource, find_pair
 from blockdraft.parallel import DEFAULT_TIMEOUT_S as DEFAULT_TP_TIMEOUT_S
 
 SERVE_DEPENDENCIES = {"fastapi": "fastapi", "uvicorn": "uvicorn", "prometheus_client": "prometheus-client"}
+API_KEY_ENV = "BLOCKDRAFT_API_KEY"
+"""The API key when ``--api-key`` is not given (kept out of the process list and shell
+history)."""
 PID_DIR_ENV = "BLOCKDRAFT_TEST_PID_DIR"
 """Test suite only: a directory where every rank writes ``rank<r>.pid`` once its engine is
 built, so that a test can signal or kill one rank."""
@@ -59,6 +70,31 @@ def _check_flags(args: argparse.Namespace) -> None:
         require_min("--tp", args.tp)
     if not args.tp_timeout > 0:
         raise CliError(f"--tp-timeout must be > 0 seconds, not {args.tp_timeout}")
+    if args.max_body_bytes is not None:
+        require_min("--max-body-bytes", args.max_body_bytes)
+    if args.api_key is None:
+        args.api_key = os.environ.get(API_KEY_ENV) or None
+    elif not args.api_key:
+        raise CliError("--api-key must not be empty")
+    _check_tls(args.ssl_keyfile, args.ssl_certfile)
+
+
+def _check_tls(keyfile: str | None, certfile: str | None) -> None:
+    """Both TLS files or neither, and a key and certificate that load as a pair."""
+    if keyfile is None and certfile is None:
+        return
+    if keyfile is None or certfile is None:
+        raise CliError("give both --ssl-keyfile and --ssl-certfile (or neither)")
+    import ssl
+
+    for flag, path in (("--ssl-keyfile", keyfile), ("--ssl-certfile", certfile)):
+        if not Path(path).is_file():
+            raise CliError(f"{flag} {path}: no such file")
+    try:
+        ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(certfile, keyfile)
+    except (ssl.SSLError, OSError) as exc:
+        raise CliError(f"--ssl-certfile/--ssl-keyfile: cannot load them as a certificate and its "
+                       f"key ({error_line(exc)})") from None
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -166,27 +202,38 @@ def _serve(args: argparse.Namespace, group: Any) -> str | None:
 
     engine = build_engine(target, drafter, max_seq_len=max_seq_len, max_active=args.max_active,
                           target_pages=args.target_pages, drafter_pages=args.drafter_pages,
-                          tp=group if ranks > 1 else None)
+                          tp=group if ranks > 1 else None, speculate=not args.no_speculation)
     rank = 0 if group is None else int(group.rank)
     pid_dir = os.environ.get(PID_DIR_ENV)
     if pid_dir:
         Path(pid_dir, f"rank{rank}.pid").write_text(str(os.getpid()))
     if rank > 0:
+        if not args.no_warmup:
+            engine.warmup()  # a collective: rank 0 warms up on its engine loop
         used, total = follow(engine, group)
         if any(used.values()):
             return f"tensor-parallel rank {rank}: pages were not all back at exit: {used} of {total} in use"
         return None
     config = ServeConfig(model_name=args.model_name or pair.name, max_queue=args.max_queue,
-                         builtin_chat=pair.builtin)
+                         builtin_chat=pair.builtin, warmup=not args.no_warmup,
+                         warmup_progress=_progress_bar() if not args.no_warmup else None,
+                         api_key=args.api_key, public_metrics=args.public_metrics,
+                         **({"max_body_bytes": args.max_body_bytes} if args.max_body_bytes else {}))
     app = create_app(engine, tokenizer, config)
     loop = app.state.loop
     pools = engine.pages_total()
     where = f"; tensor parallel over {ranks} ranks ({group.backend})" if ranks > 1 else ""
+    where += "; speculation off (target-only decoding)" if args.no_speculation else ""
+    scheme = "https" if args.ssl_certfile else "http"
     print(f"blockdraft serve: {pair.description} as {config.model_name!r} on {device}{where}; "
           f"{args.max_active} running at most, {args.max_queue} queued, context {max_seq_len}; "
           f"pools: target {pools['target']} pages, drafter {pools['drafter']} pages; "
-          f"OpenAI base URL http://{args.host}:{args.port}/v1", flush=True)
-    if not serve(app, host=args.host, port=args.port, shutdown_timeout_s=args.shutdown_timeout):
+          f"OpenAI base URL {scheme}://{args.host}:{args.port}/v1"
+          + ("; API key required" if args.api_key else "")
+          + ("; warming up first (/health answers 503 until ready)" if config.warmup else ""),
+          flush=True)
+    if not serve(app, host=args.host, port=args.port, shutdown_timeout_s=args.shutdown_timeout,
+                 ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile):
         loop.stop(config.stop_timeout_s)  # the lifespan may have started it; this stops every rank
         return f"could not serve on {args.host}:{args.port} (the log above says why)"
     if ranks > 1 and loop.failure is not None:
@@ -197,6 +244,19 @@ def _serve(args: argparse.Namespace, group: Any) -> str | None:
     if not final.all_back:
         return f"pages were not all back at exit: {final.used} of {final.total} in use"
     return None
+
+
+def _progress_bar() -> Callable[[int, int], None]:
+    """A warm-up progress callback drawing a tqdm bar (closed when the work is done)."""
+    bar = progress_bar(total=0, desc="warm-up", unit="step", leave=False)
+
+    def update(done: int, total: int) -> None:
+        bar.total = total
+        bar.update(done - bar.n)
+        if done >= total:
+            bar.close()
+
+    return update
 
 
 def add_serve_command(sub: Any) -> None:
@@ -223,10 +283,25 @@ def add_serve_command(sub: Any) -> None:
     srv.add_argument("--shutdown-timeout", type=float, default=30.0,
                      help="seconds a SIGINT/SIGTERM waits for running requests before "
                           "cancelling them (default 30)")
+    srv.add_argument("--api-key", default=None,
+                     help=f"require 'Authorization: Bearer KEY' on every route but /health "
+                          f"(default: ${API_KEY_ENV}, else no key)")
+    srv.add_argument("--public-metrics", action="store_true",
+                     help="with --api-key, serve /metrics without the key")
+    srv.add_argument("--max-body-bytes", type=int, default=None,
+                     help="largest request body read; larger ones get 413 (default 4 MiB)")
+    srv.add_argument("--ssl-keyfile", default=None, help="serve HTTPS with this PEM private key")
+    srv.add_argument("--ssl-certfile", default=None, help="... and this PEM certificate (chain)")
+    srv.add_argument("--no-speculation", action="store_true",
+                     help="serve by target-only decoding on the same runtime (the drafter is loaded "
+                          "but never run): the baseline beside speculation")
     srv.add_argument("--tp", type=int, default=None, metavar="N",
                      help="split the target over N ranks (tensor parallelism; starts N processes, "
                           "or the ranks torchrun started); rank 0 serves HTTP")
     srv.add_argument("--tp-timeout", type=float, default=DEFAULT_TP_TIMEOUT_S, metavar="S",
                      help="with --tp: the longest a rank waits for the others in one collective; "
                           f"a rank silent this long ends the server (default {DEFAULT_TP_TIMEOUT_S:g})")
+    srv.add_argument("--no-warmup", action="store_true",
+                     help="report ready without warming up (kernel compiles and CUDA graph "
+                          "captures then land on the first requests); for development")
     srv.set_defaults(func=run_serve)

@@ -1,5 +1,12 @@
 """The target's choices for a step: the first token after a prompt, and how much of each
-drafted block is accepted (greedy, masked or sampled; see :mod:`blockdraft.sampling`)."""
+drafted block is accepted (greedy, masked or sampled; see :mod:`blockdraft.sampling`).
+
+Everything that shapes a request's target distribution applies at every verify row, after the
+tokens before that row (the drafts accepted so far included): penalties
+(:class:`~blockdraft.sampling.Penalties`), the stop tokens masked until ``min_tokens``, the
+grammar mask. Acceptance then compares drafts against that distribution, so the output is the
+one target-only decoding with the same settings gives.
+"""
 
 from __future__ import annotations
 
@@ -9,22 +16,34 @@ import torch
 from torch import Tensor
 
 from blockdraft.engine.request import Request
-from blockdraft.sampling import accept_draft, allowed_ids, draw, target_probs
+from blockdraft.sampling import Penalties, accept_draft, allowed_ids, draw, target_probs
 
 
 def _device_greedy(r: Request) -> bool:
-    """Greedy without a grammar mask: the choice is a plain argmax, taken on the device."""
-    return r.params.greedy and r.mask_fn is None
+    """Greedy with nothing to apply to the target's logits: a plain argmax, taken on the
+    device."""
+    return r.params.greedy and r.mask_fn is None and not r.params.penalised and not r.holds_stops()
 
 
 def _allowed(r: Request, extra: Sequence[int], vocab: int) -> Tensor | None:
     mask = r.bitmask(extra)
-    return None if mask is None else allowed_ids(mask.to(torch.int32).cpu(), vocab)
+    allowed = None if mask is None else allowed_ids(mask.to(torch.int32).cpu(), vocab)
+    if r.holds_stops(len(extra)):
+        stops = [t for t in r.stops if 0 <= t < vocab]
+        without = torch.ones(vocab, dtype=torch.bool) if allowed is None else allowed.clone()
+        without[stops] = False
+        # A grammar that allows only stop tokens wins over min_tokens: a choice must remain.
+        if bool(without.any()):
+            allowed = without
+    return allowed
 
 
-def _host_choice(r: Request, row: Tensor, extra: Sequence[int]) -> tuple[Tensor | None, int]:
+def _host_choice(r: Request, row: Tensor, extra: Sequence[int],
+                 penalties: Penalties | None) -> tuple[Tensor | None, int]:
     """``(target distribution or None when greedy, the greedy choice or -1)`` for one fp32
-    row after the generated tokens and ``extra``."""
+    row after the generated tokens and ``extra`` (``penalties``: theirs, when any is on)."""
+    if penalties is not None:
+        row = penalties.apply(row)
     allowed = _allowed(r, extra, row.shape[-1])
     if r.params.greedy:
         if allowed is not None:
@@ -36,6 +55,10 @@ def _host_choice(r: Request, row: Tensor, extra: Sequence[int]) -> tuple[Tensor 
     return probs, -1
 
 
+def _penalties(r: Request, vocab: int) -> Penalties | None:
+    return Penalties(r.params, vocab, r.prompt, r.out) if r.params.penalised else None
+
+
 def first_tokens(requests: Sequence[Request], logits: Tensor) -> list[int]:
     """Each request's token after its prompt from its last prompt row ``logits[i]`` ``[n, V]``."""
     if all(_device_greedy(r) for r in requests):
@@ -44,7 +67,7 @@ def first_tokens(requests: Sequence[Request], logits: Tensor) -> list[int]:
     rows = logits.cpu()  # the target's dtype; rows become fp32 only when looked at
     out = []
     for r, row in zip(requests, rows):
-        probs, choice = _host_choice(r, row.float(), [])
+        probs, choice = _host_choice(r, row.float(), [], _penalties(r, row.shape[-1]))
         out.append(choice if probs is None else draw(probs, r.generator))
     return out
 
@@ -100,18 +123,19 @@ def _greedy_accept(drafts: Sequence[int], choices: Sequence[int]) -> tuple[int, 
 
 
 def _host_accept(r: Request, drafts: Sequence[int], rows: Tensor, q: Tensor | None) -> tuple[int, int]:
+    penalties = _penalties(r, rows.shape[-1])
     for j in range(len(drafts) + 1):
-        probs, choice = _host_choice(r, rows[j].float(), drafts[:j])
+        probs, choice = _host_choice(r, rows[j].float(), drafts[:j], penalties)
         if probs is None:
-            if j < len(drafts) and drafts[j] == choice:
-                continue
-            return j, choice
-        if j == len(drafts):
+            ok, token = j < len(drafts) and drafts[j] == choice, choice
+        elif j == len(drafts):
             return j, draw(probs, r.generator)
-        ok, token = accept_draft(probs, drafts[j], None if q is None else q[j], r.generator)
-        if ok:
-            continue
-        return j, token
+        else:
+            ok, token = accept_draft(probs, drafts[j], None if q is None else q[j], r.generator)
+        if not ok:
+            return j, token
+        if penalties is not None:
+            penalties.add(drafts[j])
     raise AssertionError("unreachable")
 
 

@@ -40,14 +40,22 @@ import torch
 from torch import Tensor
 
 import blockdraft._core as _core
+from blockdraft import faults
 from blockdraft._core import ConfigError
 from blockdraft.cuda_graphs import GraphMode
+from blockdraft.engine import warmup as _warmup
 from blockdraft.engine.accept import accept_blocks, first_tokens
-from blockdraft.engine.request import MaskFn, Request, Status, StepEvent
+from blockdraft.engine.admission import num_admissible
+from blockdraft.engine.collect import generate_all
+from blockdraft.engine.compiles import CompileWatch, graph_captures, triton_compiles
+from blockdraft.engine.draft_length import DraftLength, DraftLengthPolicy, read_draft_length, row_classes
+from blockdraft.engine.logprobs import emitted_logprobs
+from blockdraft.engine.request import MaskFn, Request, Status, StepEvent, check_options
+from blockdraft.engine.target_only import decode_step
 from blockdraft.pair import check_context
 from blockdraft.parallel import TPGroup
 from blockdraft.proposer import DFlashProposer, agreed_pool_size
-from blockdraft.results import GenerationResult, GenerationStats
+from blockdraft.results import GenerationResult
 from blockdraft.sampling import SamplingParams, as_sampling
 from blockdraft.target import (
     DEFAULT_SDPA_BACKENDS,
@@ -56,37 +64,14 @@ from blockdraft.target import (
     TargetAdapter,
     TargetBackend,
     TargetRuntime,
-    TargetSpec,
     check_prompts,
+    config_int,
     model_shard,
+    resolve_runtime,
     validate_sdpa_backends,
 )
 
 log = logging.getLogger(__name__)
-
-RUNTIMES = ("auto", "blockdraft", "hf")
-
-
-def resolve_runtime(runtime: str, target: Any) -> str:
-    """``"blockdraft"`` or ``"hf"`` for ``runtime`` on ``target`` (``"auto"``: the runtime
-    when it supports the model, else Hugging Face with one log line).
-
-    Raises:
-        ConfigError: an unknown name, or ``"blockdraft"`` on an unsupported model (named).
-    """
-    if runtime not in RUNTIMES:
-        raise ConfigError(f"runtime must be one of {RUNTIMES}, not {runtime!r}")
-    if runtime == "hf":
-        return "hf"
-    try:
-        TargetSpec.from_model(target)
-    except ConfigError as exc:
-        if runtime == "blockdraft":
-            raise
-        log.info("target runtime: %s; running the target's own forward", exc)
-        return "hf"
-    return "blockdraft"
-
 
 class SpeculativeEngine:
     """A target + drafter pair that serves many requests at once.
@@ -117,6 +102,13 @@ class SpeculativeEngine:
             rank builds the engine with the same arguments and then submits, steps and
             cancels in the same order; the target runs on the runtime split over the ranks
             (``runtime`` must not be ``"hf"``) and the drafter runs whole on every rank.
+        speculate: ``False``: target-only decoding, a token per request per step (no drafter work or pages).
+        draft_length: drafts verified per request and step: ``"adaptive"`` (from the batch's
+            size and each request's recent acceptance; see
+            :mod:`blockdraft.engine.draft_length`), a fixed count (clipped to ``B - 1``), or
+            a :class:`~blockdraft.engine.draft_length.DraftLengthPolicy` of one's own;
+            ``None``: the ``BLOCKDRAFT_DRAFT_LENGTH`` variable, else adaptive. Greedy output
+            is the same for every choice.
         proposer_kwargs: passed to :class:`~blockdraft.DFlashProposer` when one is built.
 
     Raises:
@@ -138,6 +130,8 @@ class SpeculativeEngine:
         graphs: GraphMode = "auto",
         sampled_drafts: bool = False,
         tp: TPGroup | None = None,
+        speculate: bool = True,
+        draft_length: DraftLength | DraftLengthPolicy | None = None,
         **proposer_kwargs: Any,
     ) -> None:
         if max_active < 1:
@@ -154,8 +148,7 @@ class SpeculativeEngine:
         if which == "hf" and model_shard(target) != (0, 1):
             raise ConfigError("the target holds a tensor-parallel shard: its Hugging Face "
                               "forward cannot run (use runtime='blockdraft' with its group)")
-        cfg = getattr(target, "config", None)
-        positions = int(getattr(cfg, "max_position_embeddings", 0) or 4096)
+        positions = config_int(target, "max_position_embeddings") or 4096
         if max_seq_len is None:
             max_seq_len = positions
         self.max_seq_len = max_seq_len
@@ -170,18 +163,27 @@ class SpeculativeEngine:
             # Admission reads the pool: every rank's must be the same size.
             agreed_pool_size(tp, proposer.pool.num_pages, sized=False)
         self.block_size = self.proposer.block_gamma
+        self.speculate = bool(speculate)
+        if isinstance(draft_length, DraftLengthPolicy):
+            self._lengths = draft_length
+            self.draft_length: DraftLength = "adaptive" if draft_length.fixed is None else draft_length.fixed
+        else:
+            self.draft_length = read_draft_length(draft_length)
+            self._lengths = DraftLengthPolicy.of(self.block_size, self.draft_length)
         self.target: TargetBackend
         if which == "blockdraft":
             rt = TargetRuntime(
                 target, max_seq_len=min(positions, max_seq_len + self.block_size),
                 num_pages=target_pages, page_size=page_size, max_batch=max_active,
-                capture_layers=self.proposer.target_layer_ids, graphs=graphs,
-                graph_rows=(1, self.block_size), tp=tp,
+                capture_layers=self.proposer.target_layer_ids if speculate else (), graphs=graphs,
+                graph_rows=(1, *row_classes(self.block_size, self.draft_length)) if speculate else (1,),
+                tp=tp,
             )
             self.target = RuntimeTarget(rt, self.block_size)
         else:
             self.target = HFTarget(TargetAdapter(target, drafter.config), sdpa_backends)
         self._vocab = self.proposer.head.vocab_in
+        self._target_positions = self.proposer.head.max_positions
         self._ids = iter(range(1, 1 << 62))
         self._waiting: list[Request] = []
         self._running: list[Request] = []
@@ -194,6 +196,59 @@ class SpeculativeEngine:
         self._seed_base: int | None = None
         if tp is not None and tp.size > 1:
             self._seed_base = int(tp.broadcast(secrets.randbits(62)))
+        self._watch = CompileWatch(self.graph_captures)
+        self.warmup_report: _warmup.WarmupReport | None = None
+
+    def warmup(self, *, max_prompt: int | None = None,
+               progress: _warmup.Progress | None = None) -> _warmup.WarmupReport:
+        """Compile every kernel variant and capture every CUDA graph a request can reach
+        (:func:`blockdraft.engine.warmup.warm_up`); from then on each compile or capture is
+        counted and logged as a warning. Leaves no request behind, every page back, ids and
+        counters as they were. With tensor parallelism every rank calls it.
+
+        Args:
+            max_prompt: the longest single prompt warmed (default: the longest the engine
+                takes, at most 16384 tokens).
+            progress: ``progress(done, total)`` after each unit of work.
+
+        Raises:
+            RuntimeError: a request is waiting or running.
+        """
+        if self._waiting or self._running:
+            raise RuntimeError("warmup needs an idle engine (no request waiting or running)")
+        rt = self.runtime
+        full = (self.proposer.device.type == "cuda" or self.proposer.backend == "triton"
+                or (rt is not None and rt.backend == "triton"))
+        saved = (self._ids, self.steps, self.batched_proposals, self.single_proposals)
+        self._ids = iter(range(1 << 62, 1 << 63))  # apart from the ids requests get
+        try:
+            report = _warmup.timed(
+                lambda: _warmup.warm_up(self, max_prompt=max_prompt, full=full, progress=progress),
+                triton_compiles, self.graph_captures)
+        finally:
+            self._ids, self.steps, self.batched_proposals, self.single_proposals = saved
+        self._watch.arm()
+        self.warmup_report = report
+        return report
+
+    @property
+    def is_warm(self) -> bool:
+        """Whether :meth:`warmup` has run."""
+        return self._watch.armed
+
+    @property
+    def compiles_after_warmup(self) -> int:
+        """Triton kernels compiled since :meth:`warmup` ended (process-wide; 0 before it)."""
+        return self._watch.compiles
+
+    @property
+    def captures_after_warmup(self) -> int:
+        """CUDA graphs this engine captured since :meth:`warmup` ended (0 before it)."""
+        return self._watch.captures
+
+    def graph_captures(self) -> int:
+        """CUDA graphs this engine's proposer and target runtime have captured."""
+        return graph_captures(self.proposer, self.runtime)
 
     @property
     def target_runtime(self) -> str:
@@ -229,17 +284,25 @@ class SpeculativeEngine:
         generator: torch.Generator | None = None,
         seed: int | None = None,
         grammar_bitmask_fn: MaskFn | None = None,
+        min_tokens: int = 0,
+        logprobs: int | None = None,
     ) -> int:
         """Queue a request; it starts at a later :meth:`step` once its pages fit.
 
         Args:
             prompt: its token ids (non-empty).
-            max_new_tokens: the most tokens it generates (>= 1).
-            sampling: how its tokens are chosen (``None``: greedy).
+            max_new_tokens: the most tokens it generates (>= 1); a request that reaches the
+                target's ``max_position_embeddings`` first ends there (``"length"``).
+            sampling: how its tokens are chosen, penalties included (``None``: greedy).
             stop_token_ids: it ends after producing one of these (included).
             generator / seed: its random source when sampling (a seed makes one).
             grammar_bitmask_fn: ``fn(generated) -> packed int32 [ceil(V/32)]`` of the tokens
                 allowed next; the target's choice is masked at every position.
+            min_tokens: ``stop_token_ids`` are masked out of the target's choice until this
+                many tokens are generated (``<= max_new_tokens``).
+            logprobs: report each token's log-probability under the target with this many
+                likeliest alternatives (``Request.out_logprobs``, ``StepEvent.logprobs``;
+                see :class:`~blockdraft.TokenLogprob`); ``None``: none are computed.
 
         Returns:
             the request id.
@@ -248,13 +311,14 @@ class SpeculativeEngine:
             TypeError / ValueError: bad arguments, a prompt + ``max_new_tokens`` past
                 ``max_seq_len``, or a request that can never fit the pools (nothing queued).
         """
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int):
-            raise TypeError(f"max_new_tokens must be an int, not {type(max_new_tokens).__name__}")
-        if max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, not {max_new_tokens}")
+        check_options(max_new_tokens, min_tokens, logprobs, self._vocab)
         params = as_sampling(sampling)
         ids = check_prompts([prompt], self._vocab)[0]
         check_context(len(ids), max_new_tokens, self.max_seq_len)
+        if self._target_positions is not None:  # binds when max_seq_len is past the target's
+            check_context(len(ids), None, self._target_positions,
+                          limit_name="the target's max_position_embeddings")
+            max_new_tokens = min(max_new_tokens, self._target_positions - len(ids))
         rid = next(self._ids)
         if seed is None and generator is None and self._seed_base is not None and not params.greedy:
             seed = (self._seed_base + rid) % (1 << 63)
@@ -263,7 +327,8 @@ class SpeculativeEngine:
         req = Request(
             id=rid, prompt=ids, max_new_tokens=max_new_tokens, params=params,
             stops=frozenset(int(t) for t in (stop_token_ids or ())), mask_fn=grammar_bitmask_fn,
-            generator=generator, submitted_at=time.perf_counter(),
+            generator=generator, submitted_at=time.perf_counter(), min_tokens=min_tokens,
+            logprobs=logprobs,
         )
         req.target_pages, req.drafter_pages = self._needs(req)
         total_t, total_d = self.target.total_pages, self.proposer.pool.num_pages
@@ -338,10 +403,15 @@ class SpeculativeEngine:
         if running:
             self.steps += 1
             try:
-                self._speculate(running, events)
+                if self.speculate:
+                    self._speculate(running, events)
+                else:
+                    decode_step(self.target, running)
+                    self._settle(running, events)
             except BaseException as exc:
                 self._fail_all(running, exc, events)
                 raise
+        self._watch.check()
         return events
 
     def stream(self, request_ids: Sequence[int] | None = None) -> Iterator[StepEvent]:
@@ -367,6 +437,8 @@ class SpeculativeEngine:
         grammar_bitmask_fn: Callable[[int, Sequence[int]], Tensor | None] | None = None,
         generator: torch.Generator | None = None,
         progress: Callable[[int], None] | None = None,
+        min_tokens: int = 0,
+        logprobs: int | None = None,
     ) -> GenerationResult:
         """Generate up to ``max_new_tokens`` tokens after each prompt (submit them all, step
         until they end).
@@ -378,50 +450,18 @@ class SpeculativeEngine:
             (the rest as :meth:`submit`)
 
         Returns:
-            the tokens per prompt and :class:`~blockdraft.GenerationStats`.
+            the tokens per prompt (and their log-probabilities with ``logprobs``) and
+            :class:`~blockdraft.GenerationStats`.
 
         Raises:
             TypeError / ValueError: bad arguments (nothing submitted). On any exception,
                 ``KeyboardInterrupt`` included, every request of the call is cancelled and its
                 pages are back in the pools.
         """
-        ids = check_prompts(prompts, self._vocab)
-        as_sampling(sampling)
-        for i, p in enumerate(ids):
-            check_context(len(p), max_new_tokens, self.max_seq_len, prompt=f"prompt {i}")
-        start = time.perf_counter()
-        rids: list[int] = []
-        batched0, single0 = self.batched_proposals, self.single_proposals
-        try:
-            for i, p in enumerate(ids):
-                mask = None
-                if grammar_bitmask_fn is not None:
-                    mask = _bind_mask(grammar_bitmask_fn, i)
-                rids.append(self.submit(
-                    p, max_new_tokens=max_new_tokens, sampling=sampling,
-                    stop_token_ids=stop_token_ids, generator=generator,
-                    grammar_bitmask_fn=mask,
-                ))
-            for ev in self.stream(rids):
-                if progress is not None and ev.tokens:
-                    progress(len(ev.tokens))
-                if ev.finish_reason == "error":
-                    failure = self._requests[ev.request_id].exception
-                    if failure is not None:
-                        raise failure
-                    raise RuntimeError(f"request {ev.request_id} failed: {ev.error}")
-        finally:
-            for rid in rids:
-                self.cancel(rid)
-        elapsed = time.perf_counter() - start
-        reqs = [self._requests.pop(rid) for rid in rids]
-        return GenerationResult(
-            [r.out for r in reqs],
-            GenerationStats.collect(
-                [r.steps for r in reqs], sum(len(r.out) for r in reqs), elapsed,
-                [(r.ttft_s or 0.0) - (start - r.submitted_at) for r in reqs], self.target.name,
-                self.batched_proposals - batched0, self.single_proposals - single0,
-            ),
+        return generate_all(
+            self, prompts, max_new_tokens=max_new_tokens, sampling=sampling,
+            stop_token_ids=stop_token_ids, grammar_bitmask_fn=grammar_bitmask_fn,
+            generator=generator, progress=progress, min_tokens=min_tokens, logprobs=logprobs,
         )
 
     def _needs(self, req: Request) -> tuple[int, int]:
@@ -430,31 +470,24 @@ class SpeculativeEngine:
         target = self.target.pages_for(budget + self.block_size)
         window = _core.ctx_window(self.max_seq_len, self.block_size, budget,
                                   self.proposer.levers.ctx_cap)
-        return target, math.ceil(window / self.proposer.page_size)
+        return target, math.ceil(window / self.proposer.page_size) if self.speculate else 0
 
     def _admit(self, events: list[StepEvent]) -> None:
-        """Start waiting requests in order while their pages fit (no request jumps the queue),
-        prefilling them together."""
-        total_t = self.target.total_pages
-        total_d = self.proposer.pool.num_pages
-        held_t = sum(r.target_pages for r in self._running)
-        held_d = sum(r.drafter_pages for r in self._running)
+        """Start the waiting requests :func:`~blockdraft.engine.admission.num_admissible`
+        lets start, prefilling them together."""
+        count = num_admissible(self._waiting, self._running, max_active=self.max_active,
+                               target_pages=self.target.total_pages,
+                               drafter_pages=self.proposer.pool.num_pages)
+        starting, self._waiting = self._waiting[:count], self._waiting[count:]
         batch: list[Request] = []
-        while self._waiting and len(self._running) + len(batch) < self.max_active:
-            req = self._waiting[0]
-            if total_t is not None and held_t + req.target_pages > total_t:
-                break
-            if held_d + req.drafter_pages > total_d:
-                break
-            self._waiting.pop(0)
-            held_t += req.target_pages
-            held_d += req.drafter_pages
+        for req in starting:
             try:
                 req.target_seq = self.target.new(len(req.prompt) + req.max_new_tokens + self.block_size)
-                req.state = self.proposer.alloc_state_for(len(req.prompt) + req.max_new_tokens)
+                if self.speculate:
+                    req.state = self.proposer.alloc_state_for(len(req.prompt) + req.max_new_tokens)
             except Exception as exc:  # noqa: BLE001 - this request fails, the others go on
                 self._fail(req, exc)
-                events.append(self._event(req))
+                events.append(req.event())
                 continue
             req.status = Status.RUNNING
             self._running.append(req)
@@ -463,36 +496,62 @@ class SpeculativeEngine:
             try:
                 self._prefill(batch, events)
             except BaseException as exc:
+                # With tensor parallelism an out-of-memory may be one rank's alone: the ranks
+                # could no longer take the same decisions, so it ends the step as any failure.
+                if isinstance(exc, torch.OutOfMemoryError) and not (self.tp and self.tp.size > 1):
+                    self._out_of_memory(batch, exc, events)
+                    return
                 self._fail_all(batch, exc, events)
                 raise
+
+    def _out_of_memory(self, batch: list[Request], exc: BaseException, events: list[StepEvent]) -> None:
+        """A prefill ran out of device memory. A request prefilled alone fails (what it held
+        back in the pools; the running requests go on). In a batch none can be blamed: each goes
+        back to the head of the queue, in order, holding nothing, to be prefilled by itself."""
+        if len(batch) == 1:
+            self._fail_all(batch, exc, events)
+            return
+        for r in reversed(batch):
+            self._release(r)
+            r.status = Status.WAITING
+            r.prefill_alone = True
+            self._waiting.insert(0, r)
 
     def _fail_all(self, reqs: Sequence[Request], exc: BaseException, events: list[StepEvent]) -> None:
         """A step that raised out of its shared work fails every request of it still live."""
         for r in reqs:
             if not r.status.ended:
                 self._fail(r, exc)
-                events.append(self._event(r))
+                events.append(r.event())
 
     def _prefill(self, batch: list[Request], events: list[StepEvent]) -> None:
         prop = self.proposer
 
         def commit(idx: list[int], spans: list[range], rows: Tensor) -> None:
-            prop.commit_ctx_batch([batch[i].state for i in idx], rows,  # type: ignore[misc]
-                                  spans)
+            if self.speculate:  # the Hugging Face forward hands its rows over regardless
+                prop.commit_ctx_batch([batch[i].state for i in idx], rows, spans)  # type: ignore[misc]
 
+        if faults.active():
+            faults.hit("prefill")
         logits = self.target.prefill([r.target_seq for r in batch], [r.prompt for r in batch], commit)
         firsts = first_tokens(batch, logits)
+        lps = emitted_logprobs(batch, logits, [1] * len(batch), [[t] for t in firsts])
         now = time.perf_counter()
-        for r, tok in zip(batch, firsts):
+        for r, tok, lp in zip(batch, firsts, lps):
             r.ttft_s = now - r.submitted_at
-            r.push([tok])
+            r.push([tok], lp)
+        self._settle(batch, events)
+
+    def _settle(self, reqs: list[Request], events: list[StepEvent]) -> None:
+        """After new tokens were pushed: end the finished requests, report them all."""
+        for r in reqs:
             if r.finish_reason is not None:
                 self._end(r, Status.FINISHED, r.finish_reason)
-            events.append(self._event(r))
+            events.append(r.event())
 
     def _speculate(self, running: list[Request], events: list[StepEvent]) -> None:
         drafts, draft_q = self._draft(running)
-        events.extend(self._event(r) for r in running if r.status is Status.FAILED)
+        events.extend(r.event() for r in running if r.status is Status.FAILED)
         live = [r for r in running if r.status is Status.RUNNING]
         if not live:
             return
@@ -500,16 +559,18 @@ class SpeculativeEngine:
         logits, rows = self.target.verify([r.target_seq for r in live], blocks)
         decided = accept_blocks(live, [drafts[r.id] for r in live], logits,
                                 [draft_q.get(r.id) for r in live])
+        news = [[*drafts[r.id][:a], nxt] for r, (a, nxt) in zip(live, decided)]
+        lps = emitted_logprobs(live, logits, [len(b) for b in blocks], news)
         self.target.accept([r.target_seq for r in live], [a + 1 for a, _ in decided])
         prop = self.proposer
         prop.after_verify_batch([r.state for r in live], [a for a, _ in decided])  # type: ignore[misc]
         keep_states, keep_rows, keep_pos = [], [], []
         offset = 0
-        for r, (accepted, nxt), block in zip(live, decided, blocks):
-            start = r.anchor_position
-            new = [*drafts[r.id][:accepted], nxt]
+        for r, new, lp, block in zip(live, news, lps, blocks):
+            start, accepted = r.anchor_position, len(new) - 1
+            self._lengths.observe(r.id, len(block) - 1, accepted)
             r.steps.append(len(new))
-            r.push(new)
+            r.push(new, lp)
             if r.finish_reason is None:
                 keep_states.append(r.state)
                 keep_rows.append(rows[offset : offset + accepted + 1])
@@ -518,21 +579,20 @@ class SpeculativeEngine:
         if keep_states:
             prop.commit_ctx_batch(keep_states, torch.cat(keep_rows) if len(keep_rows) > 1  # type: ignore[arg-type]
                                   else keep_rows[0], keep_pos)
-        for r in live:
-            if r.finish_reason is not None:
-                self._end(r, Status.FINISHED, r.finish_reason)
-            events.append(self._event(r))
+        self._settle(live, events)
 
     def _draft(self, running: list[Request]) -> tuple[dict[int, list[int]], dict[int, Tensor]]:
-        """Drafts per request (``min(B-1, left-1)`` of them; none for a request's last
-        token), and for sampled drafts their distribution ``[drafts, V]`` (on the host); a
-        request whose proposal fails is failed. How many to draft is decided here; how they
-        are drafted is the proposer's (:meth:`~blockdraft.DFlashProposer.draft`)."""
+        """Drafts per request (as many as the draft-length policy chooses, at most
+        ``left - 1``: none for a request's last token), and for sampled drafts their
+        distribution ``[drafts, V]`` (on the host); a request whose proposal fails is failed.
+        How many to draft is decided here; how they are drafted is the proposer's
+        (:meth:`~blockdraft.DFlashProposer.draft`)."""
         got = self.proposer.draft(
             [r.state for r in running],  # type: ignore[misc]
             [r.out[-1] for r in running],
             [r.anchor_position for r in running],
-            [min(self.block_size - 1, r.remaining - 1) for r in running],
+            [min(k, r.remaining - 1)
+             for k, r in zip(self._lengths.choose([r.id for r in running]), running)],
             # Lists only when some request needs them: most steps have no grammar and greedy drafts.
             masks=([r.bitmask if r.mask_fn is not None else None for r in running]
                    if any(r.mask_fn is not None for r in running) else None),
@@ -552,6 +612,15 @@ class SpeculativeEngine:
 
     def _end(self, req: Request, status: Status, reason: str, *, error: str | None = None) -> None:
         """Give back what ``req`` holds and mark it ended (idempotent)."""
+        self._lengths.forget(req.id)
+        self._release(req)
+        if not req.status.ended:
+            req.status = status
+            req.finish_reason = req.finish_reason if status is Status.FINISHED else reason
+            req.error = error
+
+    def _release(self, req: Request) -> None:
+        """Take ``req`` off the queues; give back its target sequence and proposer state."""
         if req in self._waiting:
             self._waiting.remove(req)
         if req in self._running:
@@ -564,24 +633,10 @@ class SpeculativeEngine:
             if req.state is not None:
                 self.proposer.free_state(req.state)
             req.state = None
-        if not req.status.ended:
-            req.status = status
-            req.finish_reason = req.finish_reason if status is Status.FINISHED else reason
-            req.error = error
 
     def _fail(self, req: Request, exc: BaseException) -> None:
         req.exception = exc
         self._end(req, Status.FAILED, "error", error=f"{type(exc).__name__}: {exc}")
 
-    def _event(self, req: Request) -> StepEvent:
-        new = tuple(req.out[req.reported :])
-        req.reported = len(req.out)
-        reason = req.finish_reason if req.status.ended else None
-        return StepEvent(req.id, new, reason, req.error)
 
-
-def _bind_mask(fn: Callable[[int, Sequence[int]], Tensor | None], index: int) -> MaskFn:
-    return lambda generated: fn(index, generated)
-
-
-__all__ = ["RUNTIMES", "SpeculativeEngine", "resolve_runtime"]
+__all__ = ["SpeculativeEngine"]

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from blockdraft.engine.draft_length import DraftLength
 from blockdraft.engine.engine import SpeculativeEngine
 from blockdraft.parallel import TPGroup
 from blockdraft.results import GenerationResult
@@ -36,6 +37,9 @@ def generate(
     runtime: str = "auto",
     sampled_drafts: bool = False,
     tp: TPGroup | None = None,
+    min_tokens: int = 0,
+    logprobs: int | None = None,
+    draft_length: DraftLength | None = None,
 ) -> GenerationResult:
     """Speculative generation for one or many prompts (a one-off :class:`SpeculativeEngine`
     whose pools hold exactly these prompts; build an engine yourself to reuse it).
@@ -47,7 +51,14 @@ def generate(
             distribution (see :class:`SpeculativeEngine`).
         tp: the tensor-parallel group this process is a rank of (every rank calls
             ``generate`` with the same arguments; see :class:`SpeculativeEngine`).
-        (the rest as :meth:`SpeculativeEngine.generate`)
+        min_tokens: ``stop_token_ids`` are masked out of the target's choice until each
+            prompt has this many new tokens.
+        logprobs: also return each token's log-probability under the target with this many
+            likeliest alternatives (``GenerationResult.logprobs``).
+        draft_length: drafts verified per prompt and step (see :class:`SpeculativeEngine`;
+            a fixed ``B - 1`` measures the drafter alone, as the benchmarks do).
+        (the rest as :meth:`SpeculativeEngine.generate`; penalties are
+        :class:`~blockdraft.SamplingParams` fields)
 
     Raises:
         ConfigError: ``runtime="blockdraft"`` on an unsupported model (named).
@@ -64,11 +75,12 @@ def generate(
         target, drafter, runtime=runtime, max_seq_len=longest, max_active=len(prompts),
         target_pages=target_pages, page_size=page, num_pages=drafter_pages,
         max_batch=min(len(prompts), 16), sampled_drafts=sampled_drafts, tp=tp,
+        draft_length=draft_length,
     ) as engine:
         return engine.generate(
             prompts, max_new_tokens=max_new_tokens, sampling=sampling,
             stop_token_ids=stop_token_ids, grammar_bitmask_fn=grammar_bitmask_fn,
-            generator=generator,
+            generator=generator, min_tokens=min_tokens, logprobs=logprobs,
         )
 
 

@@ -11,6 +11,7 @@ import torch
 from torch import Tensor
 
 from blockdraft.proposer import DFlashState
+from blockdraft.results import TokenLogprob
 from blockdraft.sampling import SamplingParams
 
 MaskFn = Callable[[Sequence[int]], "Tensor | None"]
@@ -37,11 +38,18 @@ class Request:
     """A request's settings, progress and what it holds (target sequence, proposer state).
 
     Attributes:
+        min_tokens: its stop tokens are masked out of the target's choice until it has
+            generated this many tokens.
+        logprobs: how many likeliest alternatives to report with each token's
+            log-probability (``None``: no log-probabilities are computed).
         out: generated tokens (a stop token included).
+        out_logprobs: one per token of ``out`` when ``logprobs`` is set.
         steps: tokens produced per speculative step (accepted drafts + 1).
         finish_reason: ``"stop"``, ``"length"``, ``"cancelled"`` or ``"error"`` once ended.
         error: the message of the failure that ended it, if one did.
         target_pages / drafter_pages: the pages its admission reserved.
+        prefill_alone: admit it in a prefill of its own (a batched prefill it was part of
+            ran out of device memory).
     """
 
     id: int
@@ -52,8 +60,11 @@ class Request:
     mask_fn: MaskFn | None
     generator: torch.Generator | None
     submitted_at: float
+    min_tokens: int = 0
+    logprobs: int | None = None
     status: Status = Status.WAITING
     out: list[int] = field(default_factory=list)
+    out_logprobs: list[TokenLogprob] = field(default_factory=list)
     steps: list[int] = field(default_factory=list)
     ttft_s: float | None = None
     finish_reason: str | None = None
@@ -64,6 +75,7 @@ class Request:
     drafter_pages: int = 0
     reported: int = 0  # tokens already handed out by an event
     exception: BaseException | None = field(default=None, repr=False)
+    prefill_alone: bool = False
 
     @property
     def anchor_position(self) -> int:
@@ -80,11 +92,18 @@ class Request:
             return None
         return self.mask_fn([*self.out, *extra])
 
-    def push(self, tokens: Sequence[int]) -> int:
-        """Append ``tokens`` up to the first stop token or the length limit; returns how many
-        were kept (the request is then finished if it hit either)."""
+    def holds_stops(self, ahead: int = 0) -> bool:
+        """Whether its stop tokens are masked at the position ``ahead`` tokens past ``out``."""
+        return bool(self.stops) and len(self.out) + ahead < self.min_tokens
+
+    def push(self, tokens: Sequence[int], logprobs: Sequence[TokenLogprob] | None = None) -> int:
+        """Append ``tokens`` (with their ``logprobs``, when computed) up to the first stop
+        token or the length limit; returns how many were kept (the request is then finished
+        if it hit either)."""
         kept = 0
         for tok in tokens:
+            if logprobs is not None:
+                self.out_logprobs.append(logprobs[kept])
             self.out.append(tok)
             kept += 1
             if tok in self.stops:
@@ -95,6 +114,14 @@ class Request:
                 break
         return kept
 
+    def event(self) -> StepEvent:
+        """What happened since its previous event: the new tokens and, once it ended, why."""
+        new = tuple(self.out[self.reported :])
+        lps = tuple(self.out_logprobs[self.reported :])
+        self.reported = len(self.out)
+        reason = self.finish_reason if self.status.ended else None
+        return StepEvent(self.id, new, reason, self.error, lps)
+
 
 @dataclass(frozen=True)
 class StepEvent:
@@ -103,16 +130,34 @@ class StepEvent:
     Attributes:
         finish_reason: ``None`` while it runs, else ``"stop"``, ``"length"``,
             ``"cancelled"`` or ``"error"`` (``error`` then holds the message).
+        logprobs: one per new token when the request asked for them, else empty.
     """
 
     request_id: int
     tokens: tuple[int, ...]
     finish_reason: str | None = None
     error: str | None = None
+    logprobs: tuple[TokenLogprob, ...] = ()
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
 
 
-__all__ = ["MaskFn", "Request", "Status", "StepEvent"]
+def check_options(max_new_tokens: int, min_tokens: int, logprobs: int | None, vocab: int) -> None:
+    """Raises ``TypeError`` / ``ValueError`` naming a bad length or output option of a
+    request: ``max_new_tokens >= 1``, ``0 <= min_tokens <= max_new_tokens``, ``logprobs``
+    ``None`` or in ``[0, vocab]``."""
+    for name, value in (("max_new_tokens", max_new_tokens), ("min_tokens", min_tokens),
+                        ("logprobs", 0 if logprobs is None else logprobs)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{name} must be an int, not {type(value).__name__}")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, not {max_new_tokens}")
+    if not 0 <= min_tokens <= max_new_tokens:
+        raise ValueError(f"min_tokens must be in [0, max_new_tokens = {max_new_tokens}], not {min_tokens}")
+    if logprobs is not None and not 0 <= logprobs <= vocab:
+        raise ValueError(f"logprobs must be in [0, {vocab}] (the vocabulary), not {logprobs}")
+
+
+__all__ = ["MaskFn", "Request", "Status", "StepEvent", "check_options"]

@@ -1,8 +1,8 @@
 """The hot-path kernels of the drafter (and of any forward built on the same pieces).
 
 One op family per module: the Triton kernels and their host launcher (``kv_store``,
-``paged_attention``, ``accumulator``, ``selection``, ``graph_inputs``, ``fused``), and one
-plain-torch reference for every launcher in :mod:`blockdraft.kernels.reference`, which is also
+``paged_attention``, ``accumulator``, ``selection``, ``topk``, ``graph_inputs``, ``fused``,
+``dflash2``), and one plain-torch reference for every launcher in :mod:`blockdraft.kernels.reference`, which is also
 the ``"torch"`` backend (any device). A launcher and its reference take the same arguments, so
 a caller picks a backend once and calls through :class:`KernelOps`::
 
@@ -40,12 +40,15 @@ _TRITON_HOME: dict[str, str] = {
     "ctx_kv_store": "kv_store",
     "block_attention": "paged_attention",
     "masked_argmax": "selection",
+    "topk": "topk",
     "block_inputs": "graph_inputs",
     "add_rms_norm": "fused",
     "qk_norm_rope": "fused",
     "silu_mul": "fused",
     "qk_norm_rope_store": "fused",
     "causal_attention": "causal_attention",
+    "dynamic_conv": "dflash2",
+    "selector_walk": "dflash2",
 }
 _triton_mods: dict[str, ModuleType] = {}
 _triton_error: str | None = None
@@ -101,12 +104,15 @@ class KernelOps:
     ctx_kv_store: Callable[..., None]
     block_attention: Callable[..., torch.Tensor]
     masked_argmax: Callable[..., torch.Tensor]
+    topk: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     block_inputs: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]
     add_rms_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     qk_norm_rope: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
     silu_mul: Callable[..., torch.Tensor]
     qk_norm_rope_store: Callable[..., torch.Tensor]
     causal_attention: Callable[..., torch.Tensor]
+    dynamic_conv: Callable[..., torch.Tensor]
+    selector_walk: Callable[..., tuple[torch.Tensor, torch.Tensor | None]]
     acc_append: Callable[[torch.Tensor, torch.Tensor], None] | None = None
     """Triton: ``acc_append(rows [R, C], table)`` with ``table`` from :attr:`append_table`."""
     append_table: Callable[..., torch.Tensor] | None = None

@@ -46,6 +46,18 @@ def next_pow2(x: int) -> int:
     return 1 if x <= 1 else 1 << (x - 1).bit_length()
 
 
+def prev_pow2(x: int) -> int:
+    return 1 if x <= 1 else 1 << (x.bit_length() - 1)
+
+
+def split_count(want: int, tiles: int) -> int:
+    """Context splits from a wanted count and the key tiles of the longest context: a power
+    of two (at most ``want``, at most the tiles rounded up to one), so the split count is
+    one of a few values whatever the lengths are: a split count is a compile-time constant
+    of the attention kernels, and a new value on the request path is a compile there."""
+    return min(prev_pow2(max(1, want)), next_pow2(max(1, tiles)))
+
+
 def interpreting() -> bool:
     """Whether Triton runs kernels in its CPU interpreter (``TRITON_INTERPRET=1``)."""
     return os.environ.get("TRITON_INTERPRET", "0") == "1"

@@ -19,7 +19,7 @@ import triton.language as tl
 _APPEND_BLOCK_C = 1024
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_rows"])
 def acc_append_kernel(
     rows_ptr,  # [R, C] contiguous
     meta_ptr,  # [2, R] int64: accumulator index of each row, destination row in it

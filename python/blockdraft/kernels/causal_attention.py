@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._validate import FLOAT_DTYPES, check, interpreting, next_pow2, sm_count
+from ._validate import FLOAT_DTYPES, check, interpreting, next_pow2, sm_count, split_count
 from .paged_attention import block_attention_combine_kernel
 
 _NEG_BIG = tl.constexpr(-1.0e30)  # finite "minus infinity" for running maxima: no inf - inf
@@ -70,7 +70,7 @@ def _key_tile(
     return m_new, l_i, acc
 
 
-@triton.jit(do_not_specialize=["split_len", "window"])
+@triton.jit(do_not_specialize=["spt0", "split_len", "window"])
 def causal_attention_kernel(
     q_ptr,  # [R, Hq, D] (last dim contiguous)
     kc_ptr,  # [num_pages, page_size, Hkv, D] contiguous
@@ -172,10 +172,26 @@ def tile_rows(max_rows: int, group: int) -> int:
 
 def default_num_splits(programs: int, max_ctx: int, device: torch.device, block_n: int) -> int:
     """Context splits: about 2 programs per SM over ``programs`` (sequences x tiles x K/V
-    heads), from shapes only, no split left empty at the longest context."""
+    heads) rounded up to a power of two, as a power of two no larger than the tiles of
+    ``max_ctx`` rounded up (:func:`~._validate.split_count`): the count is a compile-time
+    constant, so it takes one of a few values whatever the batch and the lengths."""
     tiles = max(1, math.ceil(max_ctx / block_n))
-    want = max(1, min(tiles, math.ceil(2 * sm_count(device) / max(1, programs))))
-    return math.ceil(tiles / math.ceil(tiles / want))
+    want = max(1, min(tiles, math.ceil(2 * sm_count(device) / next_pow2(max(1, programs)))))
+    return split_count(want, tiles)
+
+
+def launch_config(n: int, max_rows: int, group: int, kv_heads: int, max_ctx: int,
+                  device: torch.device) -> tuple[int, int, int, int, int]:
+    """``(BLOCK_Q, q tiles, BLOCK_M, BLOCK_N, default splits)`` of a call over ``n`` sequences
+    whose longest holds ``max_rows`` new rows. Every compile-time constant among them depends
+    on ``n`` and ``max_rows`` only through their powers-of-two classes (``next_pow2``), so a
+    warm-up that runs one call per class compiles every variant a request can reach."""
+    block_q = tile_rows(max_rows, group)
+    q_tiles = math.ceil(max_rows / block_q)
+    block_m = max(16, next_pow2(block_q * group))
+    block_n = 64 if block_m <= 64 else 32
+    programs = next_pow2(max(1, n)) * next_pow2(q_tiles) * kv_heads
+    return block_q, q_tiles, block_m, block_n, default_num_splits(programs, max_ctx, device, block_n)
 
 
 def causal_attention(
@@ -229,14 +245,12 @@ def causal_attention(
         return out
 
     group = num_heads // kv_heads
-    block_q = tile_rows(num_rows if max_rows is None else max_rows, group)
-    q_tiles = math.ceil((num_rows if max_rows is None else max(1, max_rows)) / block_q)
-    block_m = max(16, next_pow2(block_q * group))
-    block_d = max(16, next_pow2(head_dim))
-    block_n = 64 if block_m <= 64 else 32
     max_ctx = page_tables.shape[1] * page
+    block_q, q_tiles, block_m, block_n, splits = launch_config(
+        n, num_rows if max_rows is None else max(1, max_rows), group, kv_heads, max_ctx, dev)
+    block_d = max(16, next_pow2(head_dim))
     if num_splits is None:
-        num_splits = default_num_splits(n * q_tiles * kv_heads, max_ctx, dev, block_n)
+        num_splits = splits
     if num_splits < 1:
         raise ValueError(f"num_splits: must be >= 1, got {num_splits}")
     split_len = max(1, math.ceil(max(max_ctx, 1) / num_splits / block_n)) * block_n

@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._validate import FLOAT_DTYPES, check, interpreting, next_pow2, sm_count
+from ._validate import FLOAT_DTYPES, check, interpreting, next_pow2, sm_count, split_count
 
 _NEG_BIG = tl.constexpr(-1.0e30)  # finite "minus infinity" for running maxima: no inf - inf
 _LOG2E = 1.4426950408889634
@@ -83,7 +83,7 @@ def _ctx_tile(
                         SLIDING, CAUSAL, IEEE)
 
 
-@triton.jit(do_not_specialize=["split_len", "window"])
+@triton.jit(do_not_specialize=["spt0", "split_len", "window"])
 def block_attention_kernel(
     q_ptr,  # [n, B, Hq, D] (last dim contiguous)
     kb_ptr,  # [n, B, Hkv, D] (last dim contiguous)
@@ -216,17 +216,19 @@ def block_attention_combine_kernel(
 
 def default_num_splits(n: int, kv_heads: int, max_ctx: int, device: torch.device,
                        block_n: int = 64) -> int:
-    """Splits per sequence: about 2 programs per SM, from shapes only, and no split left
-    empty (the count is trimmed to what equal whole-tile splits need: 33 wanted over 256 tiles
-    is 8 tiles each, hence 32 splits).
+    """Splits per sequence: about 2 programs per SM for ``n`` rounded up to a power of two,
+    as a power of two no larger than the tiles (rounded up) of ``max_ctx``: one of a few values
+    whatever ``n`` and the context (:func:`~._validate.split_count`), so every variant is
+    compiled by a warm-up over batch sizes and context lengths up to the point where the
+    count stops growing (33 wanted over 256 tiles gives 32 splits of 8 tiles).
 
     Measured on the H200 at n = 1 x 16K, 8 KV heads (kernels/RESULTS.md, split sweep):
     32 splits 0.038 ms, 33 (one empty) 0.038 ms, 50 (3 programs per SM) 0.045 ms,
     64 0.044 ms, 16 0.047 ms.
     """
     tiles = max(1, math.ceil(max_ctx / block_n))
-    want = max(1, min(tiles, math.ceil(2 * sm_count(device) / max(1, n * kv_heads))))
-    return math.ceil(tiles / math.ceil(tiles / want))
+    want = max(1, min(tiles, math.ceil(2 * sm_count(device) / max(1, next_pow2(n) * kv_heads))))
+    return split_count(want, tiles)
 
 
 def block_attention(

@@ -331,6 +331,16 @@ def masked_argmax(logits: torch.Tensor, bitmask: torch.Tensor | None) -> torch.T
     return torch.where(allowed.any(dim=1), best, torch.full_like(best, -1))
 
 
+def topk(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [..., V] -> (values [..., k] in the logits' dtype, ids [..., k] int64): the ``k``
+    largest logits of each row, in no promised order (``torch.topk(sorted=False)``). Which of
+    equal values at the k-th place are chosen is torch's choice here; the Triton op takes the
+    lowest ids.
+    """
+    values, ids = torch.topk(logits, k, dim=-1, sorted=False)
+    return values, ids
+
+
 def block_inputs(
     meta: torch.Tensor,
     table_col: int,
@@ -352,3 +362,76 @@ def block_inputs(
     tables = meta[:, table_col : table_col + width].to(torch.int32)
     embeds, q_pos = embed_blocks(meta[:, 1], meta[:, 2], embed, mask_id, block, dtype)
     return lens, tables, embeds, q_pos
+
+
+def dynamic_conv(
+    x: torch.Tensor, taps: torch.Tensor, base: torch.Tensor, block: int, group_size: int
+) -> torch.Tensor:
+    """DFlash2's grouped dynamic causal convolution over blocks of ``block`` rows.
+
+    x ``[M, H]``: ``M / block`` blocks of ``block`` rows, one after another; taps ``[M, K, G]``
+    (any strides) the dynamic per-group taps of each output row (``G = H / group_size``);
+    base ``[K, H]`` the static per-channel taps -> ``[M, H]`` in ``x``'s dtype::
+
+        out[t, c] = sum_{o < K, o <= j(t)} (base[o, c] + taps[t, o, c // group_size]) * x[t - o, c]
+
+    where ``j(t)`` is row ``t``'s index inside its block (taps never reach the block before).
+    """
+    rows, size = x.shape
+    kernel = base.shape[0]
+    if rows % block:
+        raise ValueError(f"{rows} rows do not split into blocks of {block}")
+    xf = x.to(torch.float32)
+    out = torch.zeros((rows, size), dtype=torch.float32, device=x.device)
+    group_of = torch.arange(size, device=x.device) // group_size
+    for t in range(rows):
+        for o in range(min(kernel, t % block + 1)):
+            weight = base[o].to(torch.float32) + taps[t, o].to(torch.float32)[group_of]
+            out[t] += weight * xf[t - o]
+    return out.to(x.dtype)
+
+
+def selector_walk(
+    unary: torch.Tensor,
+    candidates: torch.Tensor,
+    projected: torch.Tensor,
+    pred: torch.Tensor,
+    succ: torch.Tensor,
+    anchors: torch.Tensor,
+    noise: torch.Tensor | None = None,
+    temperature: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """DFlash2's candidate-selector walk, left to right along each sequence's ``T`` rows.
+
+    unary ``[n, T, K]`` the candidates' logits, candidates ``[n, T, K]`` int64 their ids,
+    projected ``[n, T, R]`` the rows' ``hidden_projection``, pred / succ ``[V, R]`` the
+    codebooks, anchors ``[n]`` int64 the token before row 0. Row ``t`` scores candidate ``k``
+    ``unary[t, k] + sum_r pred[prev, r] * projected[t, r] * succ[cand[t, k], r]`` (fp32), with
+    ``prev`` the token chosen for row ``t - 1`` (the anchor for row 0).
+
+    ``noise`` ``None``: the best score is chosen (the first among equals). Otherwise ``noise``
+    ``[n, T, K]`` fp32 Gumbel draws: the row's distribution is ``q = softmax(score /
+    temperature)`` and the choice ``argmax(score / temperature + noise)`` (a draw from ``q``).
+
+    Returns:
+        ``(tokens [n, T] int64, q [n, T, K] fp32 or None when greedy)``.
+    """
+    n, steps, _ = candidates.shape
+    tokens = torch.empty((n, steps), dtype=torch.int64, device=candidates.device)
+    q_all = (torch.empty(candidates.shape, dtype=torch.float32, device=candidates.device)
+             if noise is not None else None)
+    prev = anchors  # [n]: every sequence's walk in step, row by row
+    for t in range(steps):
+        cand = candidates[:, t]  # [n, K]
+        pair = pred[prev].to(torch.float32) * projected[:, t].to(torch.float32)  # [n, R]
+        score = unary[:, t].to(torch.float32) + (succ[cand].to(torch.float32) * pair[:, None, :]).sum(-1)
+        if noise is None:
+            index = torch.argmax(score, dim=-1)
+        else:
+            assert q_all is not None
+            z = score / temperature
+            q_all[:, t] = torch.softmax(z, dim=-1)
+            index = torch.argmax(z + noise[:, t].to(torch.float32), dim=-1)
+        prev = cand.gather(1, index[:, None])[:, 0]
+        tokens[:, t] = prev
+    return tokens, q_all

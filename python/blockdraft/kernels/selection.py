@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._validate import FLOAT_DTYPES, check, sm_count
+from ._validate import FLOAT_DTYPES, check, next_pow2, sm_count
 
 _NO_ID = tl.constexpr(1 << 62)  # "no allowed id seen yet"; larger than any vocabulary id
 _NO_ID32 = tl.constexpr(2**31 - 1)  # the same inside the partial kernel (ids are int32 there)
@@ -182,21 +182,24 @@ def argmax_tile(num_rows: int, vocab: int) -> tuple[int, int, int]:
     small programs (32 words = 1024 ids, 2 warps) that load two tiles per step (0.0638 ->
     0.0536 ms at 512 x 151936 with a mask); a few rows (one sequence's drafts) as wide ones
     (64 words, 8 warps, one tile per step: two measured no faster); small vocabularies
-    get a tile that is not mostly padding."""
+    get a tile that is not mostly padding. Rows are rounded up to a power of two, as in
+    :func:`argmax_splits`."""
     if vocab <= 2048:
         return 16, 2, 1
-    if num_rows >= 256:
+    if next_pow2(num_rows) >= 256:
         return 32, 2, 2
     return 64, 8, 1
 
 
 def argmax_splits(num_rows: int, tiles: int, sms: int) -> int:
     """Vocabulary splits per row (a function of shapes only, so CUDA-graph safe): about four
-    programs per SM in all, and at least 3 for many rows (1 or 2 splits measured up to 15%
-    slower at 512 rows), never more splits than loop steps (``tiles``: steps of the tile
-    shape)."""
-    floor = 3 if num_rows >= 256 else 1
-    return min(tiles, max(floor, -(-4 * sms // num_rows)))
+    programs per SM in all for the rows rounded up to a power of two (the count is a
+    compile-time constant: a few values over every row count), at least 3 for many rows
+    (1 or 2 splits measured up to 15% slower at 512 rows), never more splits than loop steps
+    (``tiles``: steps of the tile shape)."""
+    rows = next_pow2(num_rows)
+    floor = 3 if rows >= 256 else 1
+    return min(tiles, max(floor, -(-4 * sms // rows)))
 
 
 def masked_argmax(

@@ -224,7 +224,10 @@ class DFlashDrafter(nn.Module):
     def logits(self, hidden: Tensor, lm_head: LmHead) -> Tensor:
         """[..., H] -> [..., V]: the target head, then ``output_multiplier`` and softcapping."""
         if isinstance(lm_head, Tensor):
-            logits = F.linear(hidden.to(lm_head.dtype), lm_head)
+            # One [rows, H] matrix: on a strided 3-D input (rows 1..B-1 of [n, B, H]) linear
+            # runs a batched GEMM that reads the whole [V, H] head once per leading index.
+            flat = hidden.reshape(-1, hidden.shape[-1]).to(lm_head.dtype)
+            logits = F.linear(flat, lm_head).view(*hidden.shape[:-1], lm_head.shape[0])
         else:
             logits = lm_head(hidden)
         if self.config.output_multiplier != 1.0:  # x * 1.0 == x: skip a pass over [.., V]

@@ -107,13 +107,32 @@ def check_pair_dirs(target: str, drafter: str) -> dict[str, Any]:
     return target_raw
 
 
+def _mapped_key(cfg: dict[str, Any], name: str) -> str | None:
+    """The key under which a ``config.json`` object of its ``model_type`` stores the standard
+    field ``name`` (its Hugging Face config class's ``attribute_map``: GPT-2 keeps
+    ``max_position_embeddings`` as ``n_positions``), or ``None``. transformers is imported only
+    for a config without the standard key."""
+    model_type = cfg.get("model_type")
+    if name in cfg or not isinstance(model_type, str):
+        return None
+    from transformers import CONFIG_MAPPING
+
+    try:
+        mapped = CONFIG_MAPPING[model_type].attribute_map.get(name)
+    except KeyError:  # a model type this transformers does not know (remote code)
+        return None
+    return mapped if isinstance(mapped, str) else None
+
+
 def max_positions(raw: dict[str, Any]) -> int | None:
-    """``max_position_embeddings`` of a target ``config.json`` (top level or ``text_config``)."""
+    """``max_position_embeddings`` of a target ``config.json`` (top level or ``text_config``),
+    under its standard name or its family's own (:func:`_mapped_key`)."""
     for cfg in (raw, raw.get("text_config")):
         if isinstance(cfg, dict):
-            value = cfg.get("max_position_embeddings")
-            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-                return value
+            for key in ("max_position_embeddings", _mapped_key(cfg, "max_position_embeddings")):
+                value = cfg.get(key) if key is not None else None
+                if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                    return value
     return None
 
 

@@ -2,14 +2,14 @@
 random-weight targets and drafters built at them.
 
 Everything is built in memory (no downloads): a Hugging Face Qwen3 causal LM as the target and
-a :class:`~blockdraft.DFlashDrafter` as the drafter.
+a :class:`~blockdraft.DFlashDrafter` (or DFlash2 drafter) as the drafter.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -84,7 +84,11 @@ class DrafterShape:
     ) -> DrafterShape:
         """A drafter of ``target_config``'s hidden size, to be trained on that target.
 
-        Heads, head dim, RoPE, norm epsilon and (by default) the MLP width follow the target.
+        Heads, head dim, RoPE, norm epsilon and (by default) the MLP width follow the target's
+        text config, read by Hugging Face's standard names (its attribute maps make GPT-2's
+        ``n_embd``/``n_layer``/``n_head`` answer to them); a target without an
+        ``intermediate_size`` (GPT-2: ``n_inner``, unset meaning 4 × hidden) gives that width.
+        A target without RoPE (GPT-2's learned positions) gives the drafter RoPE base 10000.
         With ``dflash2`` (``conv_kernel_size``, ``conv_group_size``, ``selector_rank``,
         ``selector_top_k``) it is a DFlash2 drafter (``dflash.DFlash2DraftModel``).
 
@@ -113,7 +117,8 @@ class DrafterShape:
             num_heads=heads,
             num_kv_heads=int(getattr(tc, "num_key_value_heads", None) or heads),
             head_dim=int(getattr(tc, "head_dim", None) or hidden // heads),
-            intermediate_size=int(intermediate_size or tc.intermediate_size),
+            intermediate_size=int(intermediate_size or getattr(tc, "intermediate_size", None)
+                                  or getattr(tc, "n_inner", None) or 4 * hidden),
             vocab_size=int(tc.vocab_size),
             num_target_layers=num_target,
             block_size=block_size,
@@ -155,6 +160,9 @@ class Shape:
     mask_token_id: int
     max_positions: int = 40960
     rope_theta: float = 1_000_000.0
+    dflash2: tuple[int, int, int, int] | None = None
+    """A DFlash2 drafter's sizes (conv kernel, conv group, selector rank, selector top-K;
+    :data:`~blockdraft.config.DFLASH2_FIELDS`); ``None``: a DFlash drafter."""
 
     @property
     def ctx_row_width(self) -> int:
@@ -178,15 +186,25 @@ class Shape:
             mask_token_id=self.mask_token_id,
             max_positions=self.max_positions,
             rope_theta=self.rope_theta,
+            architecture=DFLASH2_ARCH if self.dflash2 else DFLASH_ARCH,
+            dflash_extra=dict(zip(DFLASH2_FIELDS, self.dflash2)) if self.dflash2 else {},
         )
 
 
+_QWEN3_8B = Shape("qwen3-8b", 36, 4096, 32, 8, 128, 12288, 151936, 5, (1, 9, 17, 25, 33), 16, 151669)
+_TINY = Shape("tiny", 4, 64, 4, 2, 16, 128, 512, 2, (1, 2), 8, 511)
+
 SHAPES: dict[str, Shape] = {
-    "qwen3-8b": Shape("qwen3-8b", 36, 4096, 32, 8, 128, 12288, 151936, 5, (1, 9, 17, 25, 33), 16, 151669),
+    "qwen3-8b": _QWEN3_8B,
+    # the same pair with a DFlash2 drafter: convolutions of 3 taps over groups of 32 channels,
+    # a selector of rank 32 over the top 8 candidates
+    "qwen3-8b-dflash2": replace(_QWEN3_8B, name="qwen3-8b-dflash2", dflash2=(3, 32, 32, 8)),
     "qwen3-4b": Shape("qwen3-4b", 36, 2560, 32, 8, 128, 9728, 151936, 5, (1, 9, 17, 25, 33), 16, 151669),
-    "tiny": Shape("tiny", 4, 64, 4, 2, 16, 128, 512, 2, (1, 2), 8, 511),
+    "tiny": _TINY,
+    "tiny-dflash2": replace(_TINY, name="tiny-dflash2", dflash2=(3, 16, 8, 4)),
 }
-"""The shapes ``blockdraft bench --shape`` offers."""
+"""The shapes ``blockdraft bench --shape`` offers (``*-dflash2``: the pair with a DFlash2
+drafter)."""
 
 DEMO_SHAPE = Shape("demo", 4, 128, 4, 2, 32, 256, 320, 1, (1, 2), 8, 256, max_positions=4096)
 """The CLI's demo pair: a byte vocabulary (ids 0..255), a mask id past it, 4096 positions."""
@@ -244,12 +262,16 @@ def random_target(shape: Shape, device: Any, dtype: torch.dtype, seed: int = 0) 
     return model.eval()  # type: ignore[no-untyped-call]
 
 
-def random_drafter(shape: Shape, device: Any, dtype: torch.dtype, seed: int = 1) -> Any:
-    """A random-weight DFlash drafter at ``shape`` on ``device``."""
+def random_drafter(shape: Shape | DrafterShape, device: Any, dtype: torch.dtype, seed: int = 1) -> Any:
+    """A random-weight DFlash (or DFlash2) drafter at ``shape`` (a pair's shape, or a
+    drafter's fields such as :meth:`DrafterShape.for_target` gives) on ``device``."""
     from blockdraft.config import DrafterConfig
-    from blockdraft.models import DFlashDrafter
+    from blockdraft.models import DFlash2Drafter, DFlashDrafter
 
-    drafter = DFlashDrafter(DrafterConfig.from_dict(shape.drafter.config_dict()), device=device, dtype=dtype)
+    fields = shape.drafter if isinstance(shape, Shape) else shape
+    config = DrafterConfig.from_dict(fields.config_dict())
+    cls = DFlash2Drafter if config.is_dflash2 else DFlashDrafter
+    drafter = cls(config, device=device, dtype=dtype)
     fill_random(drafter, seed)
     return drafter.eval()
 

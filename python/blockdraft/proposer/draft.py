@@ -1,8 +1,10 @@
 """Drafts for many sequences at once, by whichever of the proposer's paths fits each.
 
 The caller decides how many drafts each sequence wants; :func:`draft_many` decides how they are
-made: sampled drafts one sequence at a time (each has its own random source and settings),
-greedy drafts in batched forwards of at most :meth:`~blockdraft.DFlashProposer.propose_batch_max`
+made: sampled drafts in one forward per group of sequences with the same settings and draft
+count (at most :meth:`~blockdraft.DFlashProposer.propose_batch_max` each; every sequence draws
+from its own random source, so its drafts are those it would get alone), greedy drafts in
+batched forwards of at most :meth:`~blockdraft.DFlashProposer.propose_batch_max`
 sequences, and :meth:`~blockdraft.DFlashProposer.propose` per sequence for a sequence under a grammar mask
 or in a batch the proposer declines. A sequence whose proposal raises gets the error in its
 slot; the others go on.
@@ -62,7 +64,8 @@ def draft_many(
     sampling: Sequence[SampledDraft | None] | None = None,
 ) -> Drafts:
     """Up to ``want[i]`` drafts after ``anchors[i]`` at ``positions[i]`` for each state (none
-    when ``want[i] <= 0``): see :meth:`blockdraft.DFlashProposer.draft`."""
+    when ``want[i] <= 0`` or the block would pass the drafter's positions): see
+    :meth:`blockdraft.DFlashProposer.draft`."""
     n = len(states)
     if not len(anchors) == len(positions) == len(want) == n:
         raise ValueError(
@@ -79,7 +82,7 @@ def draft_many(
     sampled: list[tuple[int, SampledDraft]] = []
     plain: list[int] = []
     for i in range(n):
-        if want[i] <= 0:
+        if want[i] <= 0 or not prop.can_draft(positions[i]):
             continue
         how = sampling[i] if sampling is not None else None
         if masks is not None and masks[i] is not None:
@@ -88,15 +91,33 @@ def draft_many(
             sampled.append((i, how))
         else:
             plain.append(i)
-    for i, (params, generator) in sampled:
-        try:
-            got, q = prop.propose_sampled([states[i]], [anchors[i]], [positions[i]], want[i], params, generator)
-            out.tokens[i] = got[0]
-            out.q[i] = q[0, : len(got[0])].cpu()
-            out.single += 1
-        except Exception as exc:  # noqa: BLE001 - this sequence fails, the others go on
-            out.errors[i] = exc
     width = prop.propose_batch_max()
+    for group in _sampled_groups(sampled, want, width):
+        if len(group) >= 2:
+            # One forward for the group, each sequence drawing from its own source; if it
+            # fails, each sequence is drafted alone below, so an error stays that sequence's.
+            try:
+                got, q = prop.propose_sampled(
+                    [states[i] for i, _ in group], [anchors[i] for i, _ in group],
+                    [positions[i] for i, _ in group], want[group[0][0]], group[0][1][0],
+                    [how[1] for _, how in group],
+                )
+            except Exception:  # noqa: BLE001 - retried per sequence
+                pass
+            else:
+                out.batched += 1
+                for row, (i, _) in enumerate(group):
+                    out.tokens[i] = got[row]
+                    out.q[i] = q[row, : len(got[row])].cpu()
+                continue
+        for i, (params, generator) in group:
+            try:
+                got, q = prop.propose_sampled([states[i]], [anchors[i]], [positions[i]], want[i], params, generator)
+                out.tokens[i] = got[0]
+                out.q[i] = q[0, : len(got[0])].cpu()
+                out.single += 1
+            except Exception as exc:  # noqa: BLE001 - this sequence fails, the others go on
+                out.errors[i] = exc
     if len(plain) >= 2 and width >= 2:
         for c in range(0, len(plain), width):
             chunk = plain[c : c + width]
@@ -125,6 +146,20 @@ def draft_many(
         except Exception as exc:  # noqa: BLE001 - this sequence fails, the others go on
             out.errors[i] = exc
     return out
+
+
+def _sampled_groups(
+    sampled: list[tuple[int, SampledDraft]], want: Sequence[int], width: int
+) -> list[list[tuple[int, SampledDraft]]]:
+    """The sampled sequences in groups that one forward can draft: the same drafting settings
+    (temperature, top-p, top-k: drafts are not penalised) and draft count, at most ``width``
+    sequences (one each when ``width < 2``), in first-seen order."""
+    groups: dict[tuple[float, float, int, int], list[tuple[int, SampledDraft]]] = {}
+    for i, how in sampled:
+        p = how[0]
+        groups.setdefault((p.temperature, p.top_p, p.top_k, want[i]), []).append((i, how))
+    size = width if width >= 2 else 1
+    return [g[c : c + size] for g in groups.values() for c in range(0, len(g), size)]
 
 
 __all__ = ["Drafts", "Mask", "SampledDraft", "draft_many"]

@@ -14,8 +14,10 @@ fp32 math, one rounding), so in fp32 the result equals ``DFlashDrafter.forward_b
 GEMM summation order. The stacked weights are copies: about ``L x (Hq+2Hkv)*D x H + L x 2I x H``
 extra elements (1.25 GB at qwen3-8b drafter shapes in bf16).
 
-DFlash2 drafters (convolutions around the sub-blocks) have no fused view: :meth:`from_drafter`
-returns ``None`` for them and for any drafter that is not a :class:`DFlashDrafter`.
+DFlash2 drafters add, per sub-block (attention, MLP), the ``kernel_projection`` GEMM of the
+sub-block's input and two launches of the ``dynamic_conv`` op (the grouped dynamic causal
+convolution of the input and of the output, over whole blocks of B rows). :meth:`from_drafter`
+returns ``None`` for a drafter that is not a :class:`DFlashDrafter`.
 """
 
 from __future__ import annotations
@@ -25,7 +27,13 @@ from torch import Tensor
 from torch.nn import functional as F
 
 from blockdraft.kernels import KernelOps
-from blockdraft.models import AttendFn, DFlashDrafter
+from blockdraft.models import AttendFn, DFlashDrafter, GroupedDynamicConv
+
+_Conv = tuple[Tensor, Tensor]
+
+
+def _conv_weights(conv: GroupedDynamicConv | None) -> _Conv | None:
+    return (conv.kernel_projection.weight, conv.base_kernel) if conv is not None else None
 
 
 class FastDrafter:
@@ -52,6 +60,10 @@ class FastDrafter:
         self.k_norm: list[Tensor] = []
         self.in_norm: list[Tensor] = []
         self.post_norm: list[Tensor] = []
+        # DFlash2, per layer: (kernel_projection weight [2*K*G, H], base_kernel [2, K, H]) of
+        # the attention and the MLP convolution, or None (DFlash).
+        self.convs: list[tuple[_Conv | None, _Conv | None]] = []
+        self.conv_group = c.conv_group_size or 1
         with torch.no_grad():
             for i in range(c.num_layers):
                 layer = drafter.layer(i)
@@ -75,6 +87,7 @@ class FastDrafter:
                 self.k_norm.append(a.k_norm.weight)
                 self.in_norm.append(layer.input_layernorm.weight)
                 self.post_norm.append(layer.post_attention_layernorm.weight)
+                self.convs.append((_conv_weights(layer.attention_conv), _conv_weights(layer.mlp_conv)))
         self.final_norm = drafter.norm.weight
         self.eps = float(c.rms_norm_eps)
         self.inv_freq = drafter.rope.inv_freq.to(drafter.device, torch.float32)
@@ -82,12 +95,22 @@ class FastDrafter:
 
     @classmethod
     def from_drafter(cls, drafter: object, ops: KernelOps) -> FastDrafter | None:
-        """The fused view, or ``None`` where there is none (DFlash2, foreign drafters)."""
-        if not isinstance(drafter, DFlashDrafter) or drafter.config.is_dflash2:
-            return None
-        if any(drafter.layer(i).attention_conv is not None for i in range(drafter.config.num_layers)):
+        """The fused view, or ``None`` for a drafter that is not a :class:`DFlashDrafter`."""
+        if not isinstance(drafter, DFlashDrafter):
             return None
         return cls(drafter, ops)
+
+    def conv_in(self, conv: _Conv, x: Tensor, block: int) -> tuple[Tensor, Tensor]:
+        """DFlash2: a sub-block's input ``x [M, H]`` (blocks of ``block`` rows) -> its
+        convolution, and the dynamic taps ``[M, 2, K, G]`` for :meth:`conv_out`."""
+        weight, base = conv
+        taps = F.linear(x, weight).view(x.shape[0], 2, base.shape[1], -1)
+        return self.ops.dynamic_conv(x, taps[:, 0], base[0], block, self.conv_group), taps
+
+    def conv_out(self, conv: _Conv, y: Tensor, taps: Tensor, block: int) -> Tensor:
+        """DFlash2: a sub-block's output ``y [M, H]`` -> its convolution (taps of
+        :meth:`conv_in`)."""
+        return self.ops.dynamic_conv(y, taps[:, 1], conv[1][1], block, self.conv_group)
 
     def add_rms_norm(self, h: Tensor, y: Tensor | None, weight: Tensor) -> tuple[Tensor, Tensor]:
         """``(h + y, rms_norm(h + y) * weight)`` over [M, H] (``y=None``: no add)."""
@@ -119,13 +142,22 @@ class FastDrafter:
         flat_pos = positions.reshape(m)
         h, x = self.add_rms_norm(h, None, self.in_norm[0])
         for i in range(c.num_layers):
+            attn_conv, mlp_conv = self.convs[i]
+            if attn_conv is not None:
+                x, taps = self.conv_in(attn_conv, x, b)
             qkv = F.linear(x, self.qkv_weight[i], self.qkv_bias[i])
             q, k, v = self.qk_norm_rope(qkv, flat_pos, i)
             o = attend(i, q.view(n, b, hq, d), k.view(n, b, hkv, d), v.view(n, b, hkv, d))
             w_o, b_o = self.o_proj[i]
             y = F.linear(o.reshape(m, hq * d), w_o, b_o)
+            if attn_conv is not None:
+                y = self.conv_out(attn_conv, y, taps, b)
             h, x = self.add_rms_norm(h, y, self.post_norm[i])
+            if mlp_conv is not None:
+                x, taps = self.conv_in(mlp_conv, x, b)
             y = F.linear(self.ops.silu_mul(F.linear(x, self.gate_up_weight[i])), self.down_weight[i])
+            if mlp_conv is not None:
+                y = self.conv_out(mlp_conv, y, taps, b)
             nxt = self.in_norm[i + 1] if i + 1 < c.num_layers else self.final_norm
             h, x = self.add_rms_norm(h, y, nxt)
         return x.view(n, b, size)

@@ -6,7 +6,9 @@ compose the same pieces:
 
 1. :meth:`~DraftForward.store_plans` / :meth:`~DraftForward.write_ctx_kv`: the ctx rows of the
    outstanding plans -> ``fc`` + ``hidden_norm`` -> one GEMM for every layer's K/V -> the paged
-   store (``k_norm`` + RoPE) of all layers in one launch;
+   store (``k_norm`` + RoPE) of all layers in one launch; :meth:`~DraftForward.store_long_plans`
+   does the same for plans too long for a graph's staging (a prefill, the recompute after a
+   window slide) through the graph path's fused steps, in launches of a few fixed sizes;
 2. :meth:`~DraftForward.embed_blocks` (or :meth:`~DraftForward.block_inputs` from the graph
    metadata): ``[anchor, MASK x (B-1)]`` embedded with the target's table, and positions;
 3. :meth:`~DraftForward.layers` with :meth:`~DraftForward.attention`: the drafter layers, each
@@ -24,16 +26,65 @@ from torch import Tensor
 from torch.nn import functional as F
 
 from blockdraft import faults
-from blockdraft._core import PrecomputePlan
+from blockdraft._core import PAD_SLOT, PrecomputePlan
 from blockdraft.kernels import KernelOps
 from blockdraft.kv_cache import PagedKVCache
 from blockdraft.models.drafter import AttendFn, DFlashDrafter
-from blockdraft.models.layers import embed_blocks
+from blockdraft.models.layers import CandidateSelector, embed_blocks
 from blockdraft.proposer.fast import FastDrafter
 from blockdraft.proposer.spec import DraftSpec
 from blockdraft.proposer.state import DFlashState, Proposal
 from blockdraft.sampling import SamplingParams, allowed_ids, sample_rows, target_probs
 from blockdraft.target import TargetHead
+
+Generators = torch.Generator | Sequence[torch.Generator | None] | None
+"""A random source for all sequences of a call, or one per sequence."""
+
+
+def _single(generator: Generators) -> torch.Generator | None:
+    assert generator is None or isinstance(generator, torch.Generator)
+    return generator
+
+
+def gumbel(shape: tuple[int, ...], generator: torch.Generator | None, device: torch.device) -> Tensor:
+    """Gumbel(0, 1) draws ``shape`` fp32 on ``device``, from ``generator`` on its own device
+    (a host generator gives the same stream wherever the rows live)."""
+    where = generator.device if generator is not None else device
+    u = torch.rand(shape, generator=generator, device=where)
+    # u = 0 gives -inf (never chosen), not NaN
+    return (-torch.log(-torch.log(u))).to(device)
+
+
+LONG_STORE_SIZES = (64, 128, 256, 512, 1024)
+"""Rows per launch of :meth:`DraftForward.store_long_plans`: full launches of the largest size,
+the rest padded up to the smallest size that holds it. Fixed sizes, all multiples of 16 (Triton
+specialises integer arguments on being 1 or a multiple of 16): a plan of any length compiles no
+kernel variant of its own. The padding, which goes through the GEMMs for nothing, is under half
+of the last launch (at most 511 rows) and under 64 rows for a rest of up to 64."""
+
+
+def launch_sizes(rows: int, sizes: Sequence[int] = LONG_STORE_SIZES) -> list[int]:
+    """The launch sizes (ascending ``sizes``) that store ``rows`` rows: as many of the largest
+    as fit whole, then the smallest that holds what is left (none when nothing is)."""
+    top = sizes[-1]
+    out = [top] * (rows // top)
+    rest = rows - top * len(out)
+    if rest:
+        out.append(next(s for s in sizes if s >= rest))
+    return out
+
+
+def _segments(lengths: Sequence[int], start: int, end: int) -> list[tuple[int, int, int]]:
+    """``(piece, first row, end row)`` of the pieces of ``lengths`` rows, laid back to back,
+    that hold rows ``[start, end)``."""
+    out: list[tuple[int, int, int]] = []
+    base = 0
+    for i, n in enumerate(lengths):
+        lo, hi = max(start, base), min(end, base + n)
+        if lo < hi:
+            out.append((i, lo - base, hi - base))
+        base += n
+    return out
 
 
 class DraftForward:
@@ -41,7 +92,7 @@ class DraftForward:
 
     Args:
         drafter: the DFlash / DFlash2 drafter (its ``forward_block``, ``fuse_context``,
-            ``logits`` and, for DFlash2, ``draft``).
+            ``logits`` and, for DFlash2, ``candidate_selector``).
         spec / head: what the proposer read from the drafter and the target.
         cache: the paged ctx K/V the store writes and the attention reads.
         ops: the kernels of the proposer's backend.
@@ -124,6 +175,61 @@ class DraftForward:
             torch.tensor(slots, dtype=torch.int64, device=self.device),
         )
 
+    @torch.no_grad()
+    def store_long_plans(
+        self,
+        items: Sequence[tuple[DFlashState, PrecomputePlan]],
+        sizes: Sequence[int] = LONG_STORE_SIZES,
+    ) -> None:
+        """:meth:`store_plans` through the fused steps the graph path stores with
+        (``write_ctx_kv(fused=True)``), in launches of the fixed ``sizes`` (see
+        :data:`LONG_STORE_SIZES`): the rows of all plans, back to back, are cut into launches;
+        padding rows get slot ``PAD_SLOT`` and are not stored. A launch inside one accumulator
+        reads it in place; one that spans plans or ends in padding is gathered first."""
+        pieces: list[Tensor] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        for state, plan in items:
+            if plan.row_end > plan.row_start:
+                assert state.acc is not None
+                pieces.append(state.acc[plan.row_start : plan.row_end])
+                positions.extend(plan.positions)
+                slots.extend(plan.slots)
+        total = len(positions)
+        if not total:
+            return
+        if faults.active():
+            faults.hit("kv_cache")
+        plan_sizes = launch_sizes(total, sizes)
+        padded = sum(plan_sizes)
+        pad = padded - total
+        pos_dev = torch.tensor(positions + [0] * pad, dtype=torch.int64, device=self.device)
+        slot_dev = torch.tensor(slots + [PAD_SLOT] * pad, dtype=torch.int64, device=self.device)
+        lengths = [p.shape[0] for p in pieces]
+        gather: Tensor | None = None
+        start = 0  # the launch's first row, counted over all plans' rows back to back
+        for size in plan_sizes:
+            segs = _segments(lengths, start, min(start + size, total))
+            i, lo, hi = segs[0]
+            if len(segs) == 1 and hi - lo == size:
+                ctx = pieces[i][lo:hi]
+            else:
+                if gather is None:
+                    gather = torch.empty(
+                        (sizes[-1], pieces[0].shape[1]), dtype=self.dtype, device=self.device
+                    )
+                ctx = gather[:size]
+                at = 0
+                for i, lo, hi in segs:
+                    ctx[at : at + hi - lo].copy_(pieces[i][lo:hi])
+                    at += hi - lo
+                ctx[at:].zero_()
+            self.write_ctx_kv(
+                ctx.to(self.dtype), pos_dev[start : start + size], slot_dev[start : start + size],
+                fused=True,
+            )
+            start += size
+
     # 2. block inputs
 
     def embed_blocks(self, anchors: Tensor, starts: Tensor) -> tuple[Tensor, Tensor]:
@@ -169,7 +275,7 @@ class DraftForward:
 
     def fused_view(self) -> FastDrafter | None:
         """The drafter's fused view (stacked weights, fused elementwise kernels), made on first
-        use; ``None`` for drafters without one (DFlash2)."""
+        use; ``None`` for drafters without one (not a :class:`DFlashDrafter`)."""
         if not self._fused_made:
             self._fused = FastDrafter.from_drafter(self.drafter, self.ops)
             self._fused_made = True
@@ -193,6 +299,36 @@ class DraftForward:
         out: Tensor = self.ops.masked_argmax(logits, bitmask)
         return out
 
+    def _selector(self) -> CandidateSelector:
+        sel = getattr(self.drafter, "candidate_selector", None)
+        if not isinstance(sel, CandidateSelector):
+            raise TypeError("DFlash2 drafts need the drafter's candidate_selector")
+        return sel
+
+    def select(
+        self, rows: Tensor, anchors: Tensor, noise: Tensor | None = None, temperature: float = 1.0
+    ) -> tuple[Tensor, Tensor, Tensor | None]:
+        """DFlash2: block rows ``[n, T, H]`` (rows 1..B-1 of each block) and the anchors ``[n]``
+        int64 -> the target head -> top-K candidates and ``hidden_projection`` -> the selector
+        walk (one ``selector_walk`` launch for all sequences). ``noise`` ``[n, T, K]`` Gumbel
+        draws sample at ``temperature``; ``None`` is greedy. Returns ``(tokens [n, T] int64,
+        candidates [n, T, K] int64, q [n, T, K] fp32 or None)``, as
+        ``CandidateSelector.select`` does; fixed shapes, no host reads (graph-capturable)."""
+        sel = self._selector()
+        n, steps, size = rows.shape
+        # One [n*T, H] matrix: the rows are a strided slice of [n, B, H], and a 3-D strided
+        # input makes the head a batched GEMM that reads the whole [V, H] weight once per
+        # sequence (9 ms at n = 32, Qwen3-8B shapes) instead of once.
+        flat = rows.reshape(n * steps, size)
+        logits = self.drafter.logits(flat, self.head.lm_head)
+        unary, candidates = self.ops.topk(logits.view(n, steps, -1), sel.top_k)
+        projected = sel.hidden_projection(flat).view(n, steps, -1)
+        tokens, q = self.ops.selector_walk(
+            unary, candidates, projected, sel.predecessor_codebook, sel.successor_codebook,
+            anchors, noise, temperature,
+        )
+        return tokens, candidates, q
+
     def pick(self, hidden: Tensor, anchors: Tensor, take: int, mask: Tensor | None) -> Tensor:
         """``hidden [n, B, H]`` -> the first ``take`` drafts ``[n, take]`` int64; ``mask``
         ``[take, ceil(V/32)]`` packed allowed tokens per draft (the same for every sequence).
@@ -200,8 +336,7 @@ class DraftForward:
         n = hidden.shape[0]
         if self.spec.is_dflash2:
             # The selector walks all B-1 rows left to right; keep the first `take`.
-            draft = self.drafter.draft(hidden[:, 1:], anchors, self.head.lm_head)
-            picked: Tensor = draft.tokens[:, :take]
+            picked: Tensor = self.select(hidden[:, 1:], anchors)[0][:, :take]
             if mask is not None:
                 allowed = allowed_ids(mask, self.head.vocab_size)
                 ok = allowed.gather(1, picked[0][:, None])[:, 0]
@@ -214,36 +349,51 @@ class DraftForward:
 
     def sample(
         self, hidden: Tensor, anchors: Tensor, take: int, params: SamplingParams,
-        generator: torch.Generator | None,
+        generator: Generators,
     ) -> tuple[Tensor, Tensor]:
         """``hidden [n, B, H]`` -> ``take`` drafts per sequence sampled from the drafter's
         distribution, and that distribution ``q [n, take, V]`` fp32 (each draft's, given the
         drafts before it): the drafter's logits through ``params`` (temperature, top-k,
-        top-p) for DFlash; DFlash2's selector walk samples among its candidates."""
+        top-p) for DFlash; DFlash2's selector walk samples among its candidates (Gumbel draws
+        from ``generator``, one ``selector_walk`` launch). ``generator``: one random source for
+        all sequences, or a list of one per sequence (each sequence's draws then equal those
+        of a call for it alone)."""
         n = hidden.shape[0]
         vocab = self.head.vocab_size
+        per_seq = None if generator is None or isinstance(generator, torch.Generator) else list(generator)
+        if per_seq is not None and len(per_seq) != n:
+            raise ValueError(f"{len(per_seq)} generators for {n} sequences")
         if self.spec.is_dflash2:
-            draft = self.drafter.draft(hidden[:, 1:], anchors, self.head.lm_head,
-                                       temperature=params.temperature, generator=generator)
-            assert draft.q is not None and draft.candidates is not None
-            q = torch.zeros((n, draft.q.shape[1], vocab), dtype=torch.float32, device=hidden.device)
-            q.scatter_(2, draft.candidates, draft.q)
-            return draft.tokens[:, :take], q[:, :take]
+            rows = hidden[:, 1:]
+            shape = (rows.shape[1], self._selector().top_k)
+            if per_seq is None:
+                noise = gumbel((n, *shape), _single(generator), hidden.device)
+            else:
+                noise = torch.cat([gumbel((1, *shape), g, hidden.device) for g in per_seq])
+            tokens, candidates, q_top = self.select(rows, anchors, noise, params.temperature)
+            assert q_top is not None
+            q = torch.zeros((n, q_top.shape[1], vocab), dtype=torch.float32, device=hidden.device)
+            q.scatter_(2, candidates, q_top)
+            return tokens[:, :take], q[:, :take]
         rows = hidden[:, 1 : 1 + take].reshape(n * take, self.spec.hidden_size)
         logits = self.drafter.logits(rows, self.head.lm_head)
         q = target_probs(logits, params.temperature, params.top_p, params.top_k)
-        tokens = sample_rows(q, generator)
+        if per_seq is None:
+            tokens = sample_rows(q, _single(generator))
+        else:
+            tokens = torch.cat([sample_rows(q[i * take : (i + 1) * take], g)
+                                for i, g in enumerate(per_seq)])
         return tokens.view(n, take), q.view(n, take, vocab)
 
     # the plain path
 
     def run(
         self, proposal: Proposal, take: int, mask: Tensor | None,
-        sampling: tuple[SamplingParams, torch.Generator | None] | None = None,
+        sampling: tuple[SamplingParams, Generators] | None = None,
     ) -> Tensor:
         """The whole forward of ``proposal`` on the plain path: store its plans' K/V, draft.
         Returns ``[n, take]`` int64 drafts (see :meth:`pick`); with ``sampling`` ``(params,
-        generator)`` the drafts are sampled (:meth:`sample`) and their distribution is kept
+        generator or one per sequence)`` the drafts are sampled (:meth:`sample`) and their distribution is kept
         in :attr:`last_q`. Every plan stays outstanding (the caller confirms or aborts
         them)."""
         n = len(proposal.plans)

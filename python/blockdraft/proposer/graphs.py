@@ -5,7 +5,8 @@ number of sequences ``n``: the ctx K/V precompute of the rows committed since th
 (``fc`` + ``hidden_norm`` + one K/V GEMM for every layer + the paged store, over the staging
 capacity: 1, 4 or B rows per sequence of the bucket, the smallest that holds the call's staged
 rows), the drafter's inputs from the metadata (one ``graph_inputs`` kernel), the drafter layers
-with paged block attention, the target ``lm_head`` on rows 1..B-1 and argmax. This module
+with paged block attention, the target ``lm_head`` on rows 1..B-1 and argmax (DFlash2: top-K
+candidates and the selector walk, one launch for all sequences). This module
 captures that sequence once per (batch-size bucket, staging capacity) and replays it; per call
 only the metadata and the staged ctx rows change, written in place into static buffers per
 bucket::
@@ -23,7 +24,9 @@ bucket::
         kept by its last ``commit_ctx`` when that covers them)
 
 A sequence commits ``accepted + 1`` (1..B) rows per step, so its plan always fits its B staged
-rows; a longer plan (a prefill, a first call) has its K/V stored eagerly before the replay.
+rows; a longer plan (a prefill, a first call, the recompute after a window slide) has its K/V
+stored before the replay by ``DraftForward.store_long_plans``: the same fused steps, in
+launches of a few fixed sizes, so no length compiles kernels of its own.
 The steps are those of :class:`~blockdraft.proposer.forward.DraftForward` (the plain path runs
 the same ones); the drafter layers run through its fused view (stacked weights, fused
 elementwise kernels) when the drafter has one.
@@ -89,7 +92,7 @@ class _Bucket:
 
 
 class GraphRunner:
-    """Static-buffer draft forward (greedy DFlash, no grammar mask) of one proposer.
+    """Static-buffer draft forward (greedy DFlash or DFlash2, no grammar mask) of one proposer.
 
     Args:
         forward: the proposer's draft forward (its drafter, target head, cache and kernels
@@ -222,7 +225,7 @@ class GraphRunner:
         The core writes ``meta`` (:class:`~blockdraft._core.GraphMeta`). With the in-graph
         gather it also writes where each staged row lies; elsewhere the staged plans'
         accumulator rows go to ``stage`` here, in one copy. Plans longer than B rows are
-        stored eagerly here instead. This is the per-sequence host work of a graph-path
+        stored here instead (``DraftForward.store_long_plans``). This is the per-sequence host work of a graph-path
         call: one core call (and without the gather one list of row views)."""
         states = proposal.states
         bases = [st.acc_address for st in states] if self.gather else None
@@ -231,7 +234,7 @@ class GraphRunner:
             return None
         staged, eager, staged_rows = got
         if eager:
-            self.forward.store_plans([(states[i], proposal.plans[i]) for i in eager])
+            self.forward.store_long_plans([(states[i], proposal.plans[i]) for i in eager])
         if not staged:
             return 0
         if faults.active():
@@ -278,6 +281,9 @@ class GraphRunner:
 
         hidden = fwd.layers(embeds, q_pos, attend, fused=True)  # [m, B, H]
         joined()  # joined even if no layer attended (a repeated wait is a no-op)
+        if fwd.spec.is_dflash2:
+            # the selector walk over rows 1..B-1, from each row's anchor (metadata column 1)
+            return fwd.select(hidden[:, 1:], meta[:, 1])[0]
         rows = hidden[:, 1:].reshape(m * (b - 1), fwd.spec.hidden_size)
         return fwd.greedy(rows).view(m, b - 1)
 

@@ -38,7 +38,7 @@ from blockdraft.parallel.group import TPGroup
 from blockdraft.proposer import run
 from blockdraft.proposer.commit import ContextWriter, as_positions, check_rows
 from blockdraft.proposer.draft import Drafts, Mask, SampledDraft, draft_many
-from blockdraft.proposer.forward import DraftForward
+from blockdraft.proposer.forward import DraftForward, Generators
 from blockdraft.proposer.graphs import GraphRunner
 from blockdraft.proposer.spec import DraftSpec
 from blockdraft.proposer.state import DFlashState, Proposal
@@ -76,7 +76,7 @@ class DFlashProposer:
         dtype: K/V cache and accumulator dtype (default: the drafter's dtype).
         pool: share an existing :class:`~blockdraft.BlockPool` (its sizes win).
         batched_path: allow the batched ``propose_batch`` path at all.
-        graphs: the steady-state draft forward (greedy DFlash, no grammar mask) through a
+        graphs: the steady-state draft forward (greedy, no grammar mask) through a
             :class:`GraphRunner`: ``"auto"`` captures CUDA graphs per batch-size bucket on CUDA
             and runs the plain path elsewhere; ``"capture"``, ``"static"`` (the graph path's
             buffers, run eagerly) or ``"off"`` force one.
@@ -176,11 +176,28 @@ class DFlashProposer:
             if mode is not None else None
         )
         self._graphs_paused = False
+        if spec.max_positions < max_seq_len:
+            log.info("the drafter's max_position_embeddings (%d) is below max_seq_len (%d): a "
+                     "sequence drafts while its blocks fit below it, then decodes with the target "
+                     "alone", spec.max_positions, max_seq_len)
 
     @property
     def block_gamma(self) -> int:
         """The drafter's block size B (anchor + B-1 drafts)."""
         return self.spec.block_size
+
+    @property
+    def max_positions(self) -> int:
+        """The drafter's ``max_position_embeddings``: a proposal's rows (its block's included)
+        all sit below it."""
+        return self.spec.max_positions
+
+    def can_draft(self, position: int) -> bool:
+        """Whether a block anchored at ``position`` stays inside the drafter's positions
+        (``position + B <= max_positions``). Past that the proposer drafts nothing for the
+        sequence (:meth:`draft` gives it no drafts; :meth:`propose` raises ``ValueError``,
+        :meth:`propose_batch` declines), and the engine decodes it with the target alone."""
+        return position + self.block_gamma <= self.spec.max_positions
 
     @property
     def page_size(self) -> int:
@@ -269,7 +286,8 @@ class DFlashProposer:
         if faults.active():
             faults.hit("accumulator")
         acc = torch.zeros((window, self.ctx_row_width), dtype=self.dtype, device=self.device)
-        return DFlashState(ContextState(self.pool, window, self._owner), acc)
+        room = _core.slide_room(window, self.levers.slide)
+        return DFlashState(ContextState(self.pool, window, self._owner, room), acc)
 
     def free_state(self, st: object) -> None:
         """Give back every page and the accumulator; reset every counter. Idempotent.
@@ -381,7 +399,8 @@ class DFlashProposer:
 
         Raises:
             InvalidStateError: a foreign or freed state, or one with no committed context.
-            ValueError: bad token, position, ``num_drafts`` or bitmask (nothing changed).
+            ValueError: bad token, position (its block past the drafter's positions too: see
+                :meth:`can_draft`), ``num_drafts`` or bitmask (nothing changed).
             PoolExhaustedError: no pages for the new context K/V (nothing changed).
         """
         ctxs = self._ctxs([st], "propose")
@@ -403,11 +422,13 @@ class DFlashProposer:
         positions: Sequence[int],
         num_drafts: int,
         params: SamplingParams,
-        generator: torch.Generator | None = None,
+        generator: Generators = None,
     ) -> tuple[list[list[int]], Tensor]:
         """Drafts sampled from the drafter's distribution, for lossless rejection sampling at
         ``params.temperature > 0``: one forward over the ``n`` states (``n >= 1``, the rules of
         :meth:`propose_batch` for the arguments, but it raises instead of declining).
+        ``generator``: one random source for all states, or a list of one per state (a
+        state's drafts then equal those of a call for it alone with its source).
 
         Returns:
             ``n`` lists of ``min(num_drafts, draft_cap)`` drafts, and their distribution ``q
@@ -507,7 +528,8 @@ class DFlashProposer:
         sampling: Sequence[SampledDraft | None] | None = None,
     ) -> Drafts:
         """Up to ``want[i]`` drafts after ``anchors[i]`` at ``positions[i]`` for each state
-        (none when ``want[i] <= 0``), made as :mod:`blockdraft.proposer.draft` describes:
+        (none when ``want[i] <= 0``, or when the block would pass the drafter's positions:
+        :meth:`can_draft`), made as :mod:`blockdraft.proposer.draft` describes:
         ``sampling[i]`` (settings, random source) at ``temperature > 0`` drafts by sampling;
         ``masks[i]`` drafts greedily under that grammar mask; the rest draft greedily, batched
         where :meth:`propose_batch` takes them. Batched drafts equal per-sequence ones.
@@ -526,13 +548,14 @@ class DFlashProposer:
         tokens: Sequence[int], positions: Sequence[int],
     ) -> Proposal:
         return run.plan(what, states, ctxs, tokens, positions, vocab_in=self.head.vocab_in,
-                        owner=self._owner)
+                        owner=self._owner, max_positions=self.spec.max_positions,
+                        block_size=self.block_gamma)
 
     def _draft(self, proposal: Proposal, take: int, mask: Tensor | None) -> list[list[int]]:
         """:func:`blockdraft.proposer.run.run`, through the graph path where it applies (not
-        paused, no mask, DFlash)."""
+        paused, no mask)."""
         runner = self._graphs
-        if self._graphs_paused or mask is not None or self.spec.is_dflash2:
+        if self._graphs_paused or mask is not None:
             runner = None
         return run.run(self.forward, runner, proposal, take, mask)
 

@@ -26,9 +26,23 @@ def plan(
     *,
     vocab_in: int,
     owner: int,
+    max_positions: int,
+    block_size: int,
 ) -> Proposal:
-    """Check every anchor (below ``vocab_in``) and state (of ``owner``) and plan every
-    sequence's ctx K/V (all or nothing: on an error no plan is outstanding)."""
+    """Check every anchor (below ``vocab_in``; at a position whose block of ``block_size``
+    rows stays below the drafter's ``max_positions``) and state (of ``owner``) and plan every
+    sequence's ctx K/V (all or nothing: on an error no plan is outstanding).
+
+    Raises:
+        ValueError: an anchor whose block passes ``max_positions``, or what the core refuses.
+    """
+    for p in positions:
+        if isinstance(p, int) and not isinstance(p, bool) and p + block_size > max_positions:
+            raise ValueError(
+                f"{what}: the block anchored at position {p} reaches position "
+                f"{p + block_size - 1}, past the drafter's max_position_embeddings "
+                f"({max_positions}); a sequence this long decodes with the target alone"
+            )
     args = (what, ctxs, tokens, positions, vocab_in, owner)
     fail_at = faults.hits("pool_pages", len(ctxs)) if faults.active() else None
     # `fail_at` exists in test builds only (faults cannot be armed in a release build).

@@ -19,6 +19,8 @@ class DraftSpec:
         layer_causal: per layer whether block rows see only earlier block rows.
         ctx_row_width: ``k * H`` values per ctx row.
         scale: the attention softmax scale.
+        max_positions: the drafter's ``max_position_embeddings``: every row a proposal runs
+            (its block's included) must sit at a position below it.
     """
 
     hidden_size: int
@@ -34,6 +36,7 @@ class DraftSpec:
     layer_window: tuple[int | None, ...]
     layer_causal: tuple[bool, ...]
     is_dflash2: bool
+    max_positions: int
 
     @property
     def ctx_row_width(self) -> int:
@@ -68,6 +71,7 @@ class DraftSpec:
             layer_window=tuple(cfg.layer_sliding_window(i) for i in layers),
             layer_causal=tuple(bool(cfg.layer_is_causal(i)) for i in layers),
             is_dflash2=cfg.is_dflash2,
+            max_positions=int(cfg.max_position_embeddings),
         )
 
 

@@ -7,6 +7,8 @@ prometheus-client). User guide: ``docs/serve.md``.
 | --- | --- |
 | ``app`` | :func:`create_app`: the routes, the lifespan that owns the engine loop |
 | ``generation`` | one request from its body to a JSON answer or a stream |
+| ``choices`` | one choice of an answer: its engine request's text, logprobs and end |
+| ``logprobs`` | log-probabilities in OpenAI's chat and completions shapes |
 | ``protocol`` | request bodies: fields, types, ranges |
 | ``chat`` | chat messages to prompt tokens (templates) |
 | ``text`` | tokens to text, released piece by piece, stop strings |
@@ -14,6 +16,7 @@ prometheus-client). User guide: ``docs/serve.md``.
 | ``tp`` | tensor parallelism: rank 0's engine calls broadcast, :func:`follow` on the other ranks |
 | ``responses`` / ``sse`` | OpenAI's JSON shapes; server-sent events |
 | ``metrics`` | the Prometheus metrics |
+| ``access`` | the API key and the body-size limit, before any route |
 | ``errors`` | OpenAI-style errors |
 | ``server`` | building the engine; uvicorn and graceful shutdown |
 """

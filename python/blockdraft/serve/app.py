@@ -5,8 +5,11 @@
 | ``POST /v1/completions`` | a text completion (``stream: true``: server-sent chunks) |
 | ``POST /v1/chat/completions`` | a chat completion (``stream: true``: server-sent chunks) |
 | ``GET /v1/models`` | the one model served |
-| ``GET /health`` | 200 while the engine loop runs, else 503 |
+| ``GET /health`` | 200 once warmed up while the engine loop runs; 503 "warming up" before |
 | ``GET /metrics`` | Prometheus text (:mod:`blockdraft.serve.metrics`) |
+
+Before any route, :class:`~blockdraft.serve.access.AccessGuard` checks the API key (every
+route but ``/health``, and ``/metrics`` unless public, when a key is set) and the body size.
 
 The app owns its engine loop: the lifespan's start-up starts it, its shutdown cancels what is
 left, closes the engine and logs the pools' final state.
@@ -17,9 +20,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import FastAPI
@@ -28,6 +31,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from blockdraft.engine import SpeculativeEngine
+from blockdraft.serve.access import DEFAULT_MAX_BODY_BYTES, AccessGuard
 from blockdraft.serve.chat import ChatFormat
 from blockdraft.serve.errors import APIError
 from blockdraft.serve.generation import Service
@@ -49,6 +53,17 @@ class ServeConfig:
         builtin_chat: the tokenizer is the built-in pair's: chat continues the last user
             message as code.
         stop_timeout_s: how long shutdown waits for the engine loop to close.
+        warmup: warm the engine up (:meth:`~blockdraft.SpeculativeEngine.warmup`) on the
+            engine loop before the first request; ``/health`` answers 503 "warming up" until
+            it ends (``blockdraft serve`` turns it on unless ``--no-warmup``).
+        warmup_progress: ``progress(done, total)`` during the warm-up.
+        api_key: the key every route but ``/health`` needs as ``Authorization: Bearer
+            <key>`` (``None``: none; never shown in the config's repr).
+        public_metrics: with a key, serve ``/metrics`` without it too.
+        max_body_bytes: the largest request body read; a larger one is a 413.
+
+    Raises:
+        ValueError: an empty ``api_key`` or ``max_body_bytes < 1``.
     """
 
     model_name: str
@@ -56,6 +71,17 @@ class ServeConfig:
     retry_after_s: int = 1
     builtin_chat: bool = False
     stop_timeout_s: float = 60.0
+    warmup: bool = False
+    warmup_progress: Callable[[int, int], None] | None = None
+    api_key: str | None = field(default=None, repr=False)
+    public_metrics: bool = False
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+
+    def __post_init__(self) -> None:
+        if self.api_key is not None and not self.api_key:
+            raise ValueError("api_key must not be empty (None: no key)")
+        if self.max_body_bytes < 1:
+            raise ValueError(f"max_body_bytes must be >= 1, not {self.max_body_bytes}")
 
 
 def create_app(engine: SpeculativeEngine, tokenizer: Any, config: ServeConfig) -> FastAPI:
@@ -66,7 +92,8 @@ def create_app(engine: SpeculativeEngine, tokenizer: Any, config: ServeConfig) -
     """
     metrics = ServeMetrics()
     loop = EngineLoop(engine, metrics, max_queue=config.max_queue,
-                      retry_after_s=config.retry_after_s)
+                      retry_after_s=config.retry_after_s, warmup=config.warmup,
+                      progress=config.warmup_progress)
     service = Service(loop, tokenizer, ChatFormat(tokenizer, builtin=config.builtin_chat),
                       metrics, config.model_name, engine.max_seq_len)
     created = int(time.time())
@@ -84,6 +111,9 @@ def create_app(engine: SpeculativeEngine, tokenizer: Any, config: ServeConfig) -
     app.state.service = service
     app.state.loop = loop
     app.state.metrics = metrics
+    app.state.config = config
+    app.add_middleware(AccessGuard, api_key=config.api_key, max_body_bytes=config.max_body_bytes,
+                       open_paths=("/health", "/metrics") if config.public_metrics else ("/health",))
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError) -> Response:
@@ -97,8 +127,9 @@ def create_app(engine: SpeculativeEngine, tokenizer: Any, config: ServeConfig) -
     @app.exception_handler(Exception)
     async def unexpected(request: Request, exc: Exception) -> Response:
         log.exception("blockdraft serve: %s %s failed", request.method, request.url.path)
-        err = APIError(500, f"{type(exc).__name__}: {exc}", type="server_error",
-                       code="internal_error")
+        # The client learns that it failed, not where: the log has the message and traceback.
+        err = APIError(500, f"internal server error ({type(exc).__name__}); the server log has "
+                       "the details", type="server_error", code="internal_error")
         return JSONResponse(err.body(), status_code=500)
 
     @app.post("/v1/completions")
@@ -118,6 +149,8 @@ def create_app(engine: SpeculativeEngine, tokenizer: Any, config: ServeConfig) -
 
     @app.get("/health")
     async def health() -> Response:
+        if loop.warming:
+            return JSONResponse({"status": "warming up"}, status_code=503)
         if loop.alive:
             return JSONResponse({"status": "ok"})
         return JSONResponse({"status": "unavailable"}, status_code=503)

@@ -1,15 +1,18 @@
-"""One generation request from its body to its answer: checks against the model, submission,
-then either one JSON answer or a stream of chunks.
+"""One generation request from its body to its answer: checks against the model, submission
+of its choices (one engine request per prompt and per ``n``, :mod:`blockdraft.serve.choices`),
+then either one JSON answer or a stream of chunks, the choices' interleaved as they come.
 
 Whatever way an answer ends (finished, a stop string, an error, the client leaving, the
-server closing), the engine request is cancelled if it still runs, so its pages come back,
-and the outcome is counted once in ``blockdraft_requests_total``.
+server closing), its engine requests are cancelled if they still run, so their pages come
+back, and the outcome is counted once in ``blockdraft_requests_total``. One choice that
+fails fails the whole answer.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
+from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,11 +21,13 @@ from starlette.responses import JSONResponse, Response
 
 from blockdraft.pair.checks import context_problem
 from blockdraft.serve.chat import ChatFormat
-from blockdraft.serve.errors import APIError, invalid, server_error
-from blockdraft.serve.loop import EngineLoop, Submission, Ticket
+from blockdraft.serve.choices import Choice, Piece, choice_seed, join_logprobs
+from blockdraft.serve.errors import APIError, invalid
+from blockdraft.serve.logprobs import TokenTexts
+from blockdraft.serve.loop import EngineLoop, Submission
 from blockdraft.serve.metrics import ServeMetrics
 from blockdraft.serve.protocol import DEFAULT_COMPLETION_TOKENS, GenerationRequest, Kind, parse_json, parse_request
-from blockdraft.serve.responses import Head, chunk, meta_info, response, usage, usage_chunk
+from blockdraft.serve.responses import Head, choice, chunk, meta_info, response, usage, usage_chunk
 from blockdraft.serve.sse import DONE, EventStream, event
 from blockdraft.serve.text import TextStream
 
@@ -48,6 +53,8 @@ class Service:
     def __post_init__(self) -> None:
         eos = getattr(self.tokenizer, "eos_token_id", None)
         self.stop_ids = (eos,) if isinstance(eos, int) else ()
+        self.vocab = int(self.loop.engine.proposer.head.vocab_in)
+        self.texts = TokenTexts(self.tokenizer)
 
     async def handle(self, http: Request, kind: Kind) -> Response:
         """Answer one ``/v1/completions`` or ``/v1/chat/completions`` request.
@@ -60,33 +67,52 @@ class Service:
             if req.model is not None and req.model != self.model_name:
                 raise APIError(404, f"the model {req.model!r} does not exist; this server "
                                f"serves {self.model_name!r}", code="model_not_found", param="model")
-            ids = self._prompt_ids(req)
-            sub = Submission(ids, self._max_new(req, len(ids)), req.sampling, self.stop_ids, req.seed)
-            ticket = self.loop.submit(sub)
+            prompts = self._prompt_ids(req)
+            subs = [sub for ids in prompts for sub in self._submissions(req, ids)]
+            tickets = [self.loop.submit(sub) for sub in subs]
             try:
-                await ticket.admitted()
+                for ticket in tickets:
+                    await ticket.admitted()
             except BaseException:
-                self.loop.cancel(ticket)
+                for ticket in tickets:
+                    self.loop.cancel(ticket)
                 raise
         except APIError as err:
             self.metrics.count(outcome_of(err))
             raise
-        run = _Run(self, ticket, req, Head.new(kind, self.model_name), len(ids))
+        choices = [Choice(i, t, req, TextStream(self.tokenizer, req.stop, req.min_tokens), self.texts)
+                   for i, t in enumerate(tickets)]
+        run = _Run(self, choices, req, Head.new(kind, self.model_name), sum(len(p) for p in prompts))
         if req.stream:
             return EventStream(run.events())
         return await run.answer(http)
 
-    def _prompt_ids(self, req: GenerationRequest) -> list[int]:
+    def _prompt_ids(self, req: GenerationRequest) -> list[list[int]]:
         if req.messages is not None:
-            ids = self.chat.render(req.messages)
-        elif isinstance(req.prompt, str):
-            ids = list(self.tokenizer.encode(req.prompt))
+            prompts = [self.chat.render(req.messages)]
         else:
-            ids = list(req.prompt or [])
-        if not ids:
-            raise invalid("the prompt is empty (it encodes to no tokens)",
-                          "messages" if req.messages is not None else "prompt")
-        return ids
+            prompts = [list(self.tokenizer.encode(p)) if isinstance(p, str) else list(p)
+                       for p in req.prompts or []]
+        for i, ids in enumerate(prompts):
+            if not ids:
+                raise invalid("the prompt is empty (it encodes to no tokens)" if len(prompts) == 1
+                              else f"prompt {i} is empty (it encodes to no tokens)",
+                              "messages" if req.messages is not None else "prompt")
+        return prompts
+
+    def _submissions(self, req: GenerationRequest, ids: list[int]) -> list[Submission]:
+        """The engine requests of one prompt: its ``n`` choices."""
+        max_new = self._max_new(req, len(ids))
+        if req.min_tokens > max_new:
+            raise invalid(f"min_tokens ({req.min_tokens}) is more than the {max_new} tokens "
+                          "this request may generate", "min_tokens")
+        bad = [t for t in req.stop_token_ids if t >= self.vocab]
+        if bad:
+            raise invalid(f"stop_token_ids holds ids outside the vocabulary [0, {self.vocab}): "
+                          f"{bad}", "stop_token_ids")
+        stops = tuple(dict.fromkeys([*req.stop_token_ids, *(() if req.ignore_eos else self.stop_ids)]))
+        return [Submission(ids, max_new, req.sampling, stops, choice_seed(req.seed, j),
+                           min_tokens=req.min_tokens, logprobs=req.logprobs) for j in range(req.n)]
 
     def _max_new(self, req: GenerationRequest, prompt_tokens: int) -> int:
         limit = self.max_seq_len
@@ -103,49 +129,55 @@ class Service:
 
 
 class _Run:
-    """One admitted request on its way to the client."""
+    """One admitted request, its choices on their way to the client."""
 
-    def __init__(self, svc: Service, ticket: Ticket, req: GenerationRequest, head: Head,
+    def __init__(self, svc: Service, choices: list[Choice], req: GenerationRequest, head: Head,
                  prompt_tokens: int) -> None:
         self.svc = svc
-        self.ticket = ticket
+        self.choices = choices
         self.req = req
         self.head = head
         self.prompt_tokens = prompt_tokens
-        self.text = TextStream(svc.tokenizer, req.stop)
-        self.completion_tokens = 0
-        self.steps: list[int] = []
-        self.finish: str | None = None
 
-    async def _piece(self) -> tuple[str, bool]:
-        """The text the next update releases, and whether the answer is complete.
+    async def _pieces(self) -> AsyncGenerator[tuple[Choice, Piece], None]:
+        """Every choice's pieces as they come, each choice's in order, until all are done.
 
         Raises:
-            APIError: 500 when generation failed, 503 when the server cancelled it.
+            APIError: a choice failed (the others are then left to :meth:`_cancel`).
         """
-        upd = await self.ticket.next()
-        self.completion_tokens += len(upd.tokens)
-        self.steps.extend(upd.steps)
-        delta = self.text.push(upd.tokens)
-        if self.text.stopped:
-            self.finish = "stop"
-            self.svc.loop.cancel(self.ticket)
-            return delta, True
-        if upd.finish_reason is None:
-            return delta, False
-        if upd.finish_reason in ("stop", "length"):
-            self.finish = upd.finish_reason
-            return delta + self.text.finish(), True
-        if upd.finish_reason == "error":
-            raise server_error(f"generation failed: {upd.error or 'unknown error'}")
-        raise APIError(503, "the server shut down before the request finished",
-                       type="server_error", code="cancelled")
+        loop = self.svc.loop
+        pending = {asyncio.ensure_future(c.piece(loop)): c for c in self.choices}
+        try:
+            while pending:
+                done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                ready = sorted(((pending.pop(f), f) for f in done), key=lambda cf: cf[0].index)
+                # Every outcome is looked at, so no failure is left unretrieved.
+                failures = [err for err in (f.exception() for _, f in ready) if err is not None]
+                if failures:
+                    raise failures[0]
+                for c, fut in ready:
+                    piece = fut.result()
+                    yield c, piece
+                    if not piece.done:
+                        pending[asyncio.ensure_future(c.piece(loop))] = c
+        finally:
+            for fut in pending:
+                fut.cancel()
+
+    def _cancel(self) -> None:
+        for c in self.choices:
+            self.svc.loop.cancel(c.ticket)
+
+    def _outcome(self) -> str:
+        """The answer's ``blockdraft_requests_total`` status: ``length`` when any choice ran
+        to its limit, else ``stop``."""
+        return "length" if any(c.finish == "length" for c in self.choices) else "stop"
 
     def _usage(self) -> dict[str, int]:
-        return usage(self.prompt_tokens, self.completion_tokens)
+        return usage(self.prompt_tokens, sum(c.completion_tokens for c in self.choices))
 
-    def _meta(self) -> dict[str, Any] | None:
-        return meta_info(self.steps) if self.req.return_meta_info else None
+    def _meta(self, choices: list[Choice]) -> dict[str, Any] | None:
+        return meta_info([s for c in choices for s in c.steps]) if self.req.return_meta_info else None
 
     async def answer(self, http: Request) -> Response:
         """The whole answer as one JSON body; the request is cancelled if the client leaves."""
@@ -161,23 +193,28 @@ class _Run:
             except APIError as err:
                 outcome = outcome_of(err)
                 raise
-            assert self.finish is not None
-            outcome = self.finish
+            outcome = self._outcome()
             return JSONResponse(body)
         finally:
             gone.cancel()
             work.cancel()
-            self.svc.loop.cancel(self.ticket)
+            self._cancel()
             self.svc.metrics.count(outcome)
 
     async def _collect(self) -> dict[str, Any]:
-        parts = []
-        while True:
-            delta, done = await self._piece()
-            parts.append(delta)
-            if done:
-                assert self.finish is not None
-                return response(self.head, "".join(parts), self.finish, self._usage(), self._meta())
+        texts: dict[int, list[str]] = {c.index: [] for c in self.choices}
+        lps: dict[int, list[dict[str, Any]]] = {c.index: [] for c in self.choices}
+        async with aclosing(self._pieces()) as pieces:
+            async for c, piece in pieces:
+                texts[c.index].append(piece.text)
+                if piece.logprobs is not None:
+                    lps[c.index].append(piece.logprobs)
+        out = []
+        for c in self.choices:
+            assert c.finish is not None
+            joined = join_logprobs(self.head.kind, lps[c.index]) if self.req.logprobs is not None else None
+            out.append(choice(self.head, "".join(texts[c.index]), c.finish, index=c.index, logprobs=joined))
+        return response(self.head, out, self._usage(), self._meta(self.choices))
 
     async def events(self) -> AsyncIterator[str]:
         """The answer as server-sent events, ending ``data: [DONE]``; a failure after the
@@ -186,27 +223,28 @@ class _Run:
         outcome = "cancelled"
         try:
             if self.head.kind == "chat":
-                yield event(chunk(self.head, None, usage_field=with_usage))
-            while True:
-                try:
-                    delta, done = await self._piece()
-                except APIError as err:
-                    outcome = outcome_of(err)
-                    yield event(err.body())
-                    break
-                if delta:
-                    yield event(chunk(self.head, delta, usage_field=with_usage))
-                if done:
-                    assert self.finish is not None
-                    yield event(chunk(self.head, None, self.finish, usage_field=with_usage,
-                                      meta=self._meta()))
-                    if with_usage:
-                        yield event(usage_chunk(self.head, self._usage()))
-                    outcome = self.finish
-                    break
+                for c in self.choices:
+                    yield event(chunk(self.head, None, index=c.index, usage_field=with_usage))
+            try:
+                async with aclosing(self._pieces()) as pieces:
+                    async for c, piece in pieces:
+                        if piece.text or piece.logprobs is not None:
+                            yield event(chunk(self.head, piece.text, index=c.index,
+                                              logprobs=piece.logprobs, usage_field=with_usage))
+                        if piece.done:
+                            assert c.finish is not None
+                            yield event(chunk(self.head, None, c.finish, index=c.index,
+                                              usage_field=with_usage, meta=self._meta([c])))
+            except APIError as err:
+                outcome = outcome_of(err)
+                yield event(err.body())
+            else:
+                if with_usage:
+                    yield event(usage_chunk(self.head, self._usage()))
+                outcome = self._outcome()
             yield DONE
         finally:
-            self.svc.loop.cancel(self.ticket)
+            self._cancel()
             self.svc.metrics.count(outcome)
 
 

@@ -28,7 +28,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
+import torch
+
 from blockdraft.engine import SpeculativeEngine
+from blockdraft.results import TokenLogprob
 from blockdraft.serve.errors import APIError, invalid, queue_full, server_error, unavailable
 from blockdraft.serve.metrics import ServeMetrics
 from blockdraft.serve.tp import Leader, Submission, submit_to
@@ -45,12 +48,17 @@ class Update:
             ``"cancelled"`` or ``"error"`` (``error`` then holds the message).
         steps: tokens per speculative step, for the steps since the previous update (the
             first token comes from the prefill, outside any step).
+        out_of_memory: the error was the device running out of memory for the request (a
+            later or smaller one may fit: the server answers 503, not 500).
+        logprobs: one per token when the submission asked for them, else empty.
     """
 
     tokens: tuple[int, ...]
     finish_reason: str | None = None
     error: str | None = None
     steps: tuple[int, ...] = ()
+    out_of_memory: bool = False
+    logprobs: tuple[TokenLogprob, ...] = ()
 
 
 _Item = Update | APIError | int
@@ -126,6 +134,9 @@ class EngineLoop:
         metrics: updated with tokens, steps, latencies, queue and pool gauges.
         max_queue: the most requests that wait beyond those the next step can start; one
             more is refused with 429 (``Retry-After: retry_after_s``).
+        warmup: run :meth:`~blockdraft.SpeculativeEngine.warmup` on the loop's thread before
+            the first request (:attr:`warming` until it ends; requests that arrive meanwhile
+            wait for it); ``progress`` is passed to it.
 
     Attributes:
         on_failure: called on the loop's thread when a loop of tensor-parallel rank 0 fails
@@ -133,7 +144,8 @@ class EngineLoop:
     """
 
     def __init__(self, engine: SpeculativeEngine, metrics: ServeMetrics, *, max_queue: int,
-                 retry_after_s: int = 1) -> None:
+                 retry_after_s: int = 1, warmup: bool = False,
+                 progress: Callable[[int, int], None] | None = None) -> None:
         if max_queue < 0:
             raise ValueError(f"max_queue must be >= 0, not {max_queue}")
         self.engine = engine
@@ -144,6 +156,9 @@ class EngineLoop:
         self._live: dict[int, _Live] = {}
         self._thread = threading.Thread(target=self._run, name="blockdraft-engine", daemon=True)
         self._closing = False
+        self._warmup = warmup
+        self._progress = progress
+        self._warm = threading.Event()
         self._deadline: float | None = None  # draining: cancel what still runs at this time
         self.failure: BaseException | None = None
         self.final: FinalState | None = None
@@ -151,6 +166,7 @@ class EngineLoop:
         tp = engine.tp
         self._leader = Leader(tp) if tp is not None and tp.size > 1 else None
         metrics.tp_size.set(tp.size if tp is not None else 1)
+        metrics.speculation.set(1 if engine.speculate else 0)
         metrics.set_pools(engine.pages_used(), engine.pages_total())
 
     def start(self) -> None:
@@ -159,6 +175,11 @@ class EngineLoop:
     @property
     def alive(self) -> bool:
         return self._thread.is_alive() and not self._closing
+
+    @property
+    def warming(self) -> bool:
+        """Whether the loop runs but its warm-up has not ended yet."""
+        return self._warmup and self.alive and not self._warm.is_set()
 
     def submit(self, sub: Submission) -> Ticket:
         """Queue ``sub`` (call on the event loop); await :meth:`Ticket.admitted` next."""
@@ -198,6 +219,10 @@ class EngineLoop:
 
     def _run(self) -> None:
         try:
+            if self._warmup:
+                report = self.engine.warmup(progress=self._progress)
+                self.metrics.warmup_seconds.set(report.seconds)
+            self._warm.set()
             while True:
                 busy = bool(self.engine.num_running or self.engine.num_waiting)
                 commands = self._take_commands(block=not busy)
@@ -308,6 +333,7 @@ class EngineLoop:
         req = self.engine.request(rid)
         now = time.perf_counter()
         new = tuple(req.out[live.delivered:])
+        lps = tuple(req.out_logprobs[live.delivered:len(req.out)])
         live.delivered = len(req.out)
         m = self.metrics
         if new:
@@ -322,11 +348,12 @@ class EngineLoop:
             m.accepted.inc(sum(steps) - len(steps))
         if not req.status.ended:
             if new or steps:
-                live.ticket.post(Update(new, steps=tuple(steps)))
+                live.ticket.post(Update(new, steps=tuple(steps), logprobs=lps))
             return
         if live.first_at is not None and len(req.out) > 1:
             m.tpot.observe((now - live.first_at) / (len(req.out) - 1))
-        live.ticket.post(Update(new, req.finish_reason, req.error, tuple(steps)))
+        oom = isinstance(req.exception, torch.OutOfMemoryError)
+        live.ticket.post(Update(new, req.finish_reason, req.error, tuple(steps), oom, lps))
         del self._live[rid]
         self.engine.forget(rid)
 
@@ -345,6 +372,8 @@ class EngineLoop:
         self.metrics.running.set(self.engine.num_running)
         self.metrics.waiting.set(self.engine.num_waiting)
         self.metrics.set_pools(self.engine.pages_used(), self.engine.pages_total())
+        self.metrics.set_after_warmup(self.engine.compiles_after_warmup,
+                                      self.engine.captures_after_warmup)
 
     def _refuse_queued(self) -> None:
         """Answer the submissions still in the inbox once the loop has ended (503)."""

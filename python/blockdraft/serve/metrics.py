@@ -12,6 +12,10 @@ can live in one process, as tests start them).
 | ``blockdraft_time_to_first_token_seconds`` | histogram | arrival of a request to its first token |
 | ``blockdraft_time_per_output_token_seconds`` | histogram | per request: (end - first token) / (tokens - 1) |
 | ``blockdraft_tp_size`` | gauge | tensor-parallel ranks the target is split over (1: none) |
+| ``blockdraft_warmup_seconds`` | gauge | how long the start-up warm-up took (0: none ran) |
+| ``blockdraft_compiles_after_warmup_total`` | counter | Triton kernels compiled after warm-up (each delays requests) |
+| ``blockdraft_graph_captures_after_warmup_total`` | counter | CUDA graphs captured after warm-up (same) |
+| ``blockdraft_speculation`` | gauge | 1: speculative decoding; 0: target-only (``--no-speculation``) |
 
 With tensor parallelism rank 0 serves the metrics, and they describe rank 0's engine (the
 other ranks hold the same pools and requests).
@@ -66,6 +70,19 @@ class ServeMetrics:
                              "Tensor-parallel ranks the target is split over (1: none).",
                              registry=reg)
         self.tp_size.set(1)
+        self.warmup_seconds = Gauge("blockdraft_warmup_seconds",
+                                    "Seconds the start-up warm-up took (0: none ran).",
+                                    registry=reg)
+        self.compiles_after_warmup = Counter(
+            "blockdraft_compiles_after_warmup",
+            "Triton kernels compiled after warm-up (a request waited for each).", registry=reg)
+        self.captures_after_warmup = Counter(
+            "blockdraft_graph_captures_after_warmup",
+            "CUDA graphs captured after warm-up (a request waited for each).", registry=reg)
+        self._after_warmup = (0, 0)
+        self.speculation = Gauge("blockdraft_speculation",
+                                 "1: speculative decoding; 0: target-only decoding.", registry=reg)
+        self.speculation.set(1)
 
     def count(self, status: str) -> None:
         self.requests.labels(status).inc()
@@ -74,6 +91,15 @@ class ServeMetrics:
         for pool in POOLS:
             self.pages_used.labels(pool).set(used.get(pool, 0))
             self.pages_total.labels(pool).set(total.get(pool, 0))
+
+    def set_after_warmup(self, compiles: int, captures: int) -> None:
+        """Bring the after-warm-up counters up to the engine's totals."""
+        c0, g0 = self._after_warmup
+        if compiles > c0:
+            self.compiles_after_warmup.inc(compiles - c0)
+        if captures > g0:
+            self.captures_after_warmup.inc(captures - g0)
+        self._after_warmup = (max(c0, compiles), max(g0, captures))
 
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric."""

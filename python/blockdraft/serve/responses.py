@@ -42,43 +42,50 @@ def meta_info(steps: Sequence[int]) -> dict[str, Any]:
             "spec_verify_ct": len(steps)}
 
 
-def response(head: Head, text: str, finish_reason: str, use: dict[str, int],
-             meta: dict[str, Any] | None) -> dict[str, Any]:
-    """A whole (non-stream) answer."""
-    choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": finish_reason}
+def choice(head: Head, text: str, finish_reason: str, *, index: int = 0,
+           logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+    """One choice of a whole answer (``logprobs``: its object, in the endpoint's shape)."""
+    out: dict[str, Any] = {"index": index, "logprobs": logprobs, "finish_reason": finish_reason}
     if head.kind == "completion":
-        choice["text"] = text
-        body = head.body("text_completion", [choice])
+        out["text"] = text
     else:
-        choice["message"] = {"role": "assistant", "content": text}
-        body = head.body("chat.completion", [choice])
+        out["message"] = {"role": "assistant", "content": text}
+    return out
+
+
+def response(head: Head, choices: list[dict[str, Any]], use: dict[str, int],
+             meta: dict[str, Any] | None) -> dict[str, Any]:
+    """A whole (non-stream) answer of ``choices`` (:func:`choice`, in index order)."""
+    body = head.body("text_completion" if head.kind == "completion" else "chat.completion", choices)
     body["usage"] = use
     if meta is not None:
         body["meta_info"] = meta
     return body
 
 
-def chunk(head: Head, text: str | None, finish_reason: str | None = None, *,
-          usage_field: bool = False, meta: dict[str, Any] | None = None) -> dict[str, Any]:
-    """One stream chunk: new text (``None`` on a chat stream's first chunk: the role), or the
-    closing chunk with ``finish_reason``.
+def chunk(head: Head, text: str | None, finish_reason: str | None = None, *, index: int = 0,
+          logprobs: dict[str, Any] | None = None, usage_field: bool = False,
+          meta: dict[str, Any] | None = None) -> dict[str, Any]:
+    """One stream chunk of choice ``index``: new text (``None`` on a chat stream's first
+    chunk: the role), or the closing chunk with ``finish_reason``.
 
     Args:
+        logprobs: the log-probabilities of the chunk's tokens, in the endpoint's shape.
         usage_field: add ``"usage": null`` (a stream that ends with a usage chunk has it on
             every other chunk, as OpenAI's do).
     """
-    choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": finish_reason}
+    one: dict[str, Any] = {"index": index, "logprobs": logprobs, "finish_reason": finish_reason}
     if head.kind == "completion":
-        choice["text"] = text or ""
-        body = head.body("text_completion", [choice])
+        one["text"] = text or ""
+        body = head.body("text_completion", [one])
     else:
         if finish_reason is not None:
-            choice["delta"] = {}
+            one["delta"] = {}
         elif text is None:
-            choice["delta"] = {"role": "assistant", "content": ""}
+            one["delta"] = {"role": "assistant", "content": ""}
         else:
-            choice["delta"] = {"content": text}
-        body = head.body("chat.completion.chunk", [choice])
+            one["delta"] = {"content": text}
+        body = head.body("chat.completion.chunk", [one])
     if usage_field:
         body["usage"] = None
     if meta is not None:
@@ -94,4 +101,4 @@ def usage_chunk(head: Head, use: dict[str, int]) -> dict[str, Any]:
     return body
 
 
-__all__ = ["Head", "chunk", "meta_info", "response", "usage", "usage_chunk"]
+__all__ = ["Head", "choice", "chunk", "meta_info", "response", "usage", "usage_chunk"]

@@ -51,13 +51,16 @@ class Submission:
     sampling: SamplingParams | None = None
     stop_token_ids: tuple[int, ...] = ()
     seed: int | None = None
+    min_tokens: int = 0
+    logprobs: int | None = None
 
 
 def submit_to(engine: SpeculativeEngine, sub: Submission) -> int:
     """``engine.submit`` with ``sub``'s arguments: the one call every rank makes for it."""
     return engine.submit(sub.prompt, max_new_tokens=sub.max_new_tokens,
                          sampling=sub.sampling,
-                         stop_token_ids=list(sub.stop_token_ids), seed=sub.seed)
+                         stop_token_ids=list(sub.stop_token_ids), seed=sub.seed,
+                         min_tokens=sub.min_tokens, logprobs=sub.logprobs)
 
 
 @dataclass(frozen=True)

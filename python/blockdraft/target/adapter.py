@@ -1,11 +1,22 @@
-"""Adapter around a Hugging Face causal LM target (Qwen3, Llama and look-alikes).
+"""Adapter around a Hugging Face causal LM target (any ``AutoModelForCausalLM`` whose hidden
+states ``output_hidden_states`` exposes: Qwen3, Llama, GPT-2, GPT-NeoX, Phi, Gemma, ...).
 
 It gives the drafter the target's input embeddings and output head, and captures the hidden
-states of the layers in ``target_layer_ids`` with forward hooks, written straight into the ctx
-row layout the proposer stores: ``[rows, k*H]``, layers in config order, rows in (sequence,
-token) order. Layer id ``i`` is the output of decoder layer ``i``, i.e. Hugging Face's
-``hidden_states[i + 1]``; like Hugging Face, the last layer's entry is taken after the final
-norm (the public reference reads ``hidden_states`` and so sees it that way).
+states of the layers in ``target_layer_ids``, written straight into the ctx row layout the
+proposer stores: ``[rows, k*H]``, layers in config order, rows in (sequence, token) order.
+Layer id ``i`` is the output of decoder layer ``i``, i.e. Hugging Face's
+``hidden_states[i + 1]``; like Hugging Face, the last layer's entry is the decoder's
+``last_hidden_state``, taken after the final norm (training reads ``hidden_states`` and so
+sees it that way).
+
+Two ways to capture, chosen once (:attr:`TargetAdapter.capture`):
+
+* ``"hooks"``: where :func:`~blockdraft.target.layers.find_layers` finds the decoder layers,
+  forward hooks on the layers read (and on the decoder, for the last layer) write the rows
+  during the forward; nothing else is kept.
+* ``"hidden_states"``: otherwise, each forward asks for ``output_hidden_states=True`` and the
+  rows are copied out of ``hidden_states[i + 1]`` (every layer's states live until the copy).
+  A model whose forward gives no hidden states either is refused at construction.
 """
 
 from __future__ import annotations
@@ -14,7 +25,7 @@ import inspect
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -23,9 +34,13 @@ from torch.utils.hooks import RemovableHandle
 
 from blockdraft._core import ConfigError
 from blockdraft.config import DrafterConfig
+from blockdraft.errors import error_line
 from blockdraft.pair.checks import check_fits
+from blockdraft.target.layers import LAYER_LIST_NAMES, config_int, find_layers
 
 logger = logging.getLogger(__name__)
+
+Capture = Literal["hooks", "hidden_states"]
 
 
 @dataclass
@@ -43,22 +58,14 @@ class TargetOutput:
     past_key_values: Any
 
 
-def _decoder(model: nn.Module) -> nn.Module:
-    """The decoder (the module with the ``layers`` list and the final ``norm``) of a causal LM:
-    ``model.model``, ``model.get_decoder()``, or, for a module wrapping one, the first
-    submodule that has both."""
-    inner = getattr(model, "model", None)
-    if isinstance(inner, nn.Module) and hasattr(inner, "layers"):
-        return inner
-    get_decoder = getattr(model, "get_decoder", None)
-    if callable(get_decoder):
-        decoder = get_decoder()
-        if isinstance(decoder, nn.Module) and hasattr(decoder, "layers"):
-            return decoder
-    for module in model.modules():
-        if isinstance(getattr(module, "layers", None), nn.ModuleList) and hasattr(module, "norm"):
-            return module
-    raise ConfigError(f"target {type(model).__name__} has no decoder with a 'layers' list (model.model.layers)")
+def _input_embeddings(model: nn.Module, decoder: nn.Module | None) -> object:
+    """``get_input_embeddings()`` of the model, else of its decoder (a module wrapping a causal
+    LM), else the decoder's ``embed_tokens``."""
+    for owner in (model, decoder):
+        get_in = getattr(owner, "get_input_embeddings", None)
+        if callable(get_in):
+            return get_in()
+    return getattr(decoder, "embed_tokens", None)
 
 
 def _output_head(model: nn.Module) -> object:
@@ -87,6 +94,36 @@ def _names_logits_to_keep(model: nn.Module) -> bool:
     )
 
 
+def _hidden_state_count(model: nn.Module, device: torch.device) -> int:
+    """Decoder layers of ``model`` by its own ``output_hidden_states`` (a two-token forward);
+    raises ``ConfigError`` naming why the model gives none."""
+    name = type(model).__name__
+    not_found = (f"target {name}: its decoder layers were not found (no get_decoder() or base_model "
+                 f"holding a list named {'/'.join(LAYER_LIST_NAMES)} or an nn.ModuleList of "
+                 "num_hidden_layers blocks)")
+    try:
+        with torch.inference_mode():
+            out = model(input_ids=torch.zeros(1, 2, dtype=torch.int64, device=device), output_hidden_states=True)
+    except Exception as exc:  # noqa: BLE001 - any failure means no hidden states; named below
+        raise ConfigError(f"{not_found}, and its forward with output_hidden_states=True failed: "
+                          f"{error_line(exc)}") from exc
+    states = getattr(out, "hidden_states", None)
+    if (not isinstance(states, (tuple, list)) or len(states) < 2
+            or not all(isinstance(h, Tensor) and h.dim() == 3 and h.shape[:2] == (1, 2) for h in states)):
+        raise ConfigError(f"{not_found}, and its forward returns no hidden_states with "
+                          "output_hidden_states=True: the drafter has no target hidden states to read")
+    return len(states) - 1
+
+
+def _layer_output(output: Any) -> Any:
+    """The hidden states a layer or decoder returned: a tensor, a tuple's first element, or
+    a Hugging Face output's ``last_hidden_state``."""
+    last = getattr(output, "last_hidden_state", None)
+    if last is not None:
+        return last
+    return output[0] if isinstance(output, (tuple, list)) else output
+
+
 class TargetAdapter:
     """Wraps ``model`` (an ``AutoModelForCausalLM``) for a drafter described by ``config``.
 
@@ -95,19 +132,15 @@ class TargetAdapter:
         config: the drafter's config, or just the target layer ids to capture.
 
     Raises:
-        ConfigError: the drafter does not fit the target (hidden size, layer ids, vocabulary).
+        ConfigError: the drafter does not fit the target (hidden size, layer ids, vocabulary),
+            or the target gives no hidden states (no decoder layers found, and nothing from
+            ``output_hidden_states``), named in the message.
     """
 
     def __init__(self, model: nn.Module, config: DrafterConfig | Sequence[int]) -> None:
         self.model = model
-        self.decoder = _decoder(model)
-        layers = self.decoder.layers
-        assert isinstance(layers, nn.ModuleList)
-        self.num_layers = len(layers)
-        target_config = getattr(model, "config", None)
-        hidden = getattr(target_config, "hidden_size", None)
-        get_in = getattr(model, "get_input_embeddings", None)
-        embed = get_in() if callable(get_in) else getattr(self.decoder, "embed_tokens", None)
+        found = find_layers(model)
+        embed = _input_embeddings(model, found.decoder if found is not None else None)
         if not isinstance(embed, nn.Module) or not isinstance(getattr(embed, "weight", None), Tensor):
             raise ConfigError(f"target {type(model).__name__} has no input embedding table")
         embedding_weight = embed.weight
@@ -117,11 +150,17 @@ class TargetAdapter:
         if not isinstance(head, nn.Module) or not isinstance(getattr(head, "weight", None), Tensor):
             raise ConfigError(f"target {type(model).__name__} has no output head (lm_head)")
         self.head: nn.Module = head
-        self.hidden_size = int(hidden) if hidden is not None else int(self.embedding_weight.shape[1])
+        self.hidden_size = config_int(model, "hidden_size") or int(self.embedding_weight.shape[1])
         self.takes_logits_to_keep = _names_logits_to_keep(model)
         """Whether the model's forward takes ``logits_to_keep`` (else every row's logits are
         computed and the last ones copied out)."""
         self.vocab_size = int(self.lm_head.shape[0])
+        self.decoder: nn.Module | None = found.decoder if found is not None else None
+        """The decoder module whose output is the last hidden state (``None``: not found)."""
+        self.capture: Capture = "hooks" if found is not None else "hidden_states"
+        """How the rows are taken: forward hooks on the layers, or the model's own
+        ``output_hidden_states``."""
+        self.num_layers = len(found.layers) if found is not None else _hidden_state_count(model, self.device)
 
         if isinstance(config, DrafterConfig):
             self.layer_ids = tuple(config.target_layer_ids)
@@ -138,11 +177,17 @@ class TargetAdapter:
         self._sink: Tensor | None = None
         self._seen: list[bool] = []
         self._handles: list[RemovableHandle] = []
-        for slot, layer_id in enumerate(self.layer_ids):
-            # HF reports the last layer's output after the final norm; match it.
-            module = self.decoder.norm if layer_id == self.num_layers - 1 else layers[layer_id]
-            assert isinstance(module, nn.Module)
-            self._handles.append(module.register_forward_hook(self._make_hook(slot)))
+        self._closed = False
+        if found is not None:
+            for slot, layer_id in enumerate(self.layer_ids):
+                # Hugging Face's last hidden_states entry is the decoder's output, after the final
+                # norm: take the last layer there.
+                last = layer_id == self.num_layers - 1
+                module = found.decoder if last else found.layers[layer_id]
+                self._handles.append(module.register_forward_hook(self._make_hook(slot)))
+        logger.info("target %s: %d decoder layers; rows of layers %s %s", type(model).__name__,
+                    self.num_layers, list(self.layer_ids),
+                    f"hooked at {found.where}" if found is not None else "read from output_hidden_states")
 
     def _check_fit(self, config: DrafterConfig) -> None:
         check_fits(drafter_hidden=config.hidden_size, target_layer_ids=config.target_layer_ids,
@@ -165,12 +210,23 @@ class TargetAdapter:
             sink = self._sink
             if sink is None:
                 return
-            hidden = output[0] if isinstance(output, (tuple, list)) else output
+            hidden = _layer_output(output)
             n, t, h = hidden.shape
             sink.view(n, t, len(self.layer_ids), h)[:, :, slot, :].copy_(hidden)
             self._seen[slot] = True
 
         return hook
+
+    def _copy_states(self, states: Any, sink: Tensor) -> None:
+        """The ``"hidden_states"`` capture: ``states[i + 1]`` of each layer id into ``sink``."""
+        if not isinstance(states, (tuple, list)) or len(states) != self.num_layers + 1:
+            got = len(states) if isinstance(states, (tuple, list)) else type(states).__name__
+            raise RuntimeError(f"the target returned {got} hidden_states entries, not {self.num_layers + 1}")
+        for slot, layer_id in enumerate(self.layer_ids):
+            hidden = states[layer_id + 1]
+            n, t, h = hidden.shape
+            sink.view(n, t, len(self.layer_ids), h)[:, :, slot, :].copy_(hidden)
+            self._seen[slot] = True
 
     @property
     def lm_head(self) -> Tensor:
@@ -257,6 +313,9 @@ class TargetAdapter:
             kwargs["position_ids"] = positions.to(self.device)
         if logits_to_keep and self.takes_logits_to_keep:
             kwargs["logits_to_keep"] = logits_to_keep
+        from_states = self.capture == "hidden_states" and not self._closed
+        if from_states:
+            kwargs["output_hidden_states"] = True
         self._sink = out
         self._seen = [False] * len(self.layer_ids)
         try:
@@ -268,6 +327,8 @@ class TargetAdapter:
             )
         finally:
             self._sink = None
+        if from_states:
+            self._copy_states(result.hidden_states, out)
         if not all(self._seen):
             missing = [i for i, seen in zip(self.layer_ids, self._seen) if not seen]
             raise RuntimeError(f"target layers {missing} did not run; cannot capture their hidden states")
@@ -283,3 +344,4 @@ class TargetAdapter:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        self._closed = True

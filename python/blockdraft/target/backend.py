@@ -9,13 +9,17 @@ Hugging Face forward, one sequence at a time.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import torch
 from torch import Tensor
 
-from blockdraft.target.runtime import TargetRuntime
+from blockdraft._core import ConfigError
+from blockdraft.target.runtime import TargetRuntime, TargetSpec
+
+log = logging.getLogger(__name__)
 
 ChunkFn = Callable[[list[int], list[range], Tensor], None]
 """``on_chunk(indices, positions, ctx_rows)``: a prefill chunk's captured rows ``[rows, k*H]``
@@ -83,22 +87,33 @@ class RuntimeTarget:
         return self.runtime.prefill(seqs, prompts, on_chunk=on_chunk)
 
     def verify(self, seqs: Sequence[Any], blocks: Sequence[Sequence[int]]) -> tuple[Tensor, Tensor]:
-        """Blocks shorter than B (a request's last steps) are padded to B rows when every
-        sequence has room, so the step is the fixed shape the runtime's graphs replay; the
-        padding rows' K/V is pending like any rejected draft's, and their rows are dropped
-        from what this returns."""
-        rt, b = self.runtime, self.block_size
-        ragged = any(len(blk) != b for blk in blocks)
-        pad = (ragged and rt.graphs is not None and rt.graphs.accepts(len(blocks), b)
-               and all(s.length + b <= s.capacity for s in seqs))
-        run = [[*blk, *([0] * (b - len(blk)))] for blk in blocks] if pad else blocks
-        out = rt.forward(seqs, run, logits="all", capture=True)
-        assert out.ctx_rows is not None
-        if not pad:
+        """Blocks of different lengths (draft counts chosen per request, a request's last
+        steps) are padded to the shortest graph row count that holds the longest of them,
+        when every sequence has room, so the step is a fixed shape the runtime's graphs
+        replay; the padding rows' K/V is pending like any rejected draft's, and their rows
+        are dropped from what this returns."""
+        rt = self.runtime
+        rows = self._graph_rows(seqs, blocks)
+        if rows is None or all(len(blk) == rows for blk in blocks):
+            out = rt.forward(seqs, blocks, logits="all", capture=True)
+            assert out.ctx_rows is not None
             return out.logits, out.ctx_rows
-        keep = torch.tensor([i * b + j for i, blk in enumerate(blocks) for j in range(len(blk))],
+        out = rt.forward(seqs, [[*blk, *([0] * (rows - len(blk)))] for blk in blocks], logits="all", capture=True)
+        assert out.ctx_rows is not None
+        keep = torch.tensor([i * rows + j for i, blk in enumerate(blocks) for j in range(len(blk))],
                             dtype=torch.int64, device=out.logits.device)
         return out.logits.index_select(0, keep), out.ctx_rows.index_select(0, keep)
+
+    def _graph_rows(self, seqs: Sequence[Any], blocks: Sequence[Sequence[int]]) -> int | None:
+        """The graph row count these blocks pad to, or ``None`` (no graph takes them)."""
+        graphs = self.runtime.graphs
+        if graphs is None:
+            return None
+        longest = max(len(blk) for blk in blocks)
+        rows = min((r for r in graphs.rows if r >= longest), default=None)
+        if rows is None or not graphs.accepts(len(blocks), rows):
+            return None
+        return rows if all(s.length + rows <= s.capacity for s in seqs) else None
 
     def accept(self, seqs: Sequence[Any], counts: Sequence[int]) -> None:
         self.runtime.accept(seqs, counts)
@@ -110,4 +125,35 @@ class RuntimeTarget:
         """Nothing to detach: the fused weights stay the model's storage."""
 
 
-__all__ = ["ChunkFn", "RuntimeTarget", "TargetBackend"]
+RUNTIMES = ("auto", "blockdraft", "hf")
+
+
+def resolve_runtime(runtime: str, target: Any) -> str:
+    """``"blockdraft"`` or ``"hf"`` for ``runtime`` on ``target``.
+
+    ``"auto"`` picks the blockdraft runtime for a model it supports (the families of
+    :data:`~blockdraft.target.runtime.FAMILIES`, without a feature it lacks) and the Hugging
+    Face path (:class:`~blockdraft.target.hf.HFTarget`, any causal LM whose hidden states can
+    be read) for every other, and logs one line saying which and why.
+
+    Raises:
+        ConfigError: an unknown name, or ``"blockdraft"`` on an unsupported model (named).
+    """
+    if runtime not in RUNTIMES:
+        raise ConfigError(f"runtime must be one of {RUNTIMES}, not {runtime!r}")
+    if runtime == "hf":
+        return "hf"
+    try:
+        TargetSpec.from_model(target)
+    except ConfigError as exc:
+        if runtime == "blockdraft":
+            raise
+        log.info("target runtime 'auto': hf, the model's own Hugging Face forward one sequence at a "
+                 "time, because %s", exc)
+        return "hf"
+    if runtime == "auto":
+        log.info("target runtime 'auto': blockdraft, because it supports %s", type(target).__name__)
+    return "blockdraft"
+
+
+__all__ = ["RUNTIMES", "ChunkFn", "RuntimeTarget", "TargetBackend", "resolve_runtime"]

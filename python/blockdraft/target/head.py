@@ -11,6 +11,7 @@ from torch import Tensor, nn
 
 from blockdraft._core import ConfigError
 from blockdraft.pair.checks import check_fits
+from blockdraft.target.layers import config_int
 
 
 @dataclass(frozen=True)
@@ -21,7 +22,8 @@ class TargetHead:
     Attributes:
         vocab_size: V, the head's output size (draft ids and bitmasks cover it).
         vocab_in: the ids the embedding table takes (anchors must be below it).
-        num_layers / hidden_size: from the target's config when it has one.
+        num_layers / hidden_size / max_positions: from the target's text config when it
+            states them (:func:`~blockdraft.target.layers.config_int`).
     """
 
     embed: Tensor
@@ -50,20 +52,14 @@ class TargetHead:
         if head is None:
             raise ConfigError("target has no lm_head / output embeddings")
         weight: Any = head.weight if isinstance(head, nn.Module) else head
-        cfg: Any = getattr(target, "config", None)
-        get_text = getattr(cfg, "get_text_config", None)
-        text = get_text() if callable(get_text) else cfg
-        layers = getattr(text, "num_hidden_layers", None)
-        hidden = getattr(text, "hidden_size", None)
-        positions = getattr(text, "max_position_embeddings", None)
         return cls(
             embed=embed,
             lm_head=head,
             vocab_size=int(weight.shape[0]),
             vocab_in=int(embed.shape[0]),
-            num_layers=None if layers is None else int(layers),
-            hidden_size=None if hidden is None else int(hidden),
-            max_positions=None if positions is None else int(positions),
+            num_layers=config_int(target, "num_hidden_layers"),
+            hidden_size=config_int(target, "hidden_size"),
+            max_positions=config_int(target, "max_position_embeddings"),
         )
 
     def check_fits(

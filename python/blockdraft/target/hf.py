@@ -1,6 +1,12 @@
 """The target's own Hugging Face forward as a :class:`~blockdraft.target.backend.TargetBackend`:
 one sequence at a time, each with its own ``DynamicCache``, under a chosen set of attention
 backends.
+
+It serves any causal LM the :class:`~blockdraft.TargetAdapter` can read hidden states from
+(GPT-2, GPT-NeoX, Phi, Gemma, OPT, Falcon, ... beside the runtime's own families) whose cache
+can be rolled back: a verify appends the whole block to the cache and the rows past the
+accepted ones are cropped off again. A cache with recurrent state (Mamba and the hybrids
+built on it) cannot be cropped back and is refused.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from torch import Tensor
 from torch.nn.attention import SDPBackend
 
 from blockdraft import faults
+from blockdraft._core import ConfigError
 from blockdraft.target.adapter import TargetAdapter
 from blockdraft.target.backend import ChunkFn
 
@@ -83,11 +90,14 @@ class HFTarget:
     :class:`~blockdraft.TargetAdapter`'s hooks.
 
     Args:
-        adapter: the hooked target.
+        adapter: the target, capturing the drafter's layers.
         sdpa_backends: the attention backends its forwards may use, in priority order (every
             call runs inside ``torch.nn.attention.sdpa_kernel``); ``None`` leaves torch's
             choice alone. A different backend rounds differently: bf16 greedy output can
             differ with the selection.
+
+    Raises:
+        ConfigError: the target's cache cannot be cropped (recurrent state), named.
     """
 
     name = "hf"
@@ -95,6 +105,13 @@ class HFTarget:
     def __init__(self, adapter: TargetAdapter, sdpa_backends: Sequence[SDPBackend] | SDPBackend | None) -> None:
         self.adapter = adapter
         self.sdpa_backends = validate_sdpa_backends(sdpa_backends)
+        cache = adapter.new_cache()
+        if not getattr(cache, "is_croppable", True):
+            kinds = sorted({type(layer).__name__ for layer in getattr(cache, "layers", ())})
+            raise ConfigError(
+                f"target {type(adapter.model).__name__} cannot run on the Hugging Face path: its cache "
+                f"({', '.join(kinds) or type(cache).__name__}) keeps recurrent state, which cropping "
+                "cannot roll back, and a rejected draft's rows are dropped by cropping the cache")
         self._priority = _sdpa_kernel_has_priority()
         self.device = adapter.device
 

@@ -246,6 +246,7 @@ def evaluate_drafter(
             target, drafter, max_seq_len=longest, max_active=1, max_batch=1,
             target_pages=target_pages, num_pages=drafter_pages, page_size=16, backend=backend,
             sdpa_backends=None, sampled_drafts=sampled,
+            draft_length=block - 1,  # the drafter's own acceptance, not the scheduler's choice
         )
 
     engine = make_engine(False)

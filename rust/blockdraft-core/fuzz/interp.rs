@@ -151,7 +151,7 @@ impl World {
         let slot = &mut self.slots[i];
         let len = slot.positions.len();
         if len + n > window {
-            let keep = window - n;
+            let keep = (window - slot.st.slide_room()).saturating_sub(n);
             let slide = plan.slide.expect("an overflowing append slides");
             assert_eq!((slide.src_start, slide.keep), (len - keep, keep));
             assert_eq!(plan.dst_start, keep);
@@ -536,7 +536,11 @@ pub fn run(data: &[u8]) -> Stats {
         match op {
             0 | 1 if count < MAX_STATES => {
                 let window = 1 + bytes.small(24);
-                let st = ContextState::new(&mut world.pool, window, 7).expect("window >= 1");
+                // A slide room below the window (any of them), as the proposer's lever gives.
+                let room = bytes.small(window);
+                let st = ContextState::new(&mut world.pool, window, 7)
+                    .and_then(|st| st.with_slide_room(room))
+                    .expect("window >= 1, room < window");
                 world.slots.push(Slot {
                     st,
                     positions: Vec::new(),

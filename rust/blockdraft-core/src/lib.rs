@@ -12,8 +12,8 @@
 //!   frees).
 //!
 //! Functions that touch pages take the pool explicitly (`&mut BlockPool`); the caller decides
-//! how it is shared. The only global input is the environment variable read by
-//! [`window::read_ctx_cap`].
+//! how it is shared. The only global inputs are the environment variables read by
+//! [`window::read_ctx_cap`] and [`window::read_slide`].
 //!
 //! # Invariants
 //!
@@ -26,7 +26,9 @@
 //! 3. Every live state: `0 <= ctx_committed <= ctx_len <= window`, positions non-negative and
 //!    strictly increasing, `page_table.len() == ceil(ctx_committed / page_size)`.
 //! 4. After a slide the kept rows are the newest ones, in order, with their positions, and
-//!    `ctx_committed == 0`.
+//!    `ctx_committed == 0`; the slide keeps `window - slide_room - n` of them for a commit of
+//!    `n` rows (none when that is negative), never cuts a row of the commit itself, and
+//!    returns every page of the table to the pool.
 //! 5. A refused operation (a failed allocation, a declined batch, a bad argument) leaves the
 //!    pool and every state exactly as they were.
 //! 6. Freeing twice equals freeing once; a freed state equals a fresh one and its pages are
@@ -58,7 +60,8 @@ pub use step::{
     check_anchor, check_proposal, Filled, GraphMeta, MetaLayout, TooWide, MAX_ANCHOR_POSITION,
 };
 pub use window::{
-    ctx_ceiling, ctx_window, parse_ctx_cap, read_ctx_cap, DEFAULT_CTX_CAP, ENV_CTX_CAP,
+    ctx_ceiling, ctx_window, parse_ctx_cap, parse_slide, read_ctx_cap, read_slide, slide_room,
+    DEFAULT_CTX_CAP, DEFAULT_SLIDE, ENV_CTX_CAP, ENV_SLIDE,
 };
 
 /// Slot value that marks a row the K/V store must skip.

@@ -7,6 +7,10 @@
 //!
 //! Invariant (3 of the crate docs): `0 <= ctx_committed <= ctx_len <= window`, positions
 //! strictly increasing, and `page_table.len() == ceil(ctx_committed / page_size)`.
+//!
+//! A slide drops the oldest rows and leaves `slide_room` rows free beyond the commit's (see
+//! [`ContextState::plan_append`]): a slide forces the next precompute to recompute every kept
+//! row, so freeing more than the commit needs lets that one recompute serve many steps.
 
 use crate::error::{Error, Result};
 use crate::pool::BlockPool;
@@ -87,6 +91,7 @@ pub struct ContextState {
     id: u64,
     owner: u64,
     window: usize,
+    slide_room: usize,
     page_size: usize,
     ctx_positions: Vec<i64>,
     ctx_committed: usize,
@@ -100,6 +105,8 @@ pub struct ContextState {
     max_ctx_count_drafter: usize,
     freed: bool,
     version: u64,
+    /// Slides since the state was made or freed: each one replaced the page table.
+    slides: u64,
     next_plan_id: u64,
     pending: Option<Pending>,
 }
@@ -116,17 +123,45 @@ impl ContextState {
         Ok(Self::empty(
             pool.issue_state_id(),
             owner,
-            window,
+            (window, 0),
             pool.page_size(),
         ))
     }
 
+    /// The same state with `slide_room` rows left free by every slide (0, the default of
+    /// [`Self::new`], slides by exactly the rows a commit needs). Only a fresh state takes it.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] when `slide_room >= window` (a slide would keep no row even
+    /// for a one-row commit) or the state is not fresh.
+    pub fn with_slide_room(mut self, slide_room: usize) -> Result<Self> {
+        if slide_room >= self.window {
+            return Err(Error::invalid_argument(
+                "slide_room",
+                format!(
+                    "must be below the window of {} rows, got {slide_room}",
+                    self.window
+                ),
+            ));
+        }
+        if self.version != 0 {
+            return Err(Error::invalid_argument(
+                "slide_room",
+                "is set on a fresh state only",
+            ));
+        }
+        self.slide_room = slide_room;
+        Ok(self)
+    }
+
     /// Every counter at its `alloc_state` value: the one definition of "fresh".
-    fn empty(id: u64, owner: u64, window: usize, page_size: usize) -> Self {
+    /// `(window, slide_room)`: the state's fixed shape.
+    fn empty(id: u64, owner: u64, (window, slide_room): (usize, usize), page_size: usize) -> Self {
         Self {
             id,
             owner,
             window,
+            slide_room,
             page_size,
             ctx_positions: Vec::new(),
             ctx_committed: 0,
@@ -140,6 +175,7 @@ impl ContextState {
             max_ctx_count_drafter: 0,
             freed: false,
             version: 0,
+            slides: 0,
             next_plan_id: 1,
             pending: None,
         }
@@ -156,6 +192,11 @@ impl ContextState {
     #[must_use]
     pub fn window(&self) -> usize {
         self.window
+    }
+    /// Rows a slide leaves free beyond the rows of the commit that caused it.
+    #[must_use]
+    pub fn slide_room(&self) -> usize {
+        self.slide_room
     }
     #[must_use]
     pub fn page_size(&self) -> usize {
@@ -220,6 +261,13 @@ impl ContextState {
     pub fn version(&self) -> u64 {
         self.version
     }
+    /// Slides since the state was made or freed. Each one gave the whole page table back, so
+    /// a table of the same length after a slide may hold other pages: whoever mirrors a table
+    /// (the graph path's metadata) keys it by `(id, slides)`.
+    #[must_use]
+    pub fn slides(&self) -> u64 {
+        self.slides
+    }
     /// Pages held by an unresolved precompute plan (empty when none).
     #[must_use]
     pub fn pending_pages(&self) -> &[usize] {
@@ -253,6 +301,11 @@ impl ContextState {
 
     /// Plan appending rows at `positions`; changes nothing.
     ///
+    /// When the rows overflow the window the plan slides first: it keeps the newest
+    /// `window - slide_room - n` rows (none when the commit alone needs more room), so after
+    /// the append `ctx_len == max(window - slide_room, n)` and the next slide waits for at least
+    /// `min(slide_room, window - n)` more rows. The commit's own rows are always all kept.
+    ///
     /// # Errors
     /// [`Error::Freed`]; [`Error::InvalidArgument`] for empty, negative or unordered positions,
     /// positions not after the last context position, or more rows than the window.
@@ -267,8 +320,9 @@ impl ContextState {
         }
         let len = self.ctx_len();
         let (slide, dst_start) = if len + n > self.window {
-            // Keep the newest rows that leave room for all n new ones.
-            let keep = self.window - n;
+            // Keep the newest rows that leave room for all n new ones and `slide_room` more;
+            // `keep < len` since `len + n > window >= window - slide_room`.
+            let keep = (self.window - self.slide_room).saturating_sub(n);
             (
                 Some(SlidePlan {
                     src_start: len - keep,
@@ -323,7 +377,8 @@ impl ContextState {
 
     /// [`Self::plan_append`] of the newest `window` of `positions` (all of them when they fit):
     /// a commit longer than the window keeps only the rows the window can hold. Returns the plan
-    /// and how many leading positions were cut.
+    /// and how many leading positions were cut. The slide room never cuts a commit's rows:
+    /// such a commit keeps exactly `window` rows, all its own.
     ///
     /// # Errors
     /// As [`Self::plan_append`] (the checks see every given position, cut or not).
@@ -363,6 +418,7 @@ impl ContextState {
             self.ctx_positions.drain(..slide.src_start);
             self.ctx_committed = 0;
             self.ctx_count_drafter = 0;
+            self.slides += 1;
         }
         debug_assert_eq!(self.ctx_positions.len(), plan.dst_start);
         self.ctx_positions.extend_from_slice(&plan.positions);
@@ -539,6 +595,7 @@ impl ContextState {
         self.skip_next_decode_append = false;
         self.ctx_count_drafter = 0;
         self.max_ctx_count_drafter = 0;
+        self.slides = 0;
         self.freed = true;
         self.bump();
         Ok(true)
@@ -552,6 +609,12 @@ impl ContextState {
     pub fn check_invariants(&self, pool: &BlockPool) -> Result<()> {
         let bad = |m: String| Err(Error::Invariant(m));
         let len = self.ctx_len();
+        if self.slide_room >= self.window {
+            return bad(format!(
+                "slide room {} not below the window {}",
+                self.slide_room, self.window
+            ));
+        }
         if self.ctx_committed > len || len > self.window {
             return bad(format!(
                 "need ctx_committed {} <= ctx_len {len} <= window {}",
@@ -599,7 +662,12 @@ impl ContextState {
             freed: true,
             version: self.version,
             next_plan_id: self.next_plan_id,
-            ..Self::empty(self.id, self.owner, self.window, self.page_size)
+            ..Self::empty(
+                self.id,
+                self.owner,
+                (self.window, self.slide_room),
+                self.page_size,
+            )
         }
     }
 

@@ -136,8 +136,9 @@ pub struct GraphMeta {
     mask_id: i64,
     /// Bytes between two rows of a source (see the module docs).
     stride: i64,
-    /// Per row: the id of the state it mirrors and how many of its pages the row holds.
-    owners: Vec<Option<(u64, usize)>>,
+    /// Per row: the `(id, slides)` of the state it mirrors and how many of its pages the row
+    /// holds.
+    owners: Vec<Option<((u64, u64), usize)>>,
     /// Staged rows of the last call (their slots are reset by the next one).
     staged: usize,
     /// Per sequence of the call in progress: `(row_end, token, position)`.
@@ -236,7 +237,8 @@ impl GraphMeta {
         self.filled = Filled::default();
     }
 
-    /// The call's next sequence (0, 1, ... in order): the state `id` with its committed
+    /// The call's next sequence (0, 1, ... in order): the state `key` (its id and its
+    /// [`slides`](crate::ContextState::slides): a slide replaces the table) with its committed
     /// `table`, its outstanding `plan`, its anchor `(token, position)`, and the `base` its
     /// staged rows are read from (row `r` at `base + r * stride`; `None`: 0 in the column).
     ///
@@ -250,7 +252,7 @@ impl GraphMeta {
     pub fn row(
         &mut self,
         buf: &mut [i64],
-        id: u64,
+        key: (u64, u64),
         table: &[usize],
         plan: &PrecomputePlan,
         (token, position): (i64, i64),
@@ -271,7 +273,7 @@ impl GraphMeta {
             self.layout.block_size,
         );
         let mut held = match self.owners[seq] {
-            Some((owner, len)) if owner == id && len == table.len() => len,
+            Some((owner, len)) if owner == key && len == table.len() => len,
             _ => {
                 if table.len() > width {
                     self.owners[seq] = None;
@@ -298,7 +300,7 @@ impl GraphMeta {
         // The mirror describes the table once the plan is confirmed; an aborted plan shows up
         // next call as a length mismatch and the row is rewritten from the state.
         held += new.len();
-        self.owners[seq] = Some((id, held));
+        self.owners[seq] = Some((key, held));
         self.scalars.push([as_i64(plan.row_end), token, position]);
         let count = plan.row_end - plan.row_start;
         if count > block_size {
@@ -544,7 +546,7 @@ mod tests {
             for (i, (table, plan, tok, pos)) in calls.iter().enumerate() {
                 meta.row(
                     &mut buf,
-                    states[i].id(),
+                    (states[i].id(), states[i].slides()),
                     table,
                     plan,
                     (*tok, *pos),
@@ -584,6 +586,58 @@ mod tests {
     }
 
     #[test]
+    fn a_slide_between_calls_rewrites_the_row_even_at_the_same_table_length() {
+        // The state's row mirrors 2 pages; it then slides and its kept rows are recomputed
+        // without this matrix (another bucket's call) into 2 other pages.
+        let mut pool = BlockPool::new(16, 4).unwrap();
+        let mut st = ContextState::new(&mut pool, 8, 0)
+            .unwrap()
+            .with_slide_room(2)
+            .unwrap();
+        let mut meta = GraphMeta::new(1, 4, 3, 0, STRIDE).unwrap();
+        let mut buf = vec![0i64; meta.cols()];
+        meta.init(&mut buf);
+        let fill =
+            |meta: &mut GraphMeta, buf: &mut [i64], st: &ContextState, pre: &PrecomputePlan| {
+                meta.begin();
+                meta.row(
+                    buf,
+                    (st.id(), st.slides()),
+                    st.page_table(),
+                    pre,
+                    (1, 9),
+                    None,
+                )
+                .unwrap();
+                meta.finish(buf);
+            };
+        let plan = st.plan_append(&(0..8).collect::<Vec<_>>()).unwrap();
+        st.apply_append(&mut pool, &plan).unwrap();
+        let pre = st.plan_precompute(&mut pool).unwrap();
+        fill(&mut meta, &mut buf, &st, &pre);
+        st.confirm_precompute(&pre).unwrap();
+        let old = st.page_table().to_vec();
+        let plan = st.plan_append(&[8]).unwrap();
+        st.apply_append(&mut pool, &plan).unwrap();
+        assert_eq!((st.slides(), st.ctx_len()), (1, 6));
+        let held = pool.alloc(2).unwrap(); // the freed pages: the recompute takes others
+        let pre = st.plan_precompute(&mut pool).unwrap();
+        st.confirm_precompute(&pre).unwrap();
+        assert_eq!(st.page_table().len(), old.len());
+        assert!(st.page_table().iter().all(|p| !old.contains(p)));
+        let plan = st.plan_append(&[9]).unwrap();
+        st.apply_append(&mut pool, &plan).unwrap();
+        let pre = st.plan_precompute(&mut pool).unwrap();
+        assert!(pre.new_pages.is_empty());
+        fill(&mut meta, &mut buf, &st, &pre);
+        let col = MetaLayout::TABLE_COL;
+        let row: Vec<i64> = buf[col..col + 2].to_vec();
+        let want: Vec<i64> = st.page_table().iter().map(|&p| as_i64(p)).collect();
+        assert_eq!(row, want);
+        pool.free(&held).unwrap();
+    }
+
+    #[test]
     fn too_wide_tables_are_refused() {
         let mut pool = BlockPool::new(16, 2).unwrap();
         let mut st = ContextState::new(&mut pool, 32, 0).unwrap();
@@ -595,7 +649,7 @@ mod tests {
         meta.init(&mut buf);
         meta.begin();
         assert_eq!(
-            meta.row(&mut buf, st.id(), &[], &pre, (1, 5), None),
+            meta.row(&mut buf, (st.id(), 0), &[], &pre, (1, 5), None),
             Err(TooWide)
         );
         assert!(GraphMeta::new(0, 1, 1, 0, 8).is_err());

@@ -1,19 +1,22 @@
 //! Stateful property test: random operation sequences over one pool shared by several context
 //! states (plus raw allocations), run against the core and against a reference model made of
 //! plain `Vec`s and counters. The crate's invariants 1–7 (`blockdraft_core` docs) are checked
-//! after every step.
+//! after every step. States draw random slide levers (the fraction of the window a slide
+//! leaves free), so invariant 4 and the slide policy are checked over many of them.
 
 use std::collections::HashSet;
 
-use blockdraft_core::{BlockPool, ContextState, Error, PrecomputePlan};
+use blockdraft_core::{slide_room, BlockPool, ContextState, Error, PrecomputePlan};
 use proptest::prelude::*;
 
 const MAX_STATES: usize = 5;
 
 #[derive(Debug, Clone)]
 enum Op {
+    /// A state of `window` rows whose slides leave `per_mille / 1000` of it free.
     NewState {
         window: usize,
+        per_mille: u16,
     },
     /// Raw allocation of `n` pages by someone other than a state.
     Alloc {
@@ -27,12 +30,14 @@ enum Op {
         kind: u8,
         pick: usize,
     },
-    /// Append `n` rows starting `gap` after the last position; `twice` re-applies the plan.
+    /// Append `n` rows starting `gap` after the last position; `twice` re-applies the plan;
+    /// `newest` plans with `plan_append_newest` (a commit longer than the window).
     Append {
         st: usize,
         n: usize,
         gap: i64,
         twice: bool,
+        newest: bool,
     },
     /// An append that must be refused: 0 = empty, 1 = negative, 2 = unordered, 3 = not after
     /// the last position, 4 = more rows than the window.
@@ -63,12 +68,13 @@ enum Op {
 fn op() -> impl Strategy<Value = Op> {
     let st = 0..MAX_STATES;
     prop_oneof![
-        1 => (1usize..12).prop_map(|window| Op::NewState { window }),
+        1 => (1usize..12, prop_oneof![Just(0u16), 0u16..1000])
+            .prop_map(|(window, per_mille)| Op::NewState { window, per_mille }),
         1 => (0usize..6).prop_map(|n| Op::Alloc { n }),
         1 => any::<usize>().prop_map(|pick| Op::FreeRaw { pick }),
         1 => (0u8..3, any::<usize>()).prop_map(|(kind, pick)| Op::BadFree { kind, pick }),
-        6 => (st.clone(), 1usize..8, 0i64..3, prop::bool::weighted(0.1))
-            .prop_map(|(st, n, gap, twice)| Op::Append { st, n, gap, twice }),
+        6 => (st.clone(), 1usize..8, 0i64..3, prop::bool::weighted(0.1), any::<bool>())
+            .prop_map(|(st, n, gap, twice, newest)| Op::Append { st, n, gap, twice, newest }),
         1 => (st.clone(), 0u8..5).prop_map(|(st, kind)| Op::BadAppend { st, kind }),
         4 => (st.clone(), 0u8..3).prop_map(|(st, then)| Op::Precompute { st, then }),
         1 => (st.clone(), any::<bool>()).prop_map(|(st, confirm)| Op::Resolve { st, confirm }),
@@ -82,6 +88,10 @@ fn op() -> impl Strategy<Value = Op> {
 #[derive(Debug, Clone, PartialEq, Eq)]
 struct Model {
     window: usize,
+    /// Rows a slide leaves free beyond its commit's.
+    room: usize,
+    /// Rows of the commit that last slid and rows committed since (`None` before any slide).
+    last_slide: Option<(usize, usize)>,
     positions: Vec<i64>,
     committed: usize,
     pages: usize,
@@ -95,9 +105,11 @@ struct Model {
 }
 
 impl Model {
-    fn new(window: usize) -> Self {
+    fn new(window: usize, room: usize) -> Self {
         Self {
             window,
+            room,
+            last_slide: None,
             positions: Vec::new(),
             committed: 0,
             pages: 0,
@@ -140,10 +152,15 @@ impl Harness {
 
     fn run(&mut self, op: &Op) {
         match *op {
-            Op::NewState { window } => {
+            Op::NewState { window, per_mille } => {
                 if self.states.len() < MAX_STATES {
-                    let st = ContextState::new(&mut self.pool, window, 1).unwrap();
-                    self.states.push((st, Model::new(window), None));
+                    let room = slide_room(window, f64::from(per_mille) / 1000.0).unwrap();
+                    assert!(room < window);
+                    let st = ContextState::new(&mut self.pool, window, 1)
+                        .and_then(|st| st.with_slide_room(room))
+                        .unwrap();
+                    assert_eq!(st.slide_room(), room);
+                    self.states.push((st, Model::new(window, room), None));
                 }
             }
             Op::Alloc { n } => {
@@ -179,7 +196,13 @@ impl Harness {
                 }
             }
             Op::BadFree { kind, pick } => self.bad_free(kind, pick),
-            Op::Append { st, n, gap, twice } => self.append(st, n, gap, twice),
+            Op::Append {
+                st,
+                n,
+                gap,
+                twice,
+                newest,
+            } => self.append(st, n, gap, twice, newest),
             Op::BadAppend { st, kind } => self.bad_append(st, kind),
             Op::Precompute { st, then } => self.precompute(st, then),
             Op::Resolve { st, confirm } => self.resolve(st, confirm),
@@ -220,38 +243,63 @@ impl Harness {
         assert_eq!(self.pool, before, "a refused free changed the pool");
     }
 
-    fn append(&mut self, i: usize, n: usize, gap: i64, twice: bool) {
+    fn append(&mut self, i: usize, n: usize, gap: i64, twice: bool, newest: bool) {
         let Some((st, m, _)) = self.states.get_mut(i) else {
             return;
         };
         let start = m.positions.last().map_or(gap, |&p| p + 1 + gap);
         let positions: Vec<i64> = (0..n as i64).map(|k| start + k).collect();
-        let plan = st.plan_append(&positions);
+        let planned = if newest {
+            st.plan_append_newest(&positions)
+        } else {
+            st.plan_append(&positions).map(|p| (p, 0))
+        };
         if m.freed {
-            assert_eq!(plan, Err(Error::Freed));
+            assert_eq!(planned, Err(Error::Freed));
             return;
         }
-        if n > m.window {
-            assert!(matches!(plan, Err(Error::InvalidArgument { .. })));
+        if n > m.window && !newest {
+            assert!(matches!(planned, Err(Error::InvalidArgument { .. })));
             return;
         }
-        let plan = plan.unwrap();
+        let (plan, skip) = planned.unwrap();
+        // A commit longer than the window keeps exactly its newest `window` rows.
+        assert_eq!(skip, n.saturating_sub(m.window));
+        let positions = &positions[skip..];
+        assert_eq!(plan.positions, positions);
+        let n = positions.len();
         st.apply_append(&mut self.pool, &plan).unwrap();
         let len = m.positions.len();
         if len + n > m.window {
-            let keep = m.window - n;
+            let keep = (m.window - m.room).saturating_sub(n);
             let slide = plan.slide.expect("overflowing append must slide");
             assert_eq!((slide.src_start, slide.keep), (len - keep, keep));
-            // Invariant 4: the newest rows, in order, with their positions; nothing committed.
+            // The policy: a slide follows the last one only after the room it left (or what the
+            // last commit left of the window) has filled up.
+            if let Some((last_n, since)) = m.last_slide {
+                assert!(
+                    since + n > m.room.min(m.window - last_n),
+                    "slid again after {since} + {n} rows (room {}, last commit {last_n})",
+                    m.room
+                );
+            }
+            m.last_slide = Some((n, 0));
+            // Invariant 4: the newest rows, in order, with their positions; nothing committed;
+            // every page back in the pool.
             m.positions.drain(..len - keep);
             m.committed = 0;
             self.model_free += m.pages;
             m.pages = 0;
+            assert_eq!(st.ctx_len(), (m.window - m.room).max(n));
+            assert!(st.page_table().is_empty());
         } else {
             assert_eq!(plan.slide, None);
+            if let Some((_, since)) = &mut m.last_slide {
+                *since += n;
+            }
         }
         assert_eq!(plan.dst_start, m.positions.len());
-        m.positions.extend_from_slice(&positions);
+        m.positions.extend_from_slice(positions);
         m.version += 1;
         if twice {
             let before = st.clone();
@@ -429,11 +477,11 @@ impl Harness {
         assert_eq!(first, !m.freed);
         if first {
             self.model_free += m.held();
-            let window = m.window;
+            let (window, room) = (m.window, m.room);
             *m = Model {
                 freed: true,
                 version: m.version + 1,
-                ..Model::new(window)
+                ..Model::new(window, room)
             };
         }
         // Invariant 6: twice == once.
@@ -470,6 +518,8 @@ impl Harness {
         for (st, m, _) in &self.states {
             st.check_invariants(&self.pool).unwrap();
             assert_eq!(st.ctx_positions(), m.positions.as_slice());
+            assert!(st.ctx_len() <= st.window(), "the window is never exceeded");
+            assert_eq!((st.window(), st.slide_room()), (m.window, m.room));
             assert_eq!(st.ctx_committed(), m.committed);
             assert_eq!(st.page_table().len(), m.pages);
             assert_eq!(m.pages, m.committed.div_ceil(ps), "invariant 3");
@@ -508,7 +558,8 @@ proptest! {
         ops in prop::collection::vec(op(), 1..80),
     ) {
         let mut h = Harness::new(num_pages, page_size);
-        h.run(&Op::NewState { window: 6 });
+        h.run(&Op::NewState { window: 6, per_mille: 0 });
+        h.run(&Op::NewState { window: 11, per_mille: 250 });
         h.check();
         for op in &ops {
             h.run(op);

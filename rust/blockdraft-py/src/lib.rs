@@ -70,6 +70,27 @@ fn read_ctx_cap() -> PyResult<usize> {
     Ok(core::read_ctx_cap().map_err(CoreError)?)
 }
 
+/// The slide fraction from `BLOCKDRAFT_DFLASH_SLIDE` (default 0.125). Raises `ConfigError`
+/// when the value is not a fraction in `[0, 1)`.
+#[pyfunction]
+fn read_slide() -> PyResult<f64> {
+    Ok(core::read_slide().map_err(CoreError)?)
+}
+
+/// Rows a slide of a `window`-row context leaves free: `floor(window * fraction)`, at most
+/// `window - 1`; `fraction=None` reads `BLOCKDRAFT_DFLASH_SLIDE`. Raises `ValueError` (a
+/// window below 1, a fraction outside `[0, 1)`) or `ConfigError`.
+#[pyfunction]
+#[pyo3(signature = (window, fraction=None))]
+fn slide_room(window: &Bound<'_, PyAny>, fraction: Option<f64>) -> PyResult<usize> {
+    let window = positive(size_arg(window, "window")?, "window")?;
+    let fraction = match fraction {
+        Some(f) => f,
+        None => core::read_slide().map_err(CoreError)?,
+    };
+    Ok(core::slide_room(window, fraction).map_err(CoreError)?)
+}
+
 /// 1 without a batched path or when `width < 2`; else `min(width, max(max_batch, 1))`.
 #[pyfunction]
 #[pyo3(signature = (batched_path, width, max_batch))]
@@ -420,18 +441,31 @@ impl PyContextState {
     #[new]
     // `owner=None` in the Rust signature only so that negative ints can be reported as
     // `ValueError`; Python sees (and the stub declares) the default 0.
-    #[pyo3(signature = (pool, window, owner=None), text_signature = "(pool, window, owner=0)")]
+    #[pyo3(
+        signature = (pool, window, owner=None, slide_room=None),
+        text_signature = "(pool, window, owner=0, slide_room=0)"
+    )]
     fn py_new(
         pool: &Bound<'_, PyBlockPool>,
         window: &Bound<'_, PyAny>,
         owner: Option<&Bound<'_, PyAny>>,
+        slide_room: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
         let window = positive(size_arg(window, "window")?, "window")?;
         let owner = optional(owner).map_or(Ok(0), owner_arg)?;
+        let room = optional(slide_room).map_or(Ok(0), |r| size_arg(r, "slide_room"))?;
         let pool = Arc::clone(&pool.get().pool);
         let state = {
             let mut guard = lock(&pool, "pool")?;
-            core::ContextState::new(&mut guard, window, owner).map_err(CoreError)?
+            // The room is checked before a state id is issued: a refused call changes nothing.
+            if room >= window {
+                return Err(PyValueError::new_err(format!(
+                    "slide_room must be below the window of {window} rows, got {room}"
+                )));
+            }
+            core::ContextState::new(&mut guard, window, owner)
+                .and_then(|st| st.with_slide_room(room))
+                .map_err(CoreError)?
         };
         Ok(Self {
             shared: Arc::new(StateShared {
@@ -448,6 +482,10 @@ impl PyContextState {
     #[getter]
     fn window(&self) -> PyResult<usize> {
         self.read(core::ContextState::window)
+    }
+    #[getter]
+    fn slide_room(&self) -> PyResult<usize> {
+        self.read(core::ContextState::slide_room)
     }
     #[getter]
     fn ctx_len(&self) -> PyResult<usize> {
@@ -640,6 +678,8 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add("ENV_CTX_CAP", core::ENV_CTX_CAP)?;
     m.add("DEFAULT_CTX_CAP", core::DEFAULT_CTX_CAP)?;
+    m.add("ENV_SLIDE", core::ENV_SLIDE)?;
+    m.add("DEFAULT_SLIDE", core::DEFAULT_SLIDE)?;
     m.add("PAD_SLOT", core::PAD_SLOT)?;
     m.add("TEST_HOOKS", cfg!(feature = "test-hooks"))?;
 
@@ -659,6 +699,8 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(ctx_window, m)?)?;
     m.add_function(wrap_pyfunction!(ctx_ceiling, m)?)?;
     m.add_function(wrap_pyfunction!(read_ctx_cap, m)?)?;
+    m.add_function(wrap_pyfunction!(read_slide, m)?)?;
+    m.add_function(wrap_pyfunction!(slide_room, m)?)?;
     m.add_function(wrap_pyfunction!(propose_batch_max, m)?)?;
     m.add_function(wrap_pyfunction!(batch_decline_reason, m)?)?;
     m.add_function(wrap_pyfunction!(split_bands, m)?)?;

@@ -500,7 +500,7 @@ impl PyGraphMeta {
             if meta
                 .row(
                     buf,
-                    state.id(),
+                    (state.id(), state.slides()),
                     state.page_table(),
                     &plan.inner,
                     (tokens[i], positions[i]),

@@ -13,7 +13,7 @@ import torch
 from blockdraft._core import SeqPages
 from blockdraft.pair.checks import check_context
 from blockdraft.results import GenerationResult, GenerationStats
-from blockdraft.sampling import SamplingParams, as_sampling, draw, target_probs
+from blockdraft.sampling import Penalties, SamplingParams, as_sampling, draw, target_probs
 from blockdraft.target.runtime.runtime import TargetRuntime
 from blockdraft.target.runtime.spec import TargetSpec
 
@@ -59,7 +59,7 @@ def decode(
             :class:`TargetRuntime` (its pool must hold every prompt + ``max_new_tokens``).
         prompts: token ids per prompt (each non-empty; lengths may differ).
         max_new_tokens: most tokens generated per prompt (>= 1).
-        sampling: how tokens are chosen (``None``: greedy).
+        sampling: how tokens are chosen, penalties included (``None``: greedy).
         stop_token_ids: a sequence ends after producing one of these (included).
         generator: random source for sampling. On a tensor-parallel runtime every rank calls
             ``decode`` alike; without a generator, sampling draws from one seeded by rank 0
@@ -105,6 +105,10 @@ def decode(
         live = list(range(len(ids)))
         first = True
         while live:
+            if params.penalised:
+                vocab = logits.shape[-1]
+                logits = torch.stack([Penalties(params, vocab, ids[i], out[i]).apply(logits[k].float())
+                                      for k, i in enumerate(live)])
             chosen = _choose(logits, params, generator)
             now = time.perf_counter() - start
             still: list[int] = []

@@ -168,6 +168,7 @@ class TargetRuntime:
         self.forward_pass = TargetForward(spec, self.cache, kernels.ops(self.backend), capture_layers,
                                           tp=self.tp)
         self._owner = next(_owner_ids)
+        self._width = self.pages_for(max_seq_len)
         self.graphs: RuntimeGraphs | None = None
         if mode is not None:
             self.graphs = RuntimeGraphs(
@@ -397,7 +398,10 @@ class TargetRuntime:
     def _batch(self, plan: ForwardPlan, flat: list[int], logits: str) -> ForwardBatch:
         dev = self.device
         n = len(plan.kv_lens)
-        width = max(1, plan.max_pages)
+        # Every table is as wide as the longest sequence's (as on the graph path): the
+        # attention's context splits follow the width, and a width that followed the lengths
+        # would make a new kernel variant (a compile) for each new length class.
+        width = self._width
         table = torch.empty((n, width), dtype=torch.int32)
         plan.fill(table, width)
         q_starts = plan.q_starts

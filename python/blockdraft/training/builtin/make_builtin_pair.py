@@ -398,7 +398,8 @@ def run_eval(target: Any, drafter_dir: Path, prompts: dict[str, Any], p: Preset,
             log.info("%s", line)
         break
     prompt = list(tokenizer(DEFAULT_PROMPT, add_special_tokens=False)["input_ids"])
-    res = generate(target, drafter, [prompt], max_new_tokens=p.eval_new_tokens, stop_token_ids=[eos_id])
+    res = generate(target, drafter, [prompt], max_new_tokens=p.eval_new_tokens, stop_token_ids=[eos_id],
+                   draft_length=int(drafter.config.block_size) - 1)
     result["default_prompt"] = {"prompt": DEFAULT_PROMPT, "text": tokenizer.decode(prompt + res.tokens[0]),
                                 "distinct_4gram": distinct_ngram_ratio(res.tokens[0]),
                                 "tau": res.stats.mean_tau}

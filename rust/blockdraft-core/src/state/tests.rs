@@ -131,6 +131,90 @@ fn append_then_slide_keeps_newest_rows() {
 }
 
 #[test]
+fn slide_room_leaves_free_rows_for_later_commits() {
+    let mut pool = BlockPool::new(8, 2).unwrap();
+    let mut st = ContextState::new(&mut pool, 8, 7)
+        .unwrap()
+        .with_slide_room(3)
+        .unwrap();
+    assert_eq!(st.slide_room(), 3);
+    append(&mut st, &mut pool, &[0, 1, 2, 3, 4, 5, 6]);
+    precompute(&mut st, &mut pool);
+    // 7 + 2 rows overflow 8: keep 8 - 3 - 2 = 3 newest rows, then the 2 new ones.
+    let plan = append(&mut st, &mut pool, &[7, 8]);
+    assert_eq!(
+        plan.slide,
+        Some(SlidePlan {
+            src_start: 4,
+            keep: 3
+        })
+    );
+    assert_eq!(plan.dst_start, 3);
+    assert_eq!(st.ctx_positions(), &[4, 5, 6, 7, 8]);
+    assert_eq!((st.ctx_committed(), pool.num_used()), (0, 0));
+    // The room takes three more rows before the next slide.
+    for p in 9..12 {
+        assert_eq!(append(&mut st, &mut pool, &[p]).slide, None);
+    }
+    assert!(append(&mut st, &mut pool, &[12]).slide.is_some());
+    assert_eq!(st.ctx_positions(), &[8, 9, 10, 11, 12]);
+    st.check_invariants(&pool).unwrap();
+}
+
+#[test]
+fn slide_room_never_cuts_the_commit() {
+    let mut pool = BlockPool::new(8, 2).unwrap();
+    let mut st = ContextState::new(&mut pool, 6, 7)
+        .unwrap()
+        .with_slide_room(4)
+        .unwrap();
+    append(&mut st, &mut pool, &[0, 1, 2, 3]);
+    // 4 + 3 > 6 and 6 - 4 < 3: nothing old is kept, all 3 new rows are.
+    let plan = append(&mut st, &mut pool, &[4, 5, 6]);
+    assert_eq!(plan.slide.map(|s| s.keep), Some(0));
+    assert_eq!(st.ctx_positions(), &[4, 5, 6]);
+    // A commit longer than the window keeps exactly its newest `window` rows.
+    let (plan, skip) = st
+        .plan_append_newest(&[7, 8, 9, 10, 11, 12, 13, 14])
+        .unwrap();
+    assert_eq!((skip, plan.slide.map(|s| s.keep)), (2, Some(0)));
+    st.apply_append(&mut pool, &plan).unwrap();
+    assert_eq!(st.ctx_positions(), &[9, 10, 11, 12, 13, 14]);
+    st.check_invariants(&pool).unwrap();
+}
+
+#[test]
+fn slide_room_must_be_below_the_window_and_set_fresh() {
+    let (mut pool, st) = setup(4, 4, 8);
+    assert!(matches!(
+        st.clone().with_slide_room(8),
+        Err(Error::InvalidArgument {
+            name: "slide_room",
+            ..
+        })
+    ));
+    let mut st = st.with_slide_room(7).unwrap();
+    append(&mut st, &mut pool, &[0]);
+    assert!(
+        st.with_slide_room(1).is_err(),
+        "only a fresh state takes a room"
+    );
+}
+
+#[test]
+fn freed_state_keeps_its_slide_room() {
+    let mut pool = BlockPool::new(4, 2).unwrap();
+    let mut st = ContextState::new(&mut pool, 6, 7)
+        .unwrap()
+        .with_slide_room(2)
+        .unwrap();
+    append(&mut st, &mut pool, &[0, 1, 2]);
+    st.free(&mut pool).unwrap();
+    assert_eq!(st.slide_room(), 2);
+    st.check_invariants(&pool).unwrap();
+}
+
+#[test]
 fn precompute_slots_fill_the_last_page_then_new_ones() {
     let (mut pool, mut st) = setup(8, 4, 32);
     append(&mut st, &mut pool, &[0, 1, 2]);
