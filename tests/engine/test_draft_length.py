@@ -71,17 +71,38 @@ def test_few_rows_draft_the_whole_block_and_many_rows_keep_the_likely_drafts() -
 def test_low_acceptance_decodes_then_probes_again() -> None:
     policy = DraftLengthPolicy(16, min_accept=0.25)
     for _ in range(8):
-        policy.observe(1, 15, 0)
+        if policy.choose([1])[0] == 0:
+            policy.observe(1, 0, 0)
+        else:
+            policy.observe(1, 15, 0)
     assert policy.acceptance(1) < 0.25
     assert policy.choose([1, 2]) == [0, 15]
     steps = 0
-    while policy.choose([1])[0] == 0:  # no drafts: the history fades toward the prior
+    while policy.choose([1])[0] == 0:  # no drafts: a pause
         policy.observe(1, 0, 0)
         steps += 1
         assert steps < 50
-    assert steps > 1
+    assert steps >= 1
+    policy.observe(1, 15, 3)  # the probe is accepted: the pause is over
+    assert policy.choose([1]) == [15]
     policy.forget(1)
     assert policy.acceptance(1) == pytest.approx(0.8)
+
+
+def test_probes_that_fail_double_the_pause_up_to_max_wait() -> None:
+    """tau about 1 (nothing accepted, ever): the drafting steps thin out to one in max_wait."""
+    policy = DraftLengthPolicy(16, max_wait=16)
+    drafting = []
+    for _ in range(200):
+        k = policy.choose([1])[0]
+        drafting.append(k > 0)
+        policy.observe(1, k, 0)
+    gaps = [i for i, d in enumerate(drafting) if d]
+    pauses = [b - a - 1 for a, b in zip(gaps, gaps[1:])]
+    first = next(i for i, g in enumerate(pauses) if g > 0)
+    assert pauses[first:first + 5] == [1, 2, 4, 8, 16]
+    assert set(pauses[first + 4:]) == {16}
+    assert sum(drafting[-100:]) <= 100 // 16 + 1
 
 
 @dataclass

@@ -5,8 +5,9 @@ are few (the weights are read once whatever the rows); past that, every row cost
 draft is worth its row only while the chance that it is accepted (that it and every draft
 before it agree with the target) is worth that cost. So each step, per request:
 
-- ``K = 0`` (a plain decode, no drafting) when the request's recent per-draft acceptance is
-  below ``min_accept``: its drafts would not pay for the drafter's forward;
+- ``K = 0`` (a plain decode, no drafting) for a while once the request's recent per-draft
+  acceptance falls below ``min_accept``: its drafts would not pay for the drafter's forward and
+  the verify rows;
 - else, while the step's rows (``requests x B``) fit in ``free_rows``, every draft the block
   holds (``B - 1``);
 - else the largest ``K`` whose last draft is still accepted with probability at least
@@ -14,8 +15,12 @@ before it agree with the target) is worth that cost. So each step, per request:
 
 ``K`` is taken from :data:`DRAFT_LENGTHS` so the target's graph shapes stay few (rows per
 sequence ``K + 1``). Acceptance is estimated per request from its recent steps (decayed
-counts of accepted and rejected drafts over a prior); a request that stopped drafting drifts
-back to the prior and probes again. Greedy output does not depend on ``K``: any ``K`` yields
+counts of accepted and rejected drafts over a prior). A request that stopped drafting decodes
+for ``1, 2, 4, ...`` steps (up to ``max_wait``) between probes, each probe a step that drafts
+again: one accepted draft ends the pause. So a request whose drafts are never accepted (a
+drafter that does not fit its target, tau about 1) pays one drafting step in ``max_wait``, and
+one whose first steps happened to reject everything loses a step or two, not its drafts.
+Greedy output does not depend on ``K``: any ``K`` yields
 the target's own tokens. A fixed ``K`` (``draft_length=K`` or :data:`ENV_DRAFT_LENGTH`) is the
 lever for benchmarks.
 """
@@ -75,6 +80,8 @@ def row_classes(block: int, draft_length: DraftLength) -> tuple[int, ...]:
 class _Counts:
     accepted: float = 0.0
     rejected: float = 0.0
+    wait: int = 0  # steps left to decode before the next probe
+    pause: int = 0  # the last pause's length (doubles with each failed probe)
 
 
 @dataclass
@@ -91,8 +98,8 @@ class DraftLengthPolicy:
         min_accept: below this per-draft acceptance a request decodes without drafting.
         decay: the weight of a step's history at the next step (``0.8``: about the last
             five steps count).
-        prior: pseudo-counts of accepted and rejected drafts a request starts with (and
-            drifts back to while it does not draft).
+        prior: pseudo-counts of accepted and rejected drafts a request starts with.
+        max_wait: the longest pause between two probes of a request that stopped drafting.
     """
 
     block: int
@@ -102,6 +109,7 @@ class DraftLengthPolicy:
     min_accept: float = 0.25
     decay: float = 0.8
     prior: tuple[float, float] = (0.8, 0.2)
+    max_wait: int = 64
     _counts: dict[int, _Counts] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
@@ -111,6 +119,8 @@ class DraftLengthPolicy:
             raise ValueError(f"decay must be in (0, 1), not {self.decay}")
         if not (0.0 <= self.min_value <= 1.0 and 0.0 <= self.min_accept <= 1.0):
             raise ValueError("min_value and min_accept must be in [0, 1]")
+        if self.max_wait < 1:
+            raise ValueError(f"max_wait must be >= 1, not {self.max_wait}")
 
     @classmethod
     def of(cls, block: int, draft_length: DraftLength) -> DraftLengthPolicy:
@@ -132,10 +142,11 @@ class DraftLengthPolicy:
         rows_free = len(request_ids) * self.block <= self.free_rows
         out = []
         for rid in request_ids:
-            p = self.acceptance(rid)
-            if p < self.min_accept:
+            c = self._counts.get(rid)
+            if c is not None and c.wait > 0:
                 out.append(0)
                 continue
+            p = self.acceptance(rid)
             k = 0
             for cand in DRAFT_LENGTHS:
                 if cand > most:
@@ -147,13 +158,24 @@ class DraftLengthPolicy:
 
     def observe(self, request_id: int, offered: int, accepted: int) -> None:
         """Record a step: ``offered`` drafts verified, the first ``accepted`` of them taken.
-        A step without drafts only lets the history fade toward the prior."""
+        A step without drafts counts down a pause and lets the history fade toward the prior;
+        a drafting step whose estimate falls below ``min_accept``, or a probe that took
+        nothing, starts a pause twice as long as the last (one accepted draft resets it)."""
         c = self._counts.setdefault(request_id, _Counts())
         c.accepted *= self.decay
         c.rejected *= self.decay
-        if offered > 0:
-            c.accepted += accepted
-            c.rejected += accepted < offered
+        if offered == 0:
+            c.wait = max(0, c.wait - 1)
+            return
+        c.accepted += accepted
+        c.rejected += accepted < offered
+        if accepted > 0:
+            c.pause = 0
+        # A probe that took nothing lengthens the pause even when the faded history is back
+        # above the threshold: that history is the prior's, not the request's.
+        if c.pause > 0 or self.acceptance(request_id) < self.min_accept:
+            c.pause = min(max(1, 2 * c.pause), self.max_wait)
+            c.wait = c.pause
 
     def forget(self, request_id: int) -> None:
         """Drop an ended request's history."""
