@@ -2,10 +2,11 @@
 
 On the held-out prompts (128 new tokens each, greedy): speculative generation on blockdraft's
 runtime, target-only decoding on the same runtime, and Hugging Face ``generate``, one prompt at
-a time; then all 16 prompts at once against one at a time. Each path runs once untimed first
-(compiles, graph captures). On a CPU the figures follow the host's speed: the record carries a
-yardstick beside them (the median time of one fp32 ``[1, 256] x [256, 1536]`` GEMV: the fused
-gate/up shape of the first built-in target, kept fixed so that records of every pair compare).
+a time; then all 16 prompts at once against one at a time. The engine warms up first (as
+`serve` and the CLI do) and each path runs once untimed first. On a CPU the figures follow the
+host's speed: the record carries a yardstick beside them (the median time of one fp32
+``[1, 256] x [256, 1536]`` GEMV: the fused gate/up shape of the first built-in target, kept
+fixed so that records of every pair compare).
 Prints a table and writes ``builtin_pair.json`` under the given directory (or ``$OUT``).
 
     python benchmarks/builtin_pair.py [OUT_DIR] [--device cpu|cuda] [--prompts N] [--new N] [--block-size 8|16]
@@ -72,6 +73,7 @@ def main() -> None:
     engine = blockdraft.SpeculativeEngine(target, drafter, runtime="blockdraft",
                                           max_seq_len=longest, max_active=len(prompts),
                                           max_batch=len(prompts), draft_length=draft_length)
+    engine.warmup()  # as `serve` and the CLI do: no compile or capture in the timed runs
     runtime = engine.runtime
     assert runtime is not None
     rec: dict[str, Any] = {"device": str(dev), "block_size": args.block_size,
