@@ -3,7 +3,10 @@
 | module | concept |
 | --- | --- |
 | ``engine`` | :class:`SpeculativeEngine`: submit / step / stream / cancel / generate |
-| ``request`` | one request, and the events a step reports |
+| ``request`` | one request (checked as it is made), and the events a step reports |
+| ``admission`` | how many waiting requests may start: pages and ``max_active`` |
+| ``draft_length`` | how many drafts each request verifies per step (adaptive or fixed) |
+| ``drafting`` | a step's drafts: what each running request asks the proposer for |
 | ``accept`` | the target's choices: first tokens and accepted drafts |
 | ``logprobs`` | the target's log-probabilities of the emitted tokens, when asked for |
 | ``target_only`` | the step with speculation off: one target-only token per request |

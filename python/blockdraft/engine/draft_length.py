@@ -123,9 +123,17 @@ class DraftLengthPolicy:
             raise ValueError(f"max_wait must be >= 1, not {self.max_wait}")
 
     @classmethod
-    def of(cls, block: int, draft_length: DraftLength) -> DraftLengthPolicy:
-        """The policy for a checked :func:`read_draft_length` value."""
-        return cls(block, fixed=None if draft_length == "adaptive" else int(draft_length))
+    def of(cls, block: int, draft_length: DraftLength | DraftLengthPolicy | None) -> DraftLengthPolicy:
+        """``draft_length`` itself when it is a policy, else the policy for the value
+        :func:`read_draft_length` reads from it (and the environment).
+
+        Raises:
+            ConfigError: a bad value (see :func:`read_draft_length`).
+        """
+        if isinstance(draft_length, DraftLengthPolicy):
+            return draft_length
+        value = read_draft_length(draft_length)
+        return cls(block, fixed=None if value == "adaptive" else int(value))
 
     def acceptance(self, request_id: int) -> float:
         """The request's estimated chance that a draft is accepted given the one before was."""

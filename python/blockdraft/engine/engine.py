@@ -41,35 +41,30 @@ from torch import Tensor
 
 import blockdraft._core as _core
 from blockdraft import faults
-from blockdraft._core import ConfigError
 from blockdraft.cuda_graphs import GraphMode
 from blockdraft.engine import warmup as _warmup
 from blockdraft.engine.accept import accept_blocks, first_tokens
 from blockdraft.engine.admission import num_admissible
 from blockdraft.engine.collect import generate_all
 from blockdraft.engine.compiles import CompileWatch, graph_captures, triton_compiles
-from blockdraft.engine.draft_length import DraftLength, DraftLengthPolicy, read_draft_length, row_classes
+from blockdraft.engine.draft_length import DraftLength, DraftLengthPolicy, row_classes
+from blockdraft.engine.drafting import draft_requests
 from blockdraft.engine.logprobs import emitted_logprobs
-from blockdraft.engine.request import MaskFn, Request, Status, StepEvent, check_options
+from blockdraft.engine.request import MaskFn, Request, Status, StepEvent, new_request
 from blockdraft.engine.target_only import decode_step
-from blockdraft.pair import check_context
 from blockdraft.parallel import TPGroup
 from blockdraft.proposer import DFlashProposer, agreed_pool_size
 from blockdraft.results import GenerationResult
-from blockdraft.sampling import SamplingParams, as_sampling
+from blockdraft.sampling import SamplingParams
 from blockdraft.target import (
     DEFAULT_SDPA_BACKENDS,
-    HFTarget,
     RuntimeTarget,
-    TargetAdapter,
     TargetBackend,
     TargetRuntime,
-    check_prompts,
     config_int,
-    model_shard,
-    resolve_runtime,
     validate_sdpa_backends,
 )
+from blockdraft.target.select import choose_runtime, open_target
 
 log = logging.getLogger(__name__)
 
@@ -139,15 +134,7 @@ class SpeculativeEngine:
         sdpa_backends = validate_sdpa_backends(sdpa_backends)
         self.tp = tp
         parallel = tp is not None and tp.size > 1
-        if parallel and runtime == "hf":
-            raise ConfigError("tensor parallelism runs the target on the blockdraft runtime, not runtime='hf'")
-        which = resolve_runtime(runtime, target)
-        if which == "hf" and parallel:
-            raise ConfigError("tensor parallelism needs the blockdraft runtime, which does not "
-                              f"support {type(target).__name__}")
-        if which == "hf" and model_shard(target) != (0, 1):
-            raise ConfigError("the target holds a tensor-parallel shard: its Hugging Face "
-                              "forward cannot run (use runtime='blockdraft' with its group)")
+        which = choose_runtime(runtime, target, tp)
         positions = config_int(target, "max_position_embeddings") or 4096
         if max_seq_len is None:
             max_seq_len = positions
@@ -164,24 +151,15 @@ class SpeculativeEngine:
             agreed_pool_size(tp, proposer.pool.num_pages, sized=False)
         self.block_size = self.proposer.block_gamma
         self.speculate = bool(speculate)
-        if isinstance(draft_length, DraftLengthPolicy):
-            self._lengths = draft_length
-            self.draft_length: DraftLength = "adaptive" if draft_length.fixed is None else draft_length.fixed
-        else:
-            self.draft_length = read_draft_length(draft_length)
-            self._lengths = DraftLengthPolicy.of(self.block_size, self.draft_length)
-        self.target: TargetBackend
-        if which == "blockdraft":
-            rt = TargetRuntime(
-                target, max_seq_len=min(positions, max_seq_len + self.block_size),
-                num_pages=target_pages, page_size=page_size, max_batch=max_active,
-                capture_layers=self.proposer.target_layer_ids if speculate else (), graphs=graphs,
-                graph_rows=(1, *row_classes(self.block_size, self.draft_length)) if speculate else (1,),
-                tp=tp,
-            )
-            self.target = RuntimeTarget(rt, self.block_size)
-        else:
-            self.target = HFTarget(TargetAdapter(target, drafter.config), sdpa_backends)
+        self._lengths = DraftLengthPolicy.of(self.block_size, draft_length)
+        self.draft_length: DraftLength = "adaptive" if self._lengths.fixed is None else self._lengths.fixed
+        self.target: TargetBackend = open_target(
+            target, drafter.config, which, block_size=self.block_size,
+            max_seq_len=min(positions, max_seq_len + self.block_size), num_pages=target_pages,
+            page_size=page_size, max_batch=max_active, graphs=graphs, tp=tp, sdpa_backends=sdpa_backends,
+            capture_layers=self.proposer.target_layer_ids if speculate else (),
+            graph_rows=(1, *row_classes(self.block_size, self.draft_length)) if speculate else (1,),
+        )
         self._vocab = self.proposer.head.vocab_in
         self._target_positions = self.proposer.head.max_positions
         self._ids = iter(range(1, 1 << 62))
@@ -311,24 +289,11 @@ class SpeculativeEngine:
             TypeError / ValueError: bad arguments, a prompt + ``max_new_tokens`` past
                 ``max_seq_len``, or a request that can never fit the pools (nothing queued).
         """
-        check_options(max_new_tokens, min_tokens, logprobs, self._vocab)
-        params = as_sampling(sampling)
-        ids = check_prompts([prompt], self._vocab)[0]
-        check_context(len(ids), max_new_tokens, self.max_seq_len)
-        if self._target_positions is not None:  # binds when max_seq_len is past the target's
-            check_context(len(ids), None, self._target_positions,
-                          limit_name="the target's max_position_embeddings")
-            max_new_tokens = min(max_new_tokens, self._target_positions - len(ids))
-        rid = next(self._ids)
-        if seed is None and generator is None and self._seed_base is not None and not params.greedy:
-            seed = (self._seed_base + rid) % (1 << 63)
-        if seed is not None and generator is None:
-            generator = torch.Generator().manual_seed(int(seed))
-        req = Request(
-            id=rid, prompt=ids, max_new_tokens=max_new_tokens, params=params,
-            stops=frozenset(int(t) for t in (stop_token_ids or ())), mask_fn=grammar_bitmask_fn,
-            generator=generator, submitted_at=time.perf_counter(), min_tokens=min_tokens,
-            logprobs=logprobs,
+        req = new_request(
+            self._ids, prompt, max_new_tokens=max_new_tokens, sampling=sampling,
+            stop_token_ids=stop_token_ids, generator=generator, seed=seed, seed_base=self._seed_base,
+            mask_fn=grammar_bitmask_fn, min_tokens=min_tokens, logprobs=logprobs, vocab=self._vocab,
+            max_seq_len=self.max_seq_len, target_positions=self._target_positions,
         )
         req.target_pages, req.drafter_pages = self._needs(req)
         total_t, total_d = self.target.total_pages, self.proposer.pool.num_pages
@@ -337,9 +302,9 @@ class SpeculativeEngine:
                 f"the request needs {req.target_pages} target pages and {req.drafter_pages} "
                 f"drafter pages; the pools hold {total_t} and {total_d}: it can never run"
             )
-        self._requests[rid] = req
+        self._requests[req.id] = req
         self._waiting.append(req)
-        return rid
+        return req.id
 
     def cancel(self, request_id: int) -> bool:
         """End a request now and give back everything it holds; ``False`` if it had already
@@ -582,33 +547,18 @@ class SpeculativeEngine:
         self._settle(live, events)
 
     def _draft(self, running: list[Request]) -> tuple[dict[int, list[int]], dict[int, Tensor]]:
-        """Drafts per request (as many as the draft-length policy chooses, at most
-        ``left - 1``: none for a request's last token), and for sampled drafts their
-        distribution ``[drafts, V]`` (on the host); a request whose proposal fails is failed.
-        How many to draft is decided here; how they are drafted is the proposer's
-        (:meth:`~blockdraft.DFlashProposer.draft`)."""
-        got = self.proposer.draft(
-            [r.state for r in running],  # type: ignore[misc]
-            [r.out[-1] for r in running],
-            [r.anchor_position for r in running],
-            [min(k, r.remaining - 1)
-             for k, r in zip(self._lengths.choose([r.id for r in running]), running)],
-            # Lists only when some request needs them: most steps have no grammar and greedy drafts.
-            masks=([r.bitmask if r.mask_fn is not None else None for r in running]
-                   if any(r.mask_fn is not None for r in running) else None),
-            sampling=[(r.params, r.generator) for r in running] if self.sampled_drafts else None,
-        )
+        """Drafts per request (as many as the draft-length policy chooses; see
+        :func:`~blockdraft.engine.drafting.draft_requests`) and, for sampled drafts, their
+        distribution ``[drafts, V]`` (on the host); a request whose proposal fails is failed."""
+        got = draft_requests(self.proposer, running, self._lengths.choose([r.id for r in running]),
+                             self.sampled_drafts)
         self.batched_proposals += got.batched
         self.single_proposals += got.single
-        drafts: dict[int, list[int]] = {}
-        draft_q: dict[int, Tensor] = {}
-        for r, tokens, q, exc in zip(running, got.tokens, got.q, got.errors):
-            drafts[r.id] = tokens
-            if q is not None:
-                draft_q[r.id] = q
+        for r, exc in zip(running, got.errors):
             if exc is not None:
                 self._fail(r, exc)
-        return drafts, draft_q
+        return ({r.id: t for r, t in zip(running, got.tokens)},
+                {r.id: q for r, q in zip(running, got.q) if q is not None})
 
     def _end(self, req: Request, status: Status, reason: str, *, error: str | None = None) -> None:
         """Give back what ``req`` holds and mark it ended (idempotent)."""

@@ -3,16 +3,19 @@
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable, Sequence
+import time
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import Tensor
 
+from blockdraft.pair import check_context
 from blockdraft.proposer import DFlashState
 from blockdraft.results import TokenLogprob
-from blockdraft.sampling import SamplingParams
+from blockdraft.sampling import SamplingParams, as_sampling
+from blockdraft.target import check_prompts
 
 MaskFn = Callable[[Sequence[int]], "Tensor | None"]
 """``fn(generated_tokens) -> packed int32 bitmask [ceil(V/32)] of the tokens allowed next``
@@ -144,6 +147,53 @@ class StepEvent:
         return self.finish_reason is not None
 
 
+def new_request(
+    ids: Iterator[int],
+    prompt: Sequence[int],
+    *,
+    max_new_tokens: int,
+    sampling: SamplingParams | None,
+    stop_token_ids: Sequence[int] | None,
+    generator: torch.Generator | None,
+    seed: int | None,
+    seed_base: int | None,
+    mask_fn: MaskFn | None,
+    min_tokens: int,
+    logprobs: int | None,
+    vocab: int,
+    max_seq_len: int,
+    target_positions: int | None,
+) -> Request:
+    """A checked request (see :meth:`~blockdraft.SpeculativeEngine.submit` for the arguments):
+    its prompt within the vocabulary and the context limits, ``max_new_tokens`` clipped at
+    the target's ``target_positions``, its id the next of ``ids`` (taken once every check
+    passed), and a generator made from ``seed``, else for a sampled request from
+    ``seed_base + id`` when there is a base (tensor parallelism: every rank draws the same).
+
+    Raises:
+        TypeError / ValueError: a bad argument (named).
+    """
+    check_options(max_new_tokens, min_tokens, logprobs, vocab)
+    params = as_sampling(sampling)
+    prompt_ids = check_prompts([prompt], vocab)[0]
+    check_context(len(prompt_ids), max_new_tokens, max_seq_len)
+    if target_positions is not None:  # binds when max_seq_len is past the target's
+        check_context(len(prompt_ids), None, target_positions,
+                      limit_name="the target's max_position_embeddings")
+        max_new_tokens = min(max_new_tokens, target_positions - len(prompt_ids))
+    rid = next(ids)
+    if seed is None and generator is None and seed_base is not None and not params.greedy:
+        seed = (seed_base + rid) % (1 << 63)
+    if seed is not None and generator is None:
+        generator = torch.Generator().manual_seed(int(seed))
+    return Request(
+        id=rid, prompt=prompt_ids, max_new_tokens=max_new_tokens, params=params,
+        stops=frozenset(int(t) for t in (stop_token_ids or ())), mask_fn=mask_fn,
+        generator=generator, submitted_at=time.perf_counter(), min_tokens=min_tokens,
+        logprobs=logprobs,
+    )
+
+
 def check_options(max_new_tokens: int, min_tokens: int, logprobs: int | None, vocab: int) -> None:
     """Raises ``TypeError`` / ``ValueError`` naming a bad length or output option of a
     request: ``max_new_tokens >= 1``, ``0 <= min_tokens <= max_new_tokens``, ``logprobs``
@@ -160,4 +210,4 @@ def check_options(max_new_tokens: int, min_tokens: int, logprobs: int | None, vo
         raise ValueError(f"logprobs must be in [0, {vocab}] (the vocabulary), not {logprobs}")
 
 
-__all__ = ["MaskFn", "Request", "Status", "StepEvent", "check_options"]
+__all__ = ["MaskFn", "Request", "Status", "StepEvent", "check_options", "new_request"]

@@ -4,6 +4,7 @@
 | --- | --- |
 | ``head`` | :class:`TargetHead`: what a drafter reads (embeddings, output head), checked against the drafter |
 | ``backend`` | :class:`TargetBackend`, the interface the engine steps; :class:`RuntimeTarget` on the runtime |
+| ``select`` | :func:`choose_runtime` and :func:`open_target`: which backend runs a target, and building it |
 | ``layers`` | :func:`find_layers`: where a causal LM's decoder layers are; :func:`text_config` and its sizes |
 | ``adapter`` | :class:`TargetAdapter`: an HF causal LM's embeddings, head, and capture of the drafter's layers |
 | ``hf`` | :class:`HFTarget`: the model's own HF forward, one sequence at a time, under chosen attention backends |
