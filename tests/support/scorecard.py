@@ -4,7 +4,8 @@ Every test that runs operation sequences, checks invariants, injects faults or t
 adds to these counters *where the work happens* (never a constant), and ``conftest.py`` prints::
 
     blockdraft scorecard: 312 operation sequences, 18,240 operations, 21,000 invariant checks,
-    0 fault points / 0 leaked pages, 45 bad inputs -> 45 clear errors
+    0 fault points / 0 leaked pages, 45 bad inputs -> 45 clear errors,
+    1,100 requests served / 130 disconnects / 0 wrong answers
 
 Only what this pytest run itself did is counted: figures of other tools (the cargo-fuzz run of
 the core, GPU runs) are tables in ``docs/RELIABILITY.md``, each with the command that makes it.
@@ -18,6 +19,9 @@ API (any test module imports it; ``tests/`` is on ``sys.path`` through the root 
     score.invariant_checks += n   # invariant assertions evaluated
     score.fault_points += 1       # one injected failure (allocation site x position)
     score.leaked_pages += n      # pages found leaked after a fault (the test must also fail)
+    score.requests_served += 1    # a server request answered to its end (its answer checked)
+    score.disconnects += 1        # a client that left mid-stream or before its first byte
+    score.wrong_answers += 1      # an answer that differs from its reference (the test must also fail)
 
     with expect_clear_error(InvalidStateError, "position"):   # counts one bad input
         st.plan_append([-1])
@@ -50,6 +54,9 @@ class Score:
     leaked_pages: int = 0
     bad_inputs: int = 0
     clear_errors: int = 0
+    requests_served: int = 0
+    disconnects: int = 0
+    wrong_answers: int = 0
 
     def reset(self) -> None:
         for f in fields(self):
@@ -60,7 +67,9 @@ class Score:
             f"blockdraft scorecard: {self.sequences:,} operation sequences, "
             f"{self.operations:,} operations, {self.invariant_checks:,} invariant checks, "
             f"{self.fault_points:,} fault points / {self.leaked_pages:,} leaked pages, "
-            f"{self.bad_inputs:,} bad inputs -> {self.clear_errors:,} clear errors"
+            f"{self.bad_inputs:,} bad inputs -> {self.clear_errors:,} clear errors, "
+            f"{self.requests_served:,} requests served / {self.disconnects:,} disconnects / "
+            f"{self.wrong_answers:,} wrong answers"
         )
 
 

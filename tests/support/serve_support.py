@@ -23,6 +23,7 @@ from prometheus_client.parser import text_string_to_metric_families
 import blockdraft
 import blockdraft.pretrained
 from blockdraft.serve import ServeConfig, build_engine, create_app
+from blockdraft.serve.access import DEFAULT_MAX_BODY_BYTES
 
 HOST = "127.0.0.1"
 MODEL = "blockdraft-builtin"
@@ -204,13 +205,15 @@ def counter(m: dict[tuple[str, tuple[tuple[str, str], ...]], float], name: str) 
 
 @contextmanager
 def live_server(pair: Pair, *, max_seq_len: int = 2048, max_active: int = 16, max_queue: int = 64,
-                builtin_chat: bool = True, **engine_kw: Any) -> Iterator[LiveServer]:
+                builtin_chat: bool = True, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+                **engine_kw: Any) -> Iterator[LiveServer]:
     """A server on ``pair`` for the duration of the block; on the way out it checks the
     engine loop closed with every page back."""
     engine = build_engine(pair.target, pair.drafter, max_seq_len=max_seq_len, max_active=max_active,
                           **engine_kw)
     app = create_app(engine, pair.tokenizer, ServeConfig(MODEL, max_queue=max_queue,
-                                                         builtin_chat=builtin_chat))
+                                                         builtin_chat=builtin_chat,
+                                                         max_body_bytes=max_body_bytes))
     server = LiveServer(app).start()
     try:
         yield server
