@@ -21,7 +21,7 @@ def draft_requests(proposer: DFlashProposer, running: Sequence[Request], counts:
         [r.anchor_position for r in running],
         [min(k, r.remaining - 1) for k, r in zip(counts, running)],
         # Lists only when some request needs them: most steps have no grammar and greedy drafts.
-        masks=([r.bitmask if r.mask_fn is not None else None for r in running]
+        masks=([r.draft_bitmask if r.mask_fn is not None else None for r in running]
                if any(r.mask_fn is not None for r in running) else None),
         sampling=[(r.params, r.generator) for r in running] if sampled else None,
     )

@@ -22,6 +22,10 @@ MaskFn = Callable[[Sequence[int]], "Tensor | None"]
 (``None`` = no constraint)."""
 
 
+DRAFT_MASK_ROWS = 64
+"""The most draft rows :meth:`Request.draft_bitmask` covers (a drafter's block is smaller)."""
+
+
 class Status(enum.Enum):
     """Where a request is: waiting for pages, running, or ended (finished, cancelled, failed)."""
 
@@ -94,6 +98,21 @@ class Request:
         if self.mask_fn is None:
             return None
         return self.mask_fn([*self.out, *extra])
+
+    def draft_bitmask(self) -> Tensor | None:
+        """The masks of its next drafts ``[rows, ceil(V/32)]`` (``None``: any token): the
+        first draft's is exact (:meth:`bitmask`); a later draft's mask depends on the drafts
+        before it, which are chosen in the same forward, so those rows allow every token and
+        verification, which masks each row exactly, rejects a draft the grammar refuses.
+        ``rows`` covers the most drafts a step may make for it (``remaining - 1``), at most
+        :data:`DRAFT_MASK_ROWS`."""
+        first = self.bitmask()
+        if first is None:
+            return None
+        rows = max(1, min(self.remaining - 1, DRAFT_MASK_ROWS))
+        masks = torch.full((rows, first.shape[-1]), -1, dtype=torch.int32)
+        masks[0] = first
+        return masks
 
     def holds_stops(self, ahead: int = 0) -> bool:
         """Whether its stop tokens are masked at the position ``ahead`` tokens past ``out``."""

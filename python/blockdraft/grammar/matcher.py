@@ -1,0 +1,140 @@
+"""A request's grammar as the engine's mask function (:data:`blockdraft.engine.MaskFn`).
+
+The engine asks ``mask_fn(generated)`` for the tokens allowed next: after the tokens generated
+so far when it drafts, and after each prefix of the drafts when it verifies them
+(``generated + drafts[:j]`` for row ``j``). Drafts the target then rejects are not part of
+the output, so the next ask is shorter than, or diverges from, what the matcher consumed.
+:class:`GrammarMatcher` keeps the token sequence its llguidance matcher has consumed, rolls
+back to the longest prefix that sequence shares with the ask, and consumes the rest; the
+mask of each prefix it has computed is kept until a rollback passes it, so the verify row
+that repeats the drafting ask costs nothing.
+
+Once the grammar is complete its mask allows the end token (and, when nothing can follow,
+only the end token), so a constrained request ends at the grammar's end: the engine stops on
+that token when it is among the request's stop tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from blockdraft.grammar.compiler import CompiledGrammar, GrammarCompiler, compiler_for
+from blockdraft.grammar.spec import GrammarSpec
+
+_PREFIX_TAIL = 64  # how far back from the end a divergence is looked for first
+_MASKS_KEPT = 64  # masks kept, by prefix length (a few blocks' worth)
+
+
+class GrammarMatcher:
+    """One request's grammar state; calling it with the generated tokens returns the packed
+    int32 bitmask ``[ceil(V/32)]`` of the tokens allowed next.
+
+    Raises (on call):
+        ValueError: the tokens asked about break the grammar (the engine never asks so:
+            every token it keeps was chosen under the mask).
+    """
+
+    def __init__(self, grammar: CompiledGrammar) -> None:
+        self.grammar = grammar
+        self._matcher = grammar.start.deep_copy()
+        self._consumed: list[int] = []
+        self._masks: dict[int, Tensor] = {}
+        self._words = (grammar.vocab_size + 31) // 32
+        self.rollbacks = 0
+        """Rollbacks made (tokens consumed ahead of the output and then rejected)."""
+
+    @property
+    def consumed(self) -> tuple[int, ...]:
+        """The tokens its llguidance matcher has consumed."""
+        return tuple(self._consumed)
+
+    def is_accepting(self) -> bool:
+        """Whether the consumed tokens complete the grammar."""
+        return bool(self._matcher.is_accepting())
+
+    def __call__(self, generated: Sequence[int]) -> Tensor:
+        seq = list(generated)
+        keep = self._shared_prefix(seq)
+        if keep < len(self._consumed):
+            self._rollback(keep)
+        new = seq[keep:]
+        if new:
+            fits = self._matcher.validate_tokens(new)
+            if fits < len(new):
+                raise ValueError(f"token {new[fits]} at output position {keep + fits} is not "
+                                 f"allowed by the {self.grammar.spec.kind} grammar")
+            if not self._matcher.consume_tokens(new):
+                raise ValueError(f"the grammar refused tokens it had validated: {self._matcher.get_error()}")
+            self._consumed.extend(new)
+        return self._mask()
+
+    def _shared_prefix(self, seq: list[int]) -> int:
+        """The length of the longest common prefix of ``seq`` and the consumed tokens."""
+        have = self._consumed
+        n = min(len(seq), len(have))
+        if seq[:n] == have[:n]:
+            return n
+        # The output is a prefix of both; they part within the last block or so.
+        lo = max(0, n - _PREFIX_TAIL)
+        if seq[:lo] != have[:lo]:
+            lo = 0
+        k = lo
+        while seq[k] == have[k]:
+            k += 1
+        return k
+
+    def _rollback(self, keep: int) -> None:
+        back = len(self._consumed) - keep
+        self.rollbacks += 1
+        if not self._matcher.rollback(back):
+            # llguidance cannot roll back past an end token it consumed: replay instead.
+            self._matcher = self.grammar.start.deep_copy()
+            if keep and not self._matcher.consume_tokens(self._consumed[:keep]):
+                raise ValueError(f"the grammar refused a replay: {self._matcher.get_error()}")
+        del self._consumed[keep:]
+        for length in [n for n in self._masks if n > keep]:
+            del self._masks[length]
+
+    def _mask(self) -> Tensor:
+        at = len(self._consumed)
+        mask = self._masks.get(at)
+        if mask is None:
+            raw = bytearray(self._matcher.compute_bitmask())
+            words = torch.frombuffer(raw, dtype=torch.int32)[: self._words].clone()
+            mask = torch.zeros(self._words, dtype=torch.int32)
+            mask[: words.numel()] = words
+            self._masks[at] = mask
+            for old in [n for n in self._masks if n <= at - _MASKS_KEPT]:
+                del self._masks[old]
+        return mask
+
+
+def matcher_for(grammar: GrammarSpec | CompiledGrammar, tokenizer: Any = None,
+                vocab_size: int | None = None) -> GrammarMatcher:
+    """A :class:`GrammarMatcher` for one request, to pass as ``grammar_bitmask_fn`` to
+    :meth:`blockdraft.SpeculativeEngine.submit`.
+
+    Args:
+        grammar: a spec (compiled through :func:`~blockdraft.grammar.compiler_for` with
+            ``tokenizer`` and ``vocab_size``, cached) or a grammar compiled already.
+        tokenizer: the target's Hugging Face tokenizer (for a spec).
+        vocab_size: the target's vocabulary (for a spec; default: the tokenizer's).
+
+    Raises:
+        ValueError: the grammar does not compile (named), or a spec without a tokenizer.
+    """
+    if isinstance(grammar, CompiledGrammar):
+        return GrammarMatcher(grammar)
+    if not isinstance(grammar, GrammarSpec):
+        raise TypeError(f"grammar must be a GrammarSpec or a CompiledGrammar, not {type(grammar).__name__}")
+    if tokenizer is None:
+        raise ValueError("a grammar spec needs the tokenizer to compile with")
+    compiler: GrammarCompiler = compiler_for(tokenizer, len(tokenizer) if vocab_size is None else vocab_size)
+    return GrammarMatcher(compiler.compile(grammar))
+
+
+__all__ = ["GrammarMatcher", "matcher_for"]
