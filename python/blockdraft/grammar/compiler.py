@@ -136,12 +136,20 @@ _NAMES = {"json_object": "JSON object grammar", "json_schema": "JSON schema", "r
           "choice": "choice", "lark": "Lark grammar"}
 
 
+def _json_grammar(schema: str | dict[str, Any]) -> str:
+    # JSON is written on one line, separated as Python's json.dumps does: flexible whitespace
+    # lets a model write newlines and indentation without end (a schema's own "x-guidance"
+    # options win over these).
+    return llguidance.LLMatcher.grammar_from_json_schema(
+        schema, {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "})
+
+
 def _llguidance_grammar(spec: GrammarSpec) -> str:
     if spec.kind == "json_object":
-        return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"})
+        return _json_grammar({"type": "object"})
     if spec.kind == "json_schema":
         try:
-            return llguidance.LLMatcher.grammar_from_json_schema(spec.text)
+            return _json_grammar(spec.text)
         except ValueError as exc:
             raise ValueError(f"invalid JSON schema: {exc}") from None
     if spec.kind == "regex":

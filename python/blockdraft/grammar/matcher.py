@@ -42,6 +42,7 @@ class GrammarMatcher:
         self.grammar = grammar
         self._matcher = grammar.start.deep_copy()
         self._consumed: list[int] = []
+        self._fed: int | None = None  # consumed tokens fed to llguidance (None: all), the rest end tokens past a stop
         self._masks: dict[int, Tensor] = {}
         self._words = (grammar.vocab_size + 31) // 32
         self.rollbacks = 0
@@ -63,14 +64,29 @@ class GrammarMatcher:
             self._rollback(keep)
         new = seq[keep:]
         if new:
-            fits = self._matcher.validate_tokens(new)
-            if fits < len(new):
-                raise ValueError(f"token {new[fits]} at output position {keep + fits} is not "
+            done = self._consume(new)
+            self._consumed.extend(new[:done])
+            if done < len(new):
+                self._rollback(keep)  # nothing of the refused ask stays consumed
+                raise ValueError(f"token {new[done]} at output position {keep + done} is not "
                                  f"allowed by the {self.grammar.spec.kind} grammar")
-            if not self._matcher.consume_tokens(new):
-                raise ValueError(f"the grammar refused tokens it had validated: {self._matcher.get_error()}")
-            self._consumed.extend(new)
         return self._mask()
+
+    def _consume(self, tokens: list[int]) -> int:
+        """Consume what it can of ``tokens``; returns how many it took."""
+        m = self._matcher
+        done = 0
+        while True:
+            done += m.try_consume_tokens(tokens[done:])
+            if done == len(tokens):
+                return done
+            # A stopped grammar takes no token but its end token, which llguidance does not
+            # keep in its history (a rollback would miscount it): it is kept here only.
+            if not (tokens[done] in self.grammar.eos_token_ids and m.is_stopped()):
+                return done
+            if self._fed is None:
+                self._fed = len(self._consumed) + done
+            done += 1
 
     def _shared_prefix(self, seq: list[int]) -> int:
         """The length of the longest common prefix of ``seq`` and the consumed tokens."""
@@ -88,14 +104,18 @@ class GrammarMatcher:
         return k
 
     def _rollback(self, keep: int) -> None:
-        back = len(self._consumed) - keep
+        if keep == len(self._consumed):
+            return
         self.rollbacks += 1
-        if not self._matcher.rollback(back):
+        fed = len(self._consumed) if self._fed is None else self._fed
+        if keep < fed and not self._matcher.rollback(fed - keep):
             # llguidance cannot roll back past an end token it consumed: replay instead.
             self._matcher = self.grammar.start.deep_copy()
             if keep and not self._matcher.consume_tokens(self._consumed[:keep]):
                 raise ValueError(f"the grammar refused a replay: {self._matcher.get_error()}")
         del self._consumed[keep:]
+        if self._fed is not None and self._fed >= keep:
+            self._fed = None
         for length in [n for n in self._masks if n > keep]:
             del self._masks[length]
 
