@@ -10,6 +10,7 @@ run (a one-off engine per run, warmed by one untimed run first). Prints a table
 and writes ``grammar_tau.json`` under the given directory (or ``$OUT``).
 
     python benchmarks/grammar_tau.py [OUT_DIR] [--device cpu|cuda] [--prompts N] [--new N] [--block-size 8|16]
+        [--draft-length K|adaptive]
 """
 
 from __future__ import annotations
@@ -51,7 +52,12 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--new", type=int, default=128)
     ap.add_argument("--block-size", type=int, default=pretrained.DEFAULT_BLOCK_SIZE, choices=(8, 16))
+    ap.add_argument("--draft-length", default=None,
+                    help="drafts per step: a number or 'adaptive' (default: B - 1, the drafter alone)")
     args = ap.parse_args()
+    draft_length: int | str = args.block_size - 1 if args.draft_length is None else args.draft_length
+    if draft_length != "adaptive":
+        draft_length = int(draft_length)
     target, drafter, tokenizer = pretrained.builtin_pair(device=args.device, dtype=torch.float32,
                                                          block_size=args.block_size)
     prompts = pretrained.heldout_prompts()[: args.prompts]
@@ -62,7 +68,7 @@ def main() -> None:
     for name, spec in runs.items():
         def run(spec: GrammarSpec | None = spec) -> blockdraft.GenerationResult:
             return blockdraft.generate(target, drafter, prompts, max_new_tokens=args.new, stop_token_ids=[eos],
-                                       grammar=spec, tokenizer=tokenizer)
+                                       grammar=spec, tokenizer=tokenizer, draft_length=draft_length)
         run()  # warm
         t0 = time.perf_counter()
         res = run()
@@ -73,11 +79,12 @@ def main() -> None:
         rows.append({"grammar": name, "tau": res.stats.mean_tau, "tokens": tokens,
                      "tok_per_s": tokens / seconds, "valid": valid if spec is not None else None,
                      "ended": ended, "outputs": len(prompts)})
-    record = {"device": args.device, "block_size": args.block_size, "prompts": len(prompts),
+    record = {"device": args.device, "block_size": args.block_size, "draft_length": draft_length,
+              "prompts": len(prompts),
               "new_tokens": args.new, "torch": torch.__version__, "python": platform.python_version(),
               "machine": platform.machine(), "rows": rows}
-    print(f"built-in pair, B = {args.block_size}, {len(prompts)} held-out prompts x at most {args.new} "
-          f"new tokens, greedy, {args.device}:")
+    print(f"built-in pair, B = {args.block_size}, draft length {draft_length}, {len(prompts)} held-out prompts "
+          f"x at most {args.new} new tokens, greedy, {args.device}:")
     print("| grammar | τ | tokens | tok/s | ended by the end token | valid outputs |")
     print("| --- | --- | --- | --- | --- | --- |")
     for r in rows:

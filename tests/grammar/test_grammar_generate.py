@@ -11,8 +11,9 @@ import pytest
 import torch
 
 import blockdraft
+from blockdraft.engine import Request
 from blockdraft.grammar import GrammarSpec, matcher_for
-from blockdraft.sampling import allowed_ids
+from blockdraft.sampling import SamplingParams, allowed_ids
 
 from support.serve_support import Pair, builtin_pair
 
@@ -102,3 +103,22 @@ def test_grammar_and_a_mask_function_are_exclusive(pair: Pair) -> None:
         blockdraft.generate(pair.target, pair.drafter, [[5, 6]], max_new_tokens=4,
                             grammar=GrammarSpec.json_object(), tokenizer=pair.tokenizer,
                             grammar_bitmask_fn=lambda i, g: None)
+
+
+def test_drafts_are_fitted_to_the_grammar(pair: Pair) -> None:
+    """Forced tokens replace refused drafts; a refused draft where the grammar leaves a choice
+    ends the drafts; a stop token ends them."""
+    tok = pair.tokenizer
+    spec = GrammarSpec.json_schema({"type": "object", "properties": {"key": {"type": "integer"}},
+                                    "required": ["key"], "additionalProperties": False})
+    req = Request(id=0, prompt=[5], max_new_tokens=32, params=SamplingParams(), stops=frozenset({pair.eos}),
+                  mask_fn=matcher_for(spec, tok, len(tok)), generator=None, submitted_at=0.0)
+    want = tok.encode('{"key": 7}') + [pair.eos]
+    assert req.fit_drafts(want + [pair.eos, 9]) == want  # valid drafts stay, up to the stop
+    # Wrong drafts where the grammar forces every token of '{"key":' are replaced by them.
+    forced = tok.encode('{"key":')
+    fitted = req.fit_drafts([tok.encode("x")[0]] * (len(forced) + 1))
+    assert fitted == forced, tok.decode(fitted)
+    # After '{"key":' the next token is a choice (" ", " 7", ...): a refused draft there
+    # ends the drafts.
+    assert req.fit_drafts([*forced, tok.encode("x")[0], *tok.encode(" 7}")]) == forced

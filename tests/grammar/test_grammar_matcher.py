@@ -71,7 +71,19 @@ def test_rollback_equals_a_fresh_replay(compiler: GrammarCompiler, tokenizer: An
             with pytest.raises(ValueError, match="not allowed by the json_schema grammar"):
                 m([*tokens, wrong])
         assert torch.equal(m(tokens), replayed(compiler, spec, tokens)), (doc, tokens)
-        assert m.consumed == tuple(tokens)
+
+
+def test_a_diverging_ask_rolls_back_and_a_kept_prefix_does_not(compiler: GrammarCompiler,
+                                                                tokenizer: Any) -> None:
+    spec = GrammarSpec.json_schema(SCHEMA)
+    a, b = (list(tokenizer.encode(d)) for d in DOCS[:2])
+    m = matcher_for(compiler.compile(spec))
+    for k in range(len(a) + 1):  # as drafts are fitted, one prefix after the other
+        m(a[:k])
+    # As verification asks the same prefixes again: kept masks, no move.
+    assert torch.equal(m(a[:3]), replayed(compiler, spec, a[:3])) and m.rollbacks == 0
+    assert torch.equal(m(b), replayed(compiler, spec, b)) and m.rollbacks == 1
+    assert m.consumed == tuple(b)
 
 
 def test_masks_follow_the_grammar(compiler: GrammarCompiler, tokenizer: Any) -> None:

@@ -43,6 +43,7 @@ class GrammarMatcher:
         self._matcher = grammar.start.deep_copy()
         self._consumed: list[int] = []
         self._fed: int | None = None  # consumed tokens fed to llguidance (None: all), the rest end tokens past a stop
+        self._seen: list[int] = []  # the sequence the kept masks are for (by prefix length)
         self._masks: dict[int, Tensor] = {}
         self._words = (grammar.vocab_size + 31) // 32
         self.rollbacks = 0
@@ -59,7 +60,22 @@ class GrammarMatcher:
 
     def __call__(self, generated: Sequence[int]) -> Tensor:
         seq = list(generated)
-        keep = self._shared_prefix(seq)
+        at = _shared_prefix(seq, self._seen)
+        if at == len(seq) and at in self._masks:
+            return self._masks[at]  # a prefix asked again: the matcher need not move
+        self._move_to(seq)
+        if at < len(seq) and at < len(self._seen):
+            # A different continuation: the masks past the split were for the old one.
+            del self._seen[at:]
+            for length in [n for n in self._masks if n > at]:
+                del self._masks[length]
+        self._seen.extend(seq[len(self._seen):])
+        return self._mask()
+
+    def _move_to(self, seq: list[int]) -> None:
+        """Roll the llguidance matcher back to the prefix it shares with ``seq``, then
+        consume the rest of ``seq`` (nothing changes when the grammar refuses it)."""
+        keep = _shared_prefix(seq, self._consumed)
         if keep < len(self._consumed):
             self._rollback(keep)
         new = seq[keep:]
@@ -70,7 +86,6 @@ class GrammarMatcher:
                 self._rollback(keep)  # nothing of the refused ask stays consumed
                 raise ValueError(f"token {new[done]} at output position {keep + done} is not "
                                  f"allowed by the {self.grammar.spec.kind} grammar")
-        return self._mask()
 
     def _consume(self, tokens: list[int]) -> int:
         """Consume what it can of ``tokens``; returns how many it took."""
@@ -88,21 +103,6 @@ class GrammarMatcher:
                 self._fed = len(self._consumed) + done
             done += 1
 
-    def _shared_prefix(self, seq: list[int]) -> int:
-        """The length of the longest common prefix of ``seq`` and the consumed tokens."""
-        have = self._consumed
-        n = min(len(seq), len(have))
-        if seq[:n] == have[:n]:
-            return n
-        # The output is a prefix of both; they part within the last block or so.
-        lo = max(0, n - _PREFIX_TAIL)
-        if seq[:lo] != have[:lo]:
-            lo = 0
-        k = lo
-        while seq[k] == have[k]:
-            k += 1
-        return k
-
     def _rollback(self, keep: int) -> None:
         if keep == len(self._consumed):
             return
@@ -116,21 +116,33 @@ class GrammarMatcher:
         del self._consumed[keep:]
         if self._fed is not None and self._fed >= keep:
             self._fed = None
-        for length in [n for n in self._masks if n > keep]:
-            del self._masks[length]
 
     def _mask(self) -> Tensor:
+        """The mask after the consumed tokens, computed and kept."""
         at = len(self._consumed)
-        mask = self._masks.get(at)
-        if mask is None:
-            raw = bytearray(self._matcher.compute_bitmask())
-            words = torch.frombuffer(raw, dtype=torch.int32)[: self._words].clone()
-            mask = torch.zeros(self._words, dtype=torch.int32)
-            mask[: words.numel()] = words
-            self._masks[at] = mask
-            for old in [n for n in self._masks if n <= at - _MASKS_KEPT]:
-                del self._masks[old]
+        raw = bytearray(self._matcher.compute_bitmask())
+        words = torch.frombuffer(raw, dtype=torch.int32)[: self._words]
+        mask = torch.zeros(self._words, dtype=torch.int32)
+        mask[: words.numel()] = words
+        self._masks[at] = mask
+        for old in [n for n in self._masks if n <= at - _MASKS_KEPT]:
+            del self._masks[old]
         return mask
+
+
+def _shared_prefix(a: list[int], b: list[int]) -> int:
+    """The length of the longest common prefix of ``a`` and ``b``."""
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    # Asks share the output and part within the last block or so: look there first.
+    lo = max(0, n - _PREFIX_TAIL)
+    if a[:lo] != b[:lo]:
+        lo = 0
+    k = lo
+    while a[k] == b[k]:
+        k += 1
+    return k
 
 
 def matcher_for(grammar: GrammarSpec | CompiledGrammar, tokenizer: Any = None,
