@@ -122,3 +122,18 @@ def test_drafts_are_fitted_to_the_grammar(pair: Pair) -> None:
     # After '{"key":' the next token is a choice (" ", " 7", ...): a refused draft there
     # ends the drafts.
     assert req.fit_drafts([*forced, tok.encode("x")[0], *tok.encode(" 7}")]) == forced
+
+
+@pytest.mark.parametrize("sampled_drafts", [False, True])
+def test_sampled_output_validates(pair: Pair, sampled_drafts: bool) -> None:
+    """At T = 1 (drafts greedy and fitted, or sampled and left as drawn) every output still
+    follows the grammar: acceptance is against the masked target distribution."""
+    schema = SCHEMAS["enum_array"]
+    prompts = [pair.tokenizer.encode(p) for p in PROMPTS]
+    res = blockdraft.generate(pair.target, pair.drafter, prompts, max_new_tokens=MAX_NEW,
+                              grammar=GrammarSpec.json_schema(schema), tokenizer=pair.tokenizer,
+                              stop_token_ids=[pair.eos], sampling=SamplingParams(temperature=1.0),
+                              sampled_drafts=sampled_drafts, generator=torch.Generator().manual_seed(0))
+    for got in res.tokens:
+        assert got[-1] == pair.eos
+        jsonschema.validate(json.loads(pair.tokenizer.decode(got[:-1])), schema)
