@@ -132,6 +132,11 @@ def test_tp2_answers_as_one_rank_survives_idle_and_stops_on_sigterm(start: Any,
         "model": MODEL, "prompt": PROMPTS[0], "max_tokens": 16 * TARGET_PAGES, "temperature": 0})
     assert r.status_code == 400 and "can never run" in r.json()["error"]["message"], r.text
     assert srv.complete(PROMPTS[1], stream=True) == solo[PROMPTS[1]]
+    # A grammar is refused before any rank sees it (a compiled grammar cannot travel).
+    r = httpx.post(f"{srv.url}/v1/completions", timeout=60, json={
+        "model": MODEL, "prompt": PROMPTS[0], "response_format": {"type": "json_object"}})
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["param"] == "response_format" and err["code"] == "unsupported", r.text
 
     # Side by side: their submissions reach the ranks in one or several ticks, one batch.
     got: dict[int, str] = {}

@@ -39,7 +39,8 @@ from blockdraft.errors import error_line
 from blockdraft.pair.load import BUILTIN_MODEL_NAME, PairSource, find_pair
 from blockdraft.parallel import DEFAULT_TIMEOUT_S as DEFAULT_TP_TIMEOUT_S
 
-SERVE_DEPENDENCIES = {"fastapi": "fastapi", "uvicorn": "uvicorn", "prometheus_client": "prometheus-client"}
+SERVE_DEPENDENCIES = {"fastapi": "fastapi", "uvicorn": "uvicorn", "prometheus_client": "prometheus-client",
+                      "llguidance": "llguidance"}
 API_KEY_ENV = "BLOCKDRAFT_API_KEY"
 """The API key when ``--api-key`` is not given (kept out of the process list and shell
 history)."""

@@ -7,7 +7,7 @@ Each :meth:`SpeculativeEngine.step` admits what fits (prefilling it: the prompt'
 go to the proposer chunk by chunk), then runs one speculative step for every running request:
 
 1. drafts: ``propose_batch`` over the requests (falling back to ``propose`` per request when
-   it declines, or when a grammar mask applies);
+   it declines); a request's grammar then fits its greedy drafts (``Request.fit_drafts``);
 2. verify: every request's block ``[anchor, drafts...]`` in one target forward (the
    runtime's; the Hugging Face target goes one sequence at a time);
 3. accept: the longest agreeing prefix plus the target's own next token

@@ -40,6 +40,8 @@ def generate(
     min_tokens: int = 0,
     logprobs: int | None = None,
     draft_length: DraftLength | None = None,
+    grammar: Any = None,
+    tokenizer: Any = None,
 ) -> GenerationResult:
     """Speculative generation for one or many prompts (a one-off :class:`SpeculativeEngine`
     whose pools hold exactly these prompts; build an engine yourself to reuse it).
@@ -57,6 +59,11 @@ def generate(
             likeliest alternatives (``GenerationResult.logprobs``).
         draft_length: drafts verified per prompt and step (see :class:`SpeculativeEngine`;
             a fixed ``B - 1`` measures the drafter alone, as the benchmarks do).
+        grammar: a :class:`~blockdraft.grammar.GrammarSpec` (or a compiled grammar) every
+            prompt's output must match (needs ``blockdraft[serve]``'s llguidance); each
+            prompt gets its own matcher, and the grammar's end token stops it. Not with
+            ``grammar_bitmask_fn``.
+        tokenizer: the target's Hugging Face tokenizer, to compile ``grammar`` with.
         (the rest as :meth:`SpeculativeEngine.generate`; penalties are
         :class:`~blockdraft.SamplingParams` fields)
 
@@ -77,6 +84,9 @@ def generate(
         max_batch=min(len(prompts), 16), sampled_drafts=sampled_drafts, tp=tp,
         draft_length=draft_length,
     ) as engine:
+        if grammar is not None:
+            grammar_bitmask_fn, stop_token_ids = grammar_masks(grammar, tokenizer, engine.proposer.vocab_size,
+                                                               len(prompts), grammar_bitmask_fn, stop_token_ids)
         return engine.generate(
             prompts, max_new_tokens=max_new_tokens, sampling=sampling,
             stop_token_ids=stop_token_ids, grammar_bitmask_fn=grammar_bitmask_fn,
@@ -84,4 +94,23 @@ def generate(
         )
 
 
-__all__ = ["generate", "pool_sizes"]
+def grammar_masks(
+    grammar: Any, tokenizer: Any, vocab_size: int, prompts: int,
+    mask_fn: Callable[[int, Sequence[int]], Tensor | None] | None, stops: Sequence[int] | None,
+) -> tuple[Callable[[int, Sequence[int]], Tensor | None], list[int]]:
+    """``(fn(prompt_index, generated), stop ids)`` for ``grammar``: one matcher per prompt,
+    and the grammar's end tokens added to ``stops`` so a finished grammar ends the output.
+
+    Raises:
+        ValueError: ``grammar`` with ``grammar_bitmask_fn``, or a grammar that does not compile.
+    """
+    if mask_fn is not None:
+        raise ValueError("give grammar or grammar_bitmask_fn, not both")
+    from blockdraft.grammar import matcher_for  # llguidance is an optional dependency
+
+    matchers = [matcher_for(grammar, tokenizer, vocab_size) for _ in range(prompts)]
+    ends = matchers[0].grammar.eos_token_ids
+    return (lambda i, generated: matchers[i](generated)), list(dict.fromkeys([*(stops or ()), *ends]))
+
+
+__all__ = ["generate", "grammar_masks", "pool_sizes"]

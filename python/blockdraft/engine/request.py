@@ -95,6 +95,32 @@ class Request:
             return None
         return self.mask_fn([*self.out, *extra])
 
+    def fit_drafts(self, drafts: list[int]) -> list[int]:
+        """Its greedy drafts made to fit its grammar, walking them through its mask function:
+        a draft the grammar allows stays; one it refuses becomes the one token the grammar
+        forces there when it forces one (JSON keys, punctuation), else the drafts end there
+        (the target could accept neither it nor, after it, any later draft). The drafter
+        drafts without the grammar; verification masks every row exactly, so the output is
+        the same whatever the drafts. Greedy drafts only: a sampled draft is kept as drawn,
+        since acceptance weighs it by the distribution it was drawn from."""
+        if self.mask_fn is None or not drafts:
+            return drafts
+        fitted: list[int] = []
+        try:
+            for tok in drafts:
+                mask = self.bitmask(fitted)
+                if mask is not None and not _allows(mask, tok):
+                    forced = _only_token(mask)
+                    if forced is None:
+                        break
+                    tok = forced
+                fitted.append(tok)
+                if tok in self.stops:
+                    break
+        except Exception:  # noqa: BLE001 - verification asks again and fails the request
+            pass
+        return fitted
+
     def holds_stops(self, ahead: int = 0) -> bool:
         """Whether its stop tokens are masked at the position ``ahead`` tokens past ``out``."""
         return bool(self.stops) and len(self.out) + ahead < self.min_tokens
@@ -192,6 +218,21 @@ def new_request(
         generator=generator, submitted_at=time.perf_counter(), min_tokens=min_tokens,
         logprobs=logprobs,
     )
+
+
+def _allows(mask: Tensor, token: int) -> bool:
+    word = token // 32
+    return 0 <= word < mask.shape[-1] and bool((int(mask[word]) >> (token % 32)) & 1)
+
+
+def _only_token(mask: Tensor) -> int | None:
+    """The token a packed mask allows when it allows exactly one, else ``None``."""
+    words = mask.nonzero()
+    if words.numel() != 1:
+        return None
+    at = int(words[0])
+    bits = int(mask[at]) & 0xFFFFFFFF
+    return 32 * at + bits.bit_length() - 1 if bits & (bits - 1) == 0 else None
 
 
 def check_options(max_new_tokens: int, min_tokens: int, logprobs: int | None, vocab: int) -> None:

@@ -1,7 +1,7 @@
 """``blockdraft serve``: an OpenAI-compatible HTTP server on the continuous-batching engine.
 
 Needs the ``serve`` extra (``pip install blockdraft[serve]``: fastapi, uvicorn,
-prometheus-client). User guide: ``docs/serve.md``.
+prometheus-client, llguidance). User guide: ``docs/serve.md``.
 
 | module | concept |
 | --- | --- |
@@ -10,6 +10,7 @@ prometheus-client). User guide: ``docs/serve.md``.
 | ``choices`` | one choice of an answer: its engine request's text, logprobs and end |
 | ``logprobs`` | log-probabilities in OpenAI's chat and completions shapes |
 | ``protocol`` | request bodies: fields, types, ranges |
+| ``structured`` | ``response_format`` and ``structured_outputs`` to a grammar spec |
 | ``chat`` | chat messages to prompt tokens (templates) |
 | ``text`` | tokens to text, released piece by piece, stop strings |
 | ``loop`` | the engine thread and the queues that cross to asyncio |

@@ -19,6 +19,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from blockdraft.grammar import CompiledGrammar, compiler_for
 from blockdraft.pair.checks import context_problem
 from blockdraft.serve.chat import ChatFormat
 from blockdraft.serve.choices import Choice, Piece, choice_seed, join_logprobs
@@ -68,7 +69,8 @@ class Service:
                 raise APIError(404, f"the model {req.model!r} does not exist; this server "
                                f"serves {self.model_name!r}", code="model_not_found", param="model")
             prompts = self._prompt_ids(req)
-            subs = [sub for ids in prompts for sub in self._submissions(req, ids)]
+            grammar = await self._grammar(req)
+            subs = [sub for ids in prompts for sub in self._submissions(req, ids, grammar)]
             tickets = [self.loop.submit(sub) for sub in subs]
             try:
                 for ticket in tickets:
@@ -100,8 +102,31 @@ class Service:
                               "messages" if req.messages is not None else "prompt")
         return prompts
 
-    def _submissions(self, req: GenerationRequest, ids: list[int]) -> list[Submission]:
-        """The engine requests of one prompt: its ``n`` choices."""
+    async def _grammar(self, req: GenerationRequest) -> CompiledGrammar | None:
+        """The request's grammar compiled (cached by spec), off the event loop and the
+        engine's thread.
+
+        Raises:
+            APIError: 400 naming the field when it does not compile, or under tensor
+                parallelism (a compiled grammar cannot travel to the other ranks).
+        """
+        if req.grammar is None:
+            return None
+        tp = self.loop.engine.tp
+        if tp is not None and tp.size > 1:
+            raise invalid(f"{req.grammar_field} is not supported with tensor parallelism",
+                          req.grammar_field, code="unsupported")
+        spec = req.grammar
+        try:
+            return await asyncio.to_thread(lambda: compiler_for(self.tokenizer, self.vocab).compile(spec))
+        except ValueError as exc:
+            raise invalid(f"{req.grammar_field}: {exc}", req.grammar_field) from None
+
+    def _submissions(self, req: GenerationRequest, ids: list[int],
+                     grammar: CompiledGrammar | None = None) -> list[Submission]:
+        """The engine requests of one prompt: its ``n`` choices (with a grammar, the model's
+        end token stops them even under ``ignore_eos``: the grammar allows it only once
+        complete, and only it once nothing can follow)."""
         max_new = self._max_new(req, len(ids))
         if req.min_tokens > max_new:
             raise invalid(f"min_tokens ({req.min_tokens}) is more than the {max_new} tokens "
@@ -110,9 +135,11 @@ class Service:
         if bad:
             raise invalid(f"stop_token_ids holds ids outside the vocabulary [0, {self.vocab}): "
                           f"{bad}", "stop_token_ids")
-        stops = tuple(dict.fromkeys([*req.stop_token_ids, *(() if req.ignore_eos else self.stop_ids)]))
+        ends = self.stop_ids if grammar is not None or not req.ignore_eos else ()
+        stops = tuple(dict.fromkeys([*req.stop_token_ids, *ends]))
         return [Submission(ids, max_new, req.sampling, stops, choice_seed(req.seed, j),
-                           min_tokens=req.min_tokens, logprobs=req.logprobs) for j in range(req.n)]
+                           min_tokens=req.min_tokens, logprobs=req.logprobs, grammar=grammar)
+                for j in range(req.n)]
 
     def _max_new(self, req: GenerationRequest, prompt_tokens: int) -> int:
         limit = self.max_seq_len

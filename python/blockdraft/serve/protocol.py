@@ -17,8 +17,10 @@ import math
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from blockdraft.grammar.spec import GrammarSpec
 from blockdraft.sampling import SamplingParams
 from blockdraft.serve.errors import APIError, invalid
+from blockdraft.serve.structured import grammar_of
 
 Kind = Literal["completion", "chat"]
 
@@ -62,6 +64,8 @@ class GenerationRequest:
         stop_token_ids: token ids that end the generation besides the model's end token.
         ignore_eos: the model's end token does not end the generation.
         min_tokens: no stop token or stop string ends the generation before this many tokens.
+        grammar: what the output must match (``response_format`` or ``structured_outputs``;
+            :mod:`blockdraft.serve.structured`), from the field ``grammar_field``.
     """
 
     kind: Kind
@@ -80,6 +84,8 @@ class GenerationRequest:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     min_tokens: int = 0
+    grammar: GrammarSpec | None = None
+    grammar_field: str = "response_format"
 
 
 def parse_json(raw: bytes) -> dict[str, Any]:
@@ -146,6 +152,7 @@ def parse_request(kind: Kind, body: dict[str, Any]) -> GenerationRequest:
     min_tokens = _int(body, "min_tokens") or 0
     if min_tokens < 0 or (max_tokens is not None and min_tokens > max_tokens):
         raise invalid(f"min_tokens must be in [0, max_tokens], not {min_tokens}", "min_tokens")
+    grammar, grammar_field = grammar_of(body)
     return GenerationRequest(
         kind=kind, model=model, prompts=prompts, messages=messages, max_tokens=max_tokens,
         sampling=SamplingParams(temperature, top_p, top_k, presence, frequency, repetition),
@@ -153,7 +160,8 @@ def parse_request(kind: Kind, body: dict[str, Any]) -> GenerationRequest:
         include_usage=_bool(options or {}, "include_usage", "stream_options.include_usage"),
         return_meta_info=_bool(body, "return_meta_info"), n=n,
         logprobs=_logprobs(kind, body), stop_token_ids=_stop_token_ids(body),
-        ignore_eos=_bool(body, "ignore_eos"), min_tokens=min_tokens,
+        ignore_eos=_bool(body, "ignore_eos"), min_tokens=min_tokens, grammar=grammar,
+        grammar_field=grammar_field,
     )
 
 

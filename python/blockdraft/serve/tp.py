@@ -23,10 +23,14 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from blockdraft.engine import SpeculativeEngine
 from blockdraft.parallel import TPGroup
 from blockdraft.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from blockdraft.grammar import CompiledGrammar
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +48,8 @@ def heartbeat_s(timeout_s: float) -> float:
 @dataclass(frozen=True)
 class Submission:
     """What the engine is asked to generate (checked by the handler; the engine checks the
-    rest: token ids in the vocabulary, the pools' size)."""
+    rest: token ids in the vocabulary, the pools' size). ``grammar``: compiled by the
+    handler; each submission gets its own matcher."""
 
     prompt: list[int]
     max_new_tokens: int
@@ -53,6 +58,7 @@ class Submission:
     seed: int | None = None
     min_tokens: int = 0
     logprobs: int | None = None
+    grammar: CompiledGrammar | None = None
 
 
 def submit_to(engine: SpeculativeEngine, sub: Submission) -> int:
@@ -60,7 +66,8 @@ def submit_to(engine: SpeculativeEngine, sub: Submission) -> int:
     return engine.submit(sub.prompt, max_new_tokens=sub.max_new_tokens,
                          sampling=sub.sampling,
                          stop_token_ids=list(sub.stop_token_ids), seed=sub.seed,
-                         min_tokens=sub.min_tokens, logprobs=sub.logprobs)
+                         min_tokens=sub.min_tokens, logprobs=sub.logprobs,
+                         grammar_bitmask_fn=None if sub.grammar is None else sub.grammar.matcher())
 
 
 @dataclass(frozen=True)
