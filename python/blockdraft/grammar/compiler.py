@@ -35,7 +35,7 @@ _COMPILERS_KEPT = 4
 @dataclass(frozen=True, eq=False)
 class CompiledGrammar:
     """A grammar ready to constrain requests: a matcher in its start state, copied for each
-    request (:meth:`matcher`).
+    request (:func:`~blockdraft.grammar.matcher_for`).
 
     Attributes:
         spec: what it was compiled from.
@@ -47,12 +47,6 @@ class CompiledGrammar:
     vocab_size: int
     eos_token_ids: tuple[int, ...]
     start: llguidance.LLMatcher
-
-    def matcher(self) -> Any:
-        """A fresh :class:`~blockdraft.grammar.GrammarMatcher` for one request."""
-        from blockdraft.grammar.matcher import GrammarMatcher  # matcher imports this module
-
-        return GrammarMatcher(self)
 
     def __reduce__(self) -> Any:
         # The matcher inside is native state that cannot travel to another process.

@@ -63,11 +63,16 @@ class Submission:
 
 def submit_to(engine: SpeculativeEngine, sub: Submission) -> int:
     """``engine.submit`` with ``sub``'s arguments: the one call every rank makes for it."""
+    mask_fn = None
+    if sub.grammar is not None:
+        from blockdraft.grammar import matcher_for  # llguidance only when a grammar is asked
+
+        mask_fn = matcher_for(sub.grammar)
     return engine.submit(sub.prompt, max_new_tokens=sub.max_new_tokens,
                          sampling=sub.sampling,
                          stop_token_ids=list(sub.stop_token_ids), seed=sub.seed,
                          min_tokens=sub.min_tokens, logprobs=sub.logprobs,
-                         grammar_bitmask_fn=None if sub.grammar is None else sub.grammar.matcher())
+                         grammar_bitmask_fn=mask_fn)
 
 
 @dataclass(frozen=True)
