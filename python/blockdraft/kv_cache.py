@@ -51,6 +51,15 @@ class PagedKVCache:
             if slot_pos else None
         )
 
+    def copy_slots(self, src: Tensor, dst: Tensor) -> None:
+        """Every layer's K and V (and ``slot_pos``) of slots ``src`` into slots ``dst``
+        (int64 index tensors of one length on the cache's device)."""
+        for t in (self.k, self.v):
+            flat = t.view(t.shape[0], -1, *t.shape[3:])
+            flat[:, dst] = flat[:, src]
+        if self.slot_pos is not None:
+            self.slot_pos[dst] = self.slot_pos[src]
+
     @property
     def nbytes(self) -> int:
         """Bytes of K, V and ``slot_pos`` together."""

@@ -316,3 +316,30 @@ def test_bad_options_are_refused() -> None:
             with pytest.raises(exc, match=words):
                 eng.submit([1, 2], max_new_tokens=4, **kw)
         assert eng.num_waiting == 0
+
+
+def test_choices_of_one_prompt_share_its_prefill() -> None:
+    """Three seeded choices of one prompt submitted together (as the server submits ``n``):
+    the prompt runs through the target once, and each choice draws what a request of it alone
+    with its seed draws."""
+    params = SamplingParams(temperature=0.9, top_p=0.95)
+    prompt = PROMPTS[2]
+    seeds = [11, 12, 13]
+    with SpeculativeEngine(TARGET, DRAFTER, runtime="blockdraft", max_seq_len=64, max_active=4) as eng:
+        solo = []
+        for seed in seeds:
+            rid = eng.submit(prompt, max_new_tokens=NEW, sampling=params, seed=seed)
+            list(eng.stream([rid]))
+            solo.append(eng.request(rid).out)
+        rt = eng.runtime
+        assert rt is not None
+        rows: list[int] = []
+        forward = rt.forward
+        rt.forward = lambda seqs, toks, **kw: (rows.append(sum(map(len, toks))), forward(seqs, toks, **kw))[1]
+        rids = [eng.submit(prompt, max_new_tokens=NEW, sampling=params, seed=s) for s in seeds]
+        eng.step()  # admits and prefills the three together, then their first step
+        prefill_rows = rows[0]
+        list(eng.stream(rids))
+        assert prefill_rows == len(prompt)
+        assert [eng.request(r).out for r in rids] == solo
+        assert eng.pages_used() == {"target": 0, "drafter": 0}

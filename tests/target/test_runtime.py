@@ -275,3 +275,46 @@ def test_chunked_prefill_decodes_as_one_shot(backend: str) -> None:
         assert rt.pool.num_free == rt.pool.num_pages
     assert rel_err(out[5][0], out[512][0]) < 1e-5
     assert out[5][1] == out[512][1]
+
+
+@pytest.mark.parametrize("chunk", [5, 512])
+def test_equal_prompts_share_one_prefill(chunk: int) -> None:
+    """A prompt given three times (beside another) runs through the model once: the copies
+    get its K/V and ctx rows chunk by chunk (bit for bit), then decode in their own pages as
+    the first does; the prompt's logits are those of a prefill of it alone."""
+    model = make_target("qwen3")
+    a, b = PROMPTS[2], PROMPTS[1]
+    prompts = [a, b, a, a]
+    rt = TargetRuntime(model, num_pages=80, page_size=4, prefill_chunk=chunk, capture_layers=(0, 1))
+    rows_run: list[int] = []
+    forward = rt.forward
+    rt.forward = lambda seqs, toks, **kw: (rows_run.append(sum(map(len, toks))), forward(seqs, toks, **kw))[1]
+    got: dict[int, list[torch.Tensor]] = {}
+
+    def on_chunk(idx: list[int], spans: list[range], rows: torch.Tensor) -> None:
+        at = 0
+        for i, span in zip(idx, spans):
+            got.setdefault(i, []).append(rows[at:at + len(span)].clone())
+            at += len(span)
+
+    seqs = [rt.new_sequence(len(p) + 8) for p in prompts]
+    last = rt.prefill(seqs, prompts, on_chunk=on_chunk)
+    assert sum(rows_run) == len(a) + len(b)  # the copies ran no rows
+    assert [s.length for s in seqs] == [len(p) for p in prompts]
+    for i in (2, 3):
+        assert torch.equal(last[i], last[0])
+        assert torch.equal(torch.cat(got[i]), torch.cat(got[0]))
+        for pos in range(len(a)):
+            src, dst = seqs[0].slot(pos), seqs[i].slot(pos)
+            cache = rt.forward_pass.cache
+            assert torch.equal(cache.k.flatten(1, 2)[:, dst], cache.k.flatten(1, 2)[:, src])
+            assert torch.equal(cache.v.flatten(1, 2)[:, dst], cache.v.flatten(1, 2)[:, src])
+    # Each copy decodes on in its own pages as the first does.
+    steps = [rt.forward(seqs, [[7]] * 4, logits="last").logits]
+    rt.accept(seqs, [1] * 4)
+    assert torch.equal(steps[0][2], steps[0][0]) and torch.equal(steps[0][3], steps[0][0])
+    rt.free(seqs)
+    assert rt.pool.num_free == rt.pool.num_pages
+    alone = TargetRuntime(model, num_pages=80, page_size=4, prefill_chunk=chunk)
+    seq = alone.new_sequence(len(a) + 8)
+    assert rel_err(alone.prefill([seq], [a])[0], last[0]) < 1e-5  # another batch: fp32 rounding

@@ -344,6 +344,11 @@ class TargetRuntime:
         ``prefill_chunk`` rows in all, accepting them; returns each prompt's last-row logits
         ``[n, V]``.
 
+        Prompts that equal an earlier one of the call (the choices of one request, say) are
+        not run again: each chunk of the first's is copied into theirs (its K/V into their
+        pages, its rows to ``on_chunk`` for them too), so they cost one forward and hold the
+        same bits, each in pages of its own.
+
         Args:
             on_chunk: called after each chunk with the indices (into ``seqs``) of the
                 sequences it held, their positions, and the chunk's ctx rows ``[rows, k*H]``
@@ -351,6 +356,12 @@ class TargetRuntime:
         """
         if len(prompts) != len(seqs):
             raise ValueError(f"{len(seqs)} sequences but {len(prompts)} prompts")
+        first: dict[tuple[int, ...], int] = {}
+        copies: dict[int, list[int]] = {}
+        for i, p in enumerate(prompts):
+            lead = first.setdefault(tuple(p), i)
+            if lead != i:
+                copies.setdefault(lead, []).append(i)
         done = [0] * len(prompts)
         last: list[Tensor | None] = [None] * len(prompts)
         while True:
@@ -359,7 +370,7 @@ class TargetRuntime:
             budget = self.prefill_chunk
             for i, p in enumerate(prompts):
                 left = len(p) - done[i]
-                if left > 0 and budget > 0:
+                if left > 0 and budget > 0 and first[tuple(p)] == i:
                     take = min(left, budget)
                     idx.append(i)
                     parts.append(list(p[done[i] : done[i] + take]))
@@ -370,15 +381,45 @@ class TargetRuntime:
                                capture=on_chunk is not None)
             self.accept([seqs[i] for i in idx], [len(t) for t in parts])
             spans = [range(done[i], done[i] + len(t)) for i, t in zip(idx, parts)]
-            for k, (i, t) in enumerate(zip(idx, parts)):
-                done[i] += len(t)
+            rows = out.ctx_rows
+            if copies:
+                idx, spans, rows = self._copy_chunk(seqs, idx, spans, rows, copies)
+            for i, span in zip(idx, spans):
+                done[i] = span.stop
                 if done[i] == len(prompts[i]):
-                    last[i] = out.logits[k]
-            if on_chunk is not None and out.ctx_rows is not None:
-                on_chunk(idx, spans, out.ctx_rows)
+                    last[i] = out.logits[idx.index(first[tuple(prompts[i])])]
+            if on_chunk is not None and rows is not None:
+                on_chunk(idx, spans, rows)
         if any(t is None for t in last):
             raise ValueError("every prompt must hold at least one token")
         return torch.stack([t for t in last if t is not None])
+
+    def _copy_chunk(self, seqs: Sequence[SeqPages], idx: list[int], spans: list[range],
+                    rows: Tensor | None, copies: dict[int, list[int]],
+                    ) -> tuple[list[int], list[range], Tensor | None]:
+        """A prefill chunk's rows of each sequence in ``idx`` copied into the sequences
+        ``copies`` lists for it (their K/V written and accepted); ``idx``, ``spans`` and
+        ``rows`` with the copies' appended, in the order ``on_chunk`` takes them."""
+        offsets = [0]
+        for span in spans:
+            offsets.append(offsets[-1] + len(span))
+        to = [(k, j) for k, i in enumerate(idx) for j in copies.get(i, ())]
+        if not to:
+            return idx, spans, rows
+        dst = [seqs[j] for _, j in to]
+        plan = _core.plan_forward("prefill", dst, [len(spans[k]) for k, _ in to], self._owner)
+        try:
+            src = [seqs[idx[k]].slot(pos) for k, _ in to for pos in spans[k]]
+            dev = self.device
+            self.forward_pass.cache.copy_slots(torch.tensor(src, dtype=torch.long, device=dev),
+                                               torch.tensor(plan.slots, dtype=torch.long, device=dev))
+        except BaseException:
+            _core.accept_rows("prefill", dst, [0] * len(dst), self._owner)
+            raise
+        self.accept(dst, [len(spans[k]) for k, _ in to])
+        more_rows = None if rows is None else torch.cat(
+            [rows] + [rows[offsets[k]:offsets[k + 1]] for k, _ in to])
+        return idx + [j for _, j in to], spans + [spans[k] for k, _ in to], more_rows
 
     def _tokens(self, tokens: Sequence[Sequence[int]]) -> list[int]:
         vocab = int(self.spec.embed.weight.shape[0])
