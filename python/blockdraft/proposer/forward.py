@@ -155,15 +155,7 @@ class DraftForward:
     def store_plans(self, items: Sequence[tuple[DFlashState, PrecomputePlan]]) -> None:
         """The K/V of every plan's rows ``[row_start, row_end)`` (of its state's accumulator)
         into the plan's slots: one GEMM and one store launch for all of them."""
-        rows: list[Tensor] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        for state, plan in items:
-            if plan.row_end > plan.row_start:
-                assert state.acc is not None
-                rows.append(state.acc[plan.row_start : plan.row_end])
-                positions.extend(plan.positions)
-                slots.extend(plan.slots)
+        rows, positions, slots = _plan_rows(items)
         if not rows:
             return
         ctx = torch.cat(rows, 0) if len(rows) > 1 else rows[0]
@@ -186,15 +178,7 @@ class DraftForward:
         :data:`LONG_STORE_SIZES`): the rows of all plans, back to back, are cut into launches;
         padding rows get slot ``PAD_SLOT`` and are not stored. A launch inside one accumulator
         reads it in place; one that spans plans or ends in padding is gathered first."""
-        pieces: list[Tensor] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        for state, plan in items:
-            if plan.row_end > plan.row_start:
-                assert state.acc is not None
-                pieces.append(state.acc[plan.row_start : plan.row_end])
-                positions.extend(plan.positions)
-                slots.extend(plan.slots)
+        pieces, positions, slots = _plan_rows(items)
         total = len(positions)
         if not total:
             return
@@ -424,5 +408,20 @@ class DraftForward:
             return tokens
         return self.pick(hidden, anchors, take, mask)
 
+
+
+def _plan_rows(items: Sequence[tuple[DFlashState, PrecomputePlan]]) -> tuple[list[Tensor], list[int], list[int]]:
+    """The accumulator rows ``[row_start, row_end)`` of every plan that has any, with their
+    positions and slots, in order."""
+    rows: list[Tensor] = []
+    positions: list[int] = []
+    slots: list[int] = []
+    for state, plan in items:
+        if plan.row_end > plan.row_start:
+            assert state.acc is not None
+            rows.append(state.acc[plan.row_start : plan.row_end])
+            positions.extend(plan.positions)
+            slots.extend(plan.slots)
+    return rows, positions, slots
 
 __all__ = ["DraftForward"]
