@@ -357,11 +357,11 @@ class TargetRuntime:
         if len(prompts) != len(seqs):
             raise ValueError(f"{len(seqs)} sequences but {len(prompts)} prompts")
         first: dict[tuple[int, ...], int] = {}
+        lead = [first.setdefault(tuple(p), i) for i, p in enumerate(prompts)]  # who runs it
         copies: dict[int, list[int]] = {}
-        for i, p in enumerate(prompts):
-            lead = first.setdefault(tuple(p), i)
-            if lead != i:
-                copies.setdefault(lead, []).append(i)
+        for i, j in enumerate(lead):
+            if j != i:
+                copies.setdefault(j, []).append(i)
         done = [0] * len(prompts)
         last: list[Tensor | None] = [None] * len(prompts)
         while True:
@@ -370,7 +370,7 @@ class TargetRuntime:
             budget = self.prefill_chunk
             for i, p in enumerate(prompts):
                 left = len(p) - done[i]
-                if left > 0 and budget > 0 and first[tuple(p)] == i:
+                if left > 0 and budget > 0 and lead[i] == i:
                     take = min(left, budget)
                     idx.append(i)
                     parts.append(list(p[done[i] : done[i] + take]))
@@ -387,7 +387,7 @@ class TargetRuntime:
             for i, span in zip(idx, spans):
                 done[i] = span.stop
                 if done[i] == len(prompts[i]):
-                    last[i] = out.logits[idx.index(first[tuple(prompts[i])])]
+                    last[i] = out.logits[idx.index(lead[i])]
             if on_chunk is not None and rows is not None:
                 on_chunk(idx, spans, rows)
         if any(t is None for t in last):
