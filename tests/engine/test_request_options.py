@@ -16,9 +16,10 @@ import torch
 import blockdraft
 from blockdraft.engine import Request, SpeculativeEngine
 from blockdraft.engine.accept import accept_blocks, first_tokens
-from blockdraft.proposer import DFlashProposer, DFlashState
 from blockdraft.sampling import Penalties, SamplingParams, target_probs
 
+from support.oracle import OracleProposer
+from support.stats import assert_counts_fit, assert_marginals_fit
 from support.tinypair import drafter_config, tiny_drafter, tiny_target
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -69,41 +70,9 @@ def reference(prompt: list[int], n: int, params: SamplingParams = GREEDY, *,
     return out
 
 
-class Oracle(DFlashProposer):
-    """Real drafting and bookkeeping, but the drafts are a known continuation with every
-    third draft corrupted: long acceptances and rejections at every offset of a block."""
-
-    def __init__(self, truth: list[list[int]], **kw: Any) -> None:
-        super().__init__(DRAFTER, TARGET, max_seq_len=64, num_pages=64, max_batch=4, **kw)
-        self.truth = truth
-        self.owner: dict[int, int] = {}
-        self.calls = 0
-
-    def alloc_state_for(self, budget_tokens: int) -> DFlashState:
-        st = super().alloc_state_for(budget_tokens)
-        self.owner[id(st)] = len(self.owner) % len(self.truth)  # the engine allocates in prompt order
-        return st
-
-    def _fix(self, st: DFlashState, position: int, drafts: list[int]) -> list[int]:
-        seq = self.truth[self.owner[id(st)]]
-        fixed = []
-        for j in range(len(drafts)):
-            tok = seq[position + 1 + j] if position + 1 + j < len(seq) else 0
-            self.calls += 1
-            fixed.append((tok + 1) % 64 if self.calls % 3 == 0 else tok)
-        return fixed
-
-    def propose(self, st: Any, last_token: int, position: int, num_drafts: int,
-                grammar_bitmask: Any = None) -> list[int]:
-        return self._fix(st, position, super().propose(st, last_token, position, num_drafts, grammar_bitmask))
-
-    def propose_batch(self, states: Any, last_tokens: Any, positions: Any, num_drafts: int) -> Any:
-        got = super().propose_batch(states, last_tokens, positions, num_drafts)
-        return None if got is None else [self._fix(s, p, d) for s, p, d in zip(states, positions, got)]
-
-
 def speculative(truth_new: list[list[int]], **kw: Any) -> SpeculativeEngine:
-    prop = Oracle([p + t for p, t in zip(PROMPTS, truth_new)])
+    prop = OracleProposer(DRAFTER, TARGET, max_seq_len=64, num_pages=64, max_batch=4,
+                          truth=[p + t for p, t in zip(PROMPTS, truth_new)])
     return SpeculativeEngine(TARGET, DRAFTER, proposer=prop, max_seq_len=64, **kw)
 
 
@@ -153,11 +122,6 @@ def test_seeded_sampling_with_penalties_draws_as_the_reference() -> None:
     assert got == list(decoded) == want
 
 
-def _chi2_sf(stat: float, dof: int) -> float:
-    return float(torch.special.gammaincc(torch.tensor(dof / 2.0, dtype=torch.float64),
-                                         torch.tensor(stat / 2.0, dtype=torch.float64)))
-
-
 def test_speculative_sampling_with_penalties_is_lossless() -> None:
     """Chi-square goodness of fit of the 2nd and 3rd generated tokens (the first speculative
     ones, drafted from the drafter's unpenalised distribution) against the penalised target's
@@ -184,13 +148,7 @@ def test_speculative_sampling_with_penalties_is_lossless() -> None:
     m2 = p1 @ p2_given
     m3 = (p1[:, None] * p2_given).reshape(-1) @ p3_given
     assert sum(1 for a in res.stats.acceptance_lengths if a and a[0] > 1) > 20  # drafts were accepted
-    for pos, marg in ((1, m2), (2, m3)):
-        counts = torch.bincount(torch.tensor([t[pos] for t in res.tokens]), minlength=vocab).double()
-        expected = marg.double() * n
-        keep = expected > 5
-        stat = float((((counts - expected) ** 2)[keep] / expected[keep]).sum())
-        assert int(counts[~keep].sum()) <= max(10, int(expected[~keep].sum() * 3 + 10))
-        assert _chi2_sf(stat, int(keep.sum()) - 1) > 1e-3, (pos, counts, expected)
+    assert_marginals_fit(res.tokens, [(1, m2), (2, m3)], vocab, n)
 
 
 def test_rejection_sampling_penalises_every_verify_row() -> None:
@@ -224,11 +182,8 @@ def test_rejection_sampling_penalises_every_verify_row() -> None:
     expected_1 = probs(logits[0], out) * trials
     expected_2 = torch.stack([probs(logits[1], [*out, a]) * seconds[a].sum() for a in range(vocab)])
     assert seconds.sum() > 500  # drafts were accepted often enough to test row 1
-    for counts, expected in ((firsts, expected_1), (seconds.reshape(-1), expected_2.reshape(-1))):
-        keep = expected > 5
-        stat = float((((counts - expected) ** 2)[keep] / expected[keep]).sum())
-        assert int(counts[~keep].sum()) <= max(10, int(expected[~keep].sum() * 3 + 10))
-        assert _chi2_sf(stat, int(keep.sum()) - 1) > 1e-3, (counts, expected)
+    assert_counts_fit(firsts, expected_1, "row 0")
+    assert_counts_fit(seconds.reshape(-1), expected_2.reshape(-1), "row 1")
 
 
 def test_min_tokens_masks_the_stop_tokens_until_reached() -> None:

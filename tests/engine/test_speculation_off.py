@@ -14,6 +14,8 @@ from blockdraft import pair as bd_pair
 from blockdraft.engine import SpeculativeEngine, Status
 from blockdraft.sampling import SamplingParams
 
+from support import runtime_models
+
 TARGET, DRAFTER = bd_pair.random_pair(bd_pair.SHAPES["tiny"], "cpu", torch.float32, seed=3)
 PROMPTS = [[5, 17, 300, 2], [9], [(7 * i + 11) % 500 for i in range(23)], [44, 45, 46, 47, 48, 49, 50]]
 NEW = 12
@@ -26,10 +28,7 @@ def engine(**kw: Any) -> SpeculativeEngine:
 
 
 def hf_greedy(prompt: list[int], n: int) -> list[int]:
-    ids = torch.tensor([prompt])
-    out = TARGET.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
-                          do_sample=False, pad_token_id=0, eos_token_id=None)
-    return list(out[0, ids.shape[1]:].tolist())
+    return runtime_models.hf_greedy(TARGET, prompt, n)
 
 
 @pytest.mark.parametrize("runtime", ["blockdraft", "hf"])

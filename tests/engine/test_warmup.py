@@ -7,12 +7,12 @@ import logging
 from typing import Any
 
 import pytest
-import torch
 
 from blockdraft.engine import SpeculativeEngine, compiles
 from blockdraft.engine.compiles import CompileWatch
 from blockdraft.engine.warmup import pow2_upto, prompt_lengths
 
+from support import runtime_models
 from support.tinypair import drafter_config, tiny_drafter, tiny_target
 
 TARGET = tiny_target("qwen3")
@@ -27,10 +27,7 @@ def small_engine(**kw: Any) -> SpeculativeEngine:
 
 
 def hf_greedy(prompt: list[int], n: int) -> list[int]:
-    ids = torch.tensor([prompt])
-    out = TARGET.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
-                          do_sample=False, pad_token_id=0, eos_token_id=None)
-    return list(out[0, ids.shape[1]:].tolist())
+    return runtime_models.hf_greedy(TARGET, prompt, n)
 
 
 def test_warmup_leaves_nothing_behind_and_counts_nothing_after() -> None:
