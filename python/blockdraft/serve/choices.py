@@ -19,7 +19,7 @@ from blockdraft.serve.text import TextStream
 
 
 def choice_seed(seed: int | None, j: int) -> int | None:
-    """The seed of choice ``j`` of a prompt (``None``: unseeded)."""
+    """Choice ``j``'s sampling seed for a request seeded ``seed`` (``None``: unseeded)."""
     return None if seed is None else seed + j
 
 
