@@ -25,21 +25,17 @@ from blockdraft.pair.load import build_demo_pair
 from blockdraft.training.evaluate import EvalReport
 
 from support.tinypair import HIDDEN, drafter_config, tiny_drafter, tiny_drafter_shape, tiny_target
+from support.words import word_tokenizer
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY_MAX_POSITIONS = 512  # tiny_target's max_position_embeddings
 
 
 def _save_pair(root: Path, drafter_hidden: int = HIDDEN) -> tuple[Path, Path]:
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
     tdir, ddir = root / "target", root / "drafter"
     target = tiny_target()
     target.save_pretrained(tdir)
-    tok = Tokenizer(models.WordLevel(vocab={f"w{i}": i for i in range(64)}, unk_token="w0"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="w0").save_pretrained(tdir)
+    word_tokenizer(64).save_pretrained(tdir)
     cfg = tiny_drafter_shape(hidden=drafter_hidden).config_dict()
     drafter = tiny_drafter(drafter_config(hidden=drafter_hidden))
     ddir.mkdir()

@@ -25,9 +25,12 @@ import blockdraft.pretrained
 from blockdraft.serve import ServeConfig, build_engine, create_app
 from blockdraft.serve.access import DEFAULT_MAX_BODY_BYTES
 
+from support.words import word_tokenizer
+
 HOST = "127.0.0.1"
 MODEL = "blockdraft-builtin"
 DEADLINE_S = 60.0
+WARMUP_DEADLINE_S = 900.0
 
 
 @dataclass(frozen=True)
@@ -53,6 +56,15 @@ class Pair:
 def builtin_pair() -> Pair:
     target, drafter, tokenizer = blockdraft.pretrained.builtin_pair(device="cpu", dtype=torch.float32)
     return Pair(target, drafter, tokenizer)
+
+
+def random_pair(shape: str, device: str, dtype: torch.dtype) -> Pair:
+    """The random-weight pair of :data:`blockdraft.pair.SHAPES`' ``shape`` on ``device``, with
+    a word tokenizer of its vocabulary (the last word its end-of-sequence token)."""
+    from blockdraft import pair
+
+    target, drafter = pair.random_pair(pair.SHAPES[shape], device, dtype)
+    return Pair(target, drafter, word_tokenizer(pair.SHAPES[shape].vocab, eos=True))
 
 
 def wait_until(check: Callable[[], bool], what: str, deadline_s: float = DEADLINE_S) -> None:
@@ -206,15 +218,19 @@ def counter(m: dict[tuple[str, tuple[tuple[str, str], ...]], float], name: str) 
 @contextmanager
 def live_server(pair: Pair, *, max_seq_len: int = 2048, max_active: int = 16, max_queue: int = 64,
                 builtin_chat: bool = True, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-                **engine_kw: Any) -> Iterator[LiveServer]:
-    """A server on ``pair`` for the duration of the block; on the way out it checks the
-    engine loop closed with every page back."""
+                warmup: bool = False, **engine_kw: Any) -> Iterator[LiveServer]:
+    """A server on ``pair`` for the duration of the block (with ``warmup``, once its warm-up
+    has ended and ``/health`` answers 200); on the way out it checks the engine loop closed
+    with every page back."""
     engine = build_engine(pair.target, pair.drafter, max_seq_len=max_seq_len, max_active=max_active,
                           **engine_kw)
     app = create_app(engine, pair.tokenizer, ServeConfig(MODEL, max_queue=max_queue,
                                                          builtin_chat=builtin_chat,
-                                                         max_body_bytes=max_body_bytes))
+                                                         max_body_bytes=max_body_bytes, warmup=warmup))
     server = LiveServer(app).start()
+    if warmup:
+        wait_until(lambda: httpx.get(f"{server.url}/health").status_code == 200,
+                   "the warm-up to end", deadline_s=WARMUP_DEADLINE_S)
     try:
         yield server
     finally:

@@ -48,6 +48,7 @@ from blockdraft.serve.metrics import STATUSES
 
 from support.scorecard import score
 from support.serve_support import MODEL, LiveServer, Pair, live_server, requests_total, wait_until
+from support.words import random_words
 
 FAULT_STATUS: dict[str, tuple[int, str]] = {
     "target_pages": (500, "internal_error"),  # a new request's target pages: that request fails
@@ -154,6 +155,10 @@ class SoakConfig:
     max_active: int = 2
     max_queue: int = 2
     prompts: int = 12
+    words: int = 0
+    """A random pair's word vocabulary (:func:`support.words.word_tokenizer`) to draw prompts
+    from; 0: the built-in pair's, pieces of :data:`CODE`."""
+    max_seq_len: int = 1024
 
     @property
     def burst(self) -> int:
@@ -236,8 +241,11 @@ def bad_requests(max_seq_len: int) -> list[tuple[str, bytes, int, str | None, st
 
 
 def prompts(cfg: SoakConfig) -> list[str]:
-    """``cfg.prompts`` distinct pieces of :data:`CODE`: from a line start, of random length."""
+    """``cfg.prompts`` distinct pieces of :data:`CODE`, from a line start, of random length;
+    with ``cfg.words``, random words of that word vocabulary instead."""
     rng = random.Random(cfg.seed)
+    if cfg.words:
+        return [random_words(rng, cfg.words, rng.randint(4, 400)) for _ in range(cfg.prompts)]
     starts = [0] + [i + 1 for i, ch in enumerate(CODE) if ch == "\n" and CODE[i + 1:i + 2].strip()]
     out: list[str] = []
     while len(out) < cfg.prompts:
@@ -563,6 +571,10 @@ def run_soak(pair: Pair, cfg: SoakConfig) -> SoakFigures:
     out, must close with every page back)."""
     texts = prompts(cfg)
     refs = References(pair, texts)
-    with live_server(pair, max_seq_len=1024, max_active=cfg.max_active, max_queue=cfg.max_queue,
-                     max_body_bytes=MAX_BODY_BYTES) as server:
+    # On a GPU the server warms up before its first request, as `blockdraft serve` does: without
+    # it the first rounds compile kernels and capture graphs for each new batch size while the
+    # soak measures resident memory.
+    on_gpu = next(pair.target.parameters()).device.type == "cuda"
+    with live_server(pair, max_seq_len=cfg.max_seq_len, max_active=cfg.max_active, max_queue=cfg.max_queue,
+                     max_body_bytes=MAX_BODY_BYTES, warmup=on_gpu) as server:
         return Soak(server, refs, texts, cfg).run()

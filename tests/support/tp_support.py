@@ -168,16 +168,13 @@ def save_pair(root: Path) -> tuple[Path, Path]:
     import json
 
     from safetensors.torch import save_file
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
 
     from support.tinypair import tiny_drafter_shape
+    from support.words import word_tokenizer
 
     tdir, ddir = root / "target", root / "drafter"
     tiny_target().save_pretrained(tdir)
-    tok = Tokenizer(models.WordLevel(vocab={f"w{i}": i for i in range(64)}, unk_token="w0"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="w0").save_pretrained(tdir)  # type: ignore[no-untyped-call]
+    word_tokenizer(64).save_pretrained(tdir)
     ddir.mkdir()
     (ddir / "config.json").write_text(json.dumps(tiny_drafter_shape().config_dict()))
     drafter = tiny_drafter(drafter_config())

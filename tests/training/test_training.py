@@ -29,6 +29,7 @@ from blockdraft.training.objective import (
 
 from support.tinypair import tiny_target
 from support.training_support import assert_matches_reference_and_target
+from support.words import word_tokenizer
 
 VOCAB = 64
 MASK = VOCAB - 1
@@ -314,16 +315,11 @@ def test_windows_and_anchors_depend_only_on_seed_and_step() -> None:
 
 
 def test_cli_train_drafter_adds_a_mask_token_and_resumes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
     from blockdraft.cli import main
 
     tdir = tmp_path / "target"
     tiny_target(vocab=VOCAB).save_pretrained(tdir)
-    tok = Tokenizer(models.WordLevel(vocab={f"w{i}": i for i in range(VOCAB)}, unk_token="w0"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="w0", eos_token="w63").save_pretrained(tdir)
+    word_tokenizer(VOCAB, eos=True).save_pretrained(tdir)
     corpus = tmp_path / "corpus.jsonl"
     corpus.write_text("".join(json.dumps({"text": " ".join(f"w{(s + i) % 60}" for i in range(40))}) + "\n"
                               for s in range(10)))
