@@ -187,16 +187,28 @@ def target_probs(
     return probs
 
 
+def inverse_cdf(mass: Tensor, u: Tensor) -> Tensor:
+    """One index per row of the non-negative ``mass [N, V]`` (each row with some mass, not
+    necessarily normalised), chosen by the uniforms ``u [N]`` in ``[0, 1)``: the first index
+    whose cumulative mass exceeds ``u`` times the row's total. Never an index of zero mass.
+    [N] int64 on ``mass``' device."""
+    cdf = torch.cumsum(mass.float(), dim=-1)
+    idx = torch.searchsorted(cdf, u[:, None].to(cdf.device, cdf.dtype) * cdf[:, -1:], right=True)[:, 0]
+    # u·total rounds up to the total in rare cases: the answer is then the last index with mass.
+    last_with_mass = mass.shape[-1] - 1 - torch.argmax(torch.flip(mass > 0, dims=[-1]).to(torch.int8), dim=-1)
+    return torch.minimum(idx, last_with_mass)
+
+
 def sample_rows(probs: Tensor, generator: torch.Generator | None) -> Tensor:
     """One index per row of ``probs [N, V]`` drawn from it: [N] int64 on ``probs``' device.
 
-    A generator on another device than ``probs`` (a host generator for rows on the GPU, the
-    usual kind) draws on its own device, so the random stream is the same wherever the rows
-    live.
+    One uniform per row comes from ``generator`` on its own device (a host generator for rows
+    on the GPU, the usual kind, draws on the host, so the random stream is the same wherever
+    the rows live, and only the uniforms travel) and picks the index by :func:`inverse_cdf`.
     """
-    if generator is not None and generator.device != probs.device:
-        return torch.multinomial(probs.to(generator.device), 1, generator=generator)[:, 0].to(probs.device)
-    return torch.multinomial(probs, 1, generator=generator)[:, 0]
+    where = generator.device if generator is not None else probs.device
+    u = torch.rand(probs.shape[0], generator=generator, device=where)
+    return inverse_cdf(probs, u.to(probs.device, non_blocking=True))
 
 
 def draw(probs: Tensor, generator: torch.Generator | None) -> int:
@@ -236,6 +248,7 @@ __all__ = [
     "allowed_ids",
     "as_sampling",
     "draw",
+    "inverse_cdf",
     "target_probs",
     "validate_penalties",
     "validate_sampling",

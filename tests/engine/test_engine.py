@@ -19,7 +19,7 @@ from blockdraft.sampling import SamplingParams, sample_rows, target_probs
 from blockdraft.target import HFTarget
 
 from support.oracle import OracleProposer
-from support.stats import assert_marginals_fit, chi2_sf
+from support.stats import assert_counts_fit, assert_marginals_fit, chi2_sf
 from support.tinypair import drafter_config, tiny_drafter, tiny_target
 
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9], [10, 11, 12, 13, 14, 15, 16, 17, 18], [30]]
@@ -186,16 +186,23 @@ def test_sampling_matches_target_distribution(sampled_drafts: bool) -> None:
     assert_marginals_fit(res.tokens, [(1, m2), (2, m3)], vocab, n)
 
 
-def test_sampling_detects_a_biased_sampler(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The chi-square check above has power: accepting every draft (a lossy sampler) fails it."""
+@pytest.mark.parametrize("where", ["device", "host"])
+def test_sampling_detects_a_biased_sampler(monkeypatch: pytest.MonkeyPatch, where: str) -> None:
+    """The chi-square check above has power: accepting every draft (a lossy sampler) fails it,
+    whether the rows are decided on the device or on the host."""
     vocab, n = 8, 240
     target = tiny_target(vocab=vocab, seed=5)
     drafter = tiny_drafter(drafter_config(vocab=vocab, block=4), seed=6)
     prompt = [1, 2, 3]
     engine = SpeculativeEngine(target, drafter, max_seq_len=16, num_pages=256, max_batch=16)
     import blockdraft.engine.accept as accept_mod
+    import blockdraft.engine.device_accept as device_mod
 
-    monkeypatch.setattr(accept_mod, "accept_draft", lambda p, d, q, g: (True, d))  # always accept
+    if where == "device":  # every draft accepted: each request's first rejection is its last row
+        monkeypatch.setattr(device_mod, "_first_rejected", lambda ok, owner, rank, n, last: last)
+    else:
+        monkeypatch.setattr(accept_mod, "on_device", lambda r: False)
+        monkeypatch.setattr(accept_mod, "accept_draft", lambda p, d, q, g: (True, d))
     res = engine.generate([prompt] * n, max_new_tokens=3, sampling=SamplingParams(1.3, top_k=6),
                           generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
@@ -409,10 +416,20 @@ def test_sdpa_backends_validated(target: Any, drafter: Any, bad: Any, exc: type[
 
 
 def test_sample_rows_draws_one_index_per_row_from_the_generators_stream() -> None:
+    """Row ``i`` takes the ``i``-th uniform ``u`` of the generator's stream and the first index
+    whose cumulative probability exceeds ``u`` (summed here in float64, one id at a time)."""
     probs = torch.softmax(torch.randn(5, 11, generator=torch.Generator().manual_seed(1)), dim=-1)
+    probs[2, 3] = 0.0  # a row that is not normalised and has a hole
     a = sample_rows(probs, torch.Generator().manual_seed(7))
-    b = torch.multinomial(probs, 1, generator=torch.Generator().manual_seed(7))[:, 0]
-    assert a.shape == (5,) and a.dtype == torch.int64 and torch.equal(a, b)
+    u = torch.rand(5, generator=torch.Generator().manual_seed(7)).tolist()
+    b = []
+    for row, ui in zip(probs.double(), u):
+        cdf = torch.cumsum(row, 0)
+        b.append(next(t for t in range(11) if float(cdf[t]) > ui * float(cdf[-1])))
+    assert a.shape == (5,) and a.dtype == torch.int64 and a.tolist() == b
+    counts = torch.bincount(sample_rows(probs[:1].expand(4000, -1), torch.Generator().manual_seed(8)),
+                            minlength=11)
+    assert_counts_fit(counts, probs[0] * 4000 / probs[0].sum())
     one_hot = torch.zeros(3, 11)
     one_hot[torch.arange(3), torch.tensor([4, 0, 10])] = 1.0
     assert sample_rows(one_hot, None).tolist() == [4, 0, 10]

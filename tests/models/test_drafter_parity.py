@@ -16,6 +16,7 @@ import torch
 
 import blockdraft
 from blockdraft.models import ReferenceAttend, apply_rope, rms_norm
+from blockdraft.sampling import inverse_cdf
 
 from support.dflash_ref import logged_seed, rel_err, save_reference_drafter
 
@@ -172,7 +173,19 @@ def test_interface_tensors(tmp_path: Path, seed: int) -> None:
     assert mine.rope.inv_freq.dtype == torch.float32 and mine.rope.inv_freq.shape == (c.head_dim // 2,)
 
 
-def test_dflash2_forward_and_selector(tmp_path: Path, seed: int) -> None:
+def test_dflash2_forward_and_selector(tmp_path: Path, seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Greedy: the same candidates and tokens. Sampled: the reference draws its tokens with
+    ``torch.multinomial``, blockdraft by inverse CDF (``sampling.sample_rows``), one uniform per
+    row from the same global stream; with the reference's draw replaced by that rule, both
+    draw the same tokens, so every row's ``q`` (which depends on the tokens before it)
+    compares."""
+    import dflash.model
+
+    def inverse_cdf_draw(probs: torch.Tensor) -> torch.Tensor:
+        flat = probs.reshape(-1, probs.shape[-1])
+        return inverse_cdf(flat, torch.rand(flat.shape[0])).view(probs.shape[:-1])
+
+    monkeypatch.setattr(dflash.model, "_sample_probs", inverse_cdf_draw)
     ref, mine = make_reference(tmp_path, dflash2=True, block_size=8)
     assert isinstance(mine, blockdraft.DFlash2Drafter)
     compare_forward(ref, mine, ctx_len=10, start=10, seed=seed)

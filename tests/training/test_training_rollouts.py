@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 
+from blockdraft.sampling import sample_rows
 from blockdraft.training.builtin.unlikelihood import (
     TuneConfig,
     kl_to_start,
@@ -49,7 +50,7 @@ def test_sampled_rollout_draws_from_the_full_distribution_step_by_step() -> None
     with torch.no_grad():
         for _ in range(9):
             probs = torch.softmax(model(input_ids=seq).logits[:, -1].float() / 0.7, dim=-1)
-            seq = torch.cat((seq, torch.multinomial(probs, 1, generator=gen)), dim=1)
+            seq = torch.cat((seq, sample_rows(probs, gen)[:, None]), dim=1)
     assert torch.equal(got, seq[:, 4:])
     again = rollout(model, prompts, 9, temperature=0.7, generator=torch.Generator().manual_seed(5))
     assert torch.equal(got, again)

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from blockdraft.engine.device_accept import decide_on_device, draw_uniforms, on_device
 from blockdraft.engine.request import Request
 from blockdraft.sampling import Penalties, accept_draft, allowed_ids, draw, target_probs
 
@@ -22,7 +23,7 @@ from blockdraft.sampling import Penalties, accept_draft, allowed_ids, draw, targ
 def _device_greedy(r: Request) -> bool:
     """Greedy with nothing to apply to the target's logits: a plain argmax, taken on the
     device."""
-    return r.params.greedy and r.mask_fn is None and not r.params.penalised and not r.holds_stops()
+    return r.params.greedy and on_device(r)
 
 
 def _allowed(r: Request, extra: Sequence[int], vocab: int) -> Tensor | None:
@@ -80,50 +81,49 @@ def accept_blocks(
 ) -> list[tuple[int, int]]:
     """Per request ``(accepted drafts, next token)`` from the verify logits ``[R, V]``
     (request ``i``'s ``1 + len(drafts[i])`` rows back to back). ``draft_q[i]`` ``[len, V]``:
-    the distribution request ``i``'s drafts were sampled from (``None``: greedy drafts)."""
-    greedy_rows: list[int] | None = None
-    if any(_device_greedy(r) for r in requests):
-        # One argmax on the device and one small transfer for every greedy request.
-        greedy_rows = torch.argmax(logits, dim=-1).tolist()
+    the distribution request ``i``'s drafts were sampled from (``None``: greedy drafts).
+
+    Requests :func:`~blockdraft.engine.device_accept.on_device` accepts are decided together
+    where the logits are, and one small tensor comes back; only the others' rows travel to
+    the host, to be decided there row by row."""
+    qs = list(draft_q) if draft_q is not None else [None] * len(requests)
     starts: list[int] = []
     offset = 0
     for d in drafts:
         starts.append(offset)
         offset += len(d) + 1
-    # Only the rows of requests decided on the host travel there: copying the whole [R, V]
-    # would move every greedy request's rows too.
-    host_rows = [starts[i] + k for i, (r, d) in enumerate(zip(requests, drafts)) if not _device_greedy(r)
-                 for k in range(len(d) + 1)]
-    host: Tensor | None = None
-    if host_rows:
-        if len(host_rows) == logits.shape[0]:
-            host = logits.cpu()
-        else:
-            host = logits.index_select(0, torch.tensor(host_rows, device=logits.device)).cpu()
-    out: list[tuple[int, int]] = []
-    at = 0  # the next host row
-    for i, (r, d) in enumerate(zip(requests, drafts)):
-        rows = len(d) + 1
-        if _device_greedy(r):
-            assert greedy_rows is not None
-            out.append(_greedy_accept(d, greedy_rows[starts[i] : starts[i] + rows]))
-        else:
-            assert host is not None
-            q = draft_q[i] if draft_q is not None else None
-            out.append(_host_accept(r, d, host[at : at + rows], q))
-            at += rows
-    return out
+    dev = [i for i, r in enumerate(requests) if on_device(r)]
+    host_idx = [i for i, r in enumerate(requests) if not on_device(r)]
+    out: list[tuple[int, int] | None] = [None] * len(requests)
+    if dev:
+        rows = logits if not host_idx else logits.index_select(0, _row_index(dev, drafts, starts, logits.device))
+        sub, sub_drafts = [requests[i] for i in dev], [drafts[i] for i in dev]
+        got: list[list[int]] = decide_on_device(sub, sub_drafts, rows, [qs[i] for i in dev],
+                                                draw_uniforms(sub, sub_drafts)).tolist()
+        for i, (a, nxt) in zip(dev, got):
+            out[i] = (a, nxt)
+    if host_idx:
+        # Only these requests' rows travel to the host: copying the whole [R, V] would move
+        # every other request's rows too.
+        host = logits if not dev else logits.index_select(0, _row_index(host_idx, drafts, starts, logits.device))
+        host = host.cpu()
+        at = 0
+        for i in host_idx:
+            rows_i = len(drafts[i]) + 1
+            out[i] = _host_accept(requests[i], drafts[i], host[at : at + rows_i], qs[i])
+            at += rows_i
+    return [x for x in out if x is not None]
 
 
-def _greedy_accept(drafts: Sequence[int], choices: Sequence[int]) -> tuple[int, int]:
-    for j, d in enumerate(drafts):
-        if d != choices[j]:
-            return j, choices[j]
-    return len(drafts), choices[len(drafts)]
+def _row_index(which: Sequence[int], drafts: Sequence[list[int]], starts: Sequence[int],
+               device: torch.device) -> Tensor:
+    """The verify rows of the requests ``which``, in order."""
+    return torch.tensor([starts[i] + k for i in which for k in range(len(drafts[i]) + 1)], device=device)
 
 
 def _host_accept(r: Request, drafts: Sequence[int], rows: Tensor, q: Tensor | None) -> tuple[int, int]:
     penalties = _penalties(r, rows.shape[-1])
+    q = None if q is None else q.cpu()
     for j in range(len(drafts) + 1):
         probs, choice = _host_choice(r, rows[j].float(), drafts[:j], penalties)
         if probs is None:

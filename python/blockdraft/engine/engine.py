@@ -549,7 +549,7 @@ class SpeculativeEngine:
     def _draft(self, running: list[Request]) -> tuple[dict[int, list[int]], dict[int, Tensor]]:
         """Drafts per request (as many as the draft-length policy chooses; see
         :func:`~blockdraft.engine.drafting.draft_requests`) and, for sampled drafts, their
-        distribution ``[drafts, V]`` (on the host); a request whose proposal fails is failed."""
+        distribution ``[drafts, V]`` (on the device); a request whose proposal fails is failed."""
         got = draft_requests(self.proposer, running, self._lengths.choose([r.id for r in running]),
                              self.sampled_drafts)
         self.batched_proposals += got.batched

@@ -40,8 +40,8 @@ class Drafts:
 
     Attributes:
         tokens: each sequence's drafts (``[]`` when it wanted none or its proposal failed).
-        q: for sampled drafts, the distribution ``[len(tokens[i]), V]`` (fp32, on the host)
-            each draft was drawn from; ``None`` for greedy drafts.
+        q: for sampled drafts, the distribution ``[len(tokens[i]), V]`` each draft was drawn
+            from (fp32, on the drafter's device); ``None`` for greedy drafts.
         errors: the exception a sequence's proposal raised, or ``None``.
         batched: batched forwards that drafted.
         single: proposals of one sequence.
@@ -108,13 +108,13 @@ def draft_many(
                 out.batched += 1
                 for row, (i, _) in enumerate(group):
                     out.tokens[i] = got[row]
-                    out.q[i] = q[row, : len(got[row])].cpu()
+                    out.q[i] = q[row, : len(got[row])]
                 continue
         for i, (params, generator) in group:
             try:
                 got, q = prop.propose_sampled([states[i]], [anchors[i]], [positions[i]], want[i], params, generator)
                 out.tokens[i] = got[0]
-                out.q[i] = q[0, : len(got[0])].cpu()
+                out.q[i] = q[0, : len(got[0])]
                 out.single += 1
             except Exception as exc:  # noqa: BLE001 - this sequence fails, the others go on
                 out.errors[i] = exc
