@@ -64,8 +64,9 @@ PARAMS = [SamplingParams(), SamplingParams(temperature=0.7), SamplingParams(temp
           SamplingParams(temperature=1.0, top_p=0.8), SamplingParams(temperature=0.9, top_k=12, top_p=0.9)]
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("seed", range(6))
-def test_a_ragged_mixed_batch_matches_the_row_by_row_reference(seed: int) -> None:
+def test_a_ragged_mixed_batch_matches_the_row_by_row_reference(seed: int, device: str) -> None:
     rng = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
     vocab, n = 40, 9
@@ -88,7 +89,9 @@ def test_a_ragged_mixed_batch_matches_the_row_by_row_reference(seed: int) -> Non
                 logits[at + j, t] += 8.0
         at += len(d) + 1
     uniforms = draw_uniforms(reqs, drafts)
-    got = decide_on_device(reqs, drafts, logits, qs, uniforms).tolist()
+    on = torch.device(device)
+    got = decide_on_device(reqs, drafts, logits.to(on), [None if q is None else q.to(on) for q in qs],
+                           uniforms).tolist()
     at = 0
     want = []
     for r, d, q, u in zip(reqs, drafts, qs, uniforms):
