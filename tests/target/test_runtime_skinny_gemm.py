@@ -91,3 +91,19 @@ def test_the_torch_backend_never_streams(monkeypatch: pytest.MonkeyPatch) -> Non
     monkeypatch.setenv(ENV_SKINNY_GEMM, "on")
     rt = TargetRuntime(make_target("qwen3"), num_pages=8, page_size=4, backend="torch")
     assert not rt.forward_pass.proj.streaming
+
+
+def test_streaming_gemms_under_tensor_parallelism() -> None:
+    """Two ranks (gloo): q/k/v and gate/up on their rows, o and down on their columns then the
+    all-reduce, the head whole; the greedy tokens are the target's own."""
+    need_triton(torch.device("cpu"))
+    from blockdraft.parallel import launch
+
+    from support.tp_support import PROMPTS as TP_PROMPTS
+    from support.tp_support import skinny_gemm_case
+
+    model = make_target("llama-bias-gqa")
+    want = [hf_greedy(model, p, 6) for p in TP_PROMPTS]
+    for tokens, calls in launch(skinny_gemm_case, 2, ["llama-bias-gqa"], device="cpu",
+                                timeout_s=120.0):
+        assert tokens == want and calls > 0
