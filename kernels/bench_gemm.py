@@ -82,18 +82,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def candidates(sg: Any, kind: str, rows: int, n: int, k: int, sms: int, quick: bool) -> list[Any]:
     """The configs swept for one cell: the module's own choice first, then block shapes with
-    the rule's split for that block (and twice it for the 128-deep ones), the broadcast path
-    for 1-2 rows."""
+    the rule's split for that block (and, for two of them, no split, one or two programs per
+    SM, twice the rule's), the broadcast path for 1-2 rows."""
     out = [sg.config_for(kind, rows, n, k, torch.device("cuda")) if torch.cuda.is_available()
            else sg.rule_config(kind, rows, n, k, sms)]
     out_n = n // 2 if kind == "swiglu" else n
-    # (block_n, block_k, warps, stages, also twice the split)
-    blocks = [(64, 128, 4, 4, True), (128, 128, 8, 3, True), (32, 256, 4, 3, False),
-              (64, 256, 4, 3, False)]
-    for bn, bk, warps, stages, double in blocks[:2] if quick else blocks:
+    # (block_n, block_k, warps, stages, sweep the split): one compile per block shape (the
+    # split count is a launch argument), so the split sweep costs only timing
+    blocks = [(64, 128, 4, 4, True), (128, 128, 8, 3, True), (64, 128, 4, 6, False),
+              (32, 256, 4, 3, False), (64, 256, 4, 3, False)]
+    for bn, bk, warps, stages, sweep in blocks[:2] if quick else blocks:
         tiles, steps = math.ceil(out_n / bn), math.ceil(k / bk)
         base = 1 if kind == "argmax" else max(1, min(steps // 4, math.ceil(2 * sms / tiles)))
-        for split in sorted({base, min(steps, 2 * base)} if double and kind != "argmax" else {base}):
+        splits = {base}
+        if sweep and kind != "argmax":
+            # one wave of one or two programs per SM, the rule's, twice the rule's
+            splits |= {sms // tiles, 2 * sms // tiles, 2 * base, 1}
+        for split in sorted({max(1, min(steps, sp)) for sp in splits}):
             out.append(sg.GemmConfig(block_n=bn, block_k=bk, split_k=split, num_warps=warps,
                                      num_stages=stages))
     if rows <= 2 and not quick:

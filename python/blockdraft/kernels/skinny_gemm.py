@@ -144,9 +144,11 @@ def _tile_product(acc, w, x, BLOCK_M: tl.constexpr, USE_DOT: tl.constexpr,
 
 @triton.jit
 def _k_step(acc, acc_u, w_tile, x_tile, k0, k_hi, offs_k, up_offset, BLOCK_M: tl.constexpr,
-            EPI: tl.constexpr, EVEN_K: tl.constexpr, USE_DOT: tl.constexpr, IEEE: tl.constexpr):
+            BLOCK_K: tl.constexpr, EPI: tl.constexpr, EVEN_K: tl.constexpr, USE_DOT: tl.constexpr, IEEE: tl.constexpr):
     # One BLOCK_K step: the weight tile (and, for gate/up, the up tile up_offset further on)
-    # streamed once (evict-first: it is not read again), times every row.
+    # streamed once (evict-first: it is not read again), times every row. k0 is a multiple of
+    # BLOCK_K: with 16-aligned rows the loads are full-width vectors.
+    k0 = tl.multiple_of(k0, BLOCK_K)
     if EVEN_K:
         w = tl.load(w_tile + k0, eviction_policy="evict_first")
         x = tl.load(x_tile + k0)
@@ -165,7 +167,7 @@ def _k_step(acc, acc_u, w_tile, x_tile, k0, k_hi, offs_k, up_offset, BLOCK_M: tl
     return acc, acc_u
 
 
-@triton.jit(do_not_specialize=["M", "k_per_split"])
+@triton.jit(do_not_specialize=["M", "split_steps"])
 def _skinny_kernel(
     x_ptr,  # [M, K] (row stride stride_xm, unit column stride)
     w_ptr,  # [N_W, K] (row stride stride_wn), N_W = OUT_N (2 * OUT_N for SWIGLU)
@@ -179,14 +181,14 @@ def _skinny_kernel(
     K,
     stride_xm,
     stride_wn,
-    k_per_split,
+    split_steps,  # BLOCK_K tiles per split
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     EPI: tl.constexpr,  # 0 linear, 1 gate/up + SwiGLU, 2 argmax over the columns
     HAS_BIAS: tl.constexpr,
     SPLIT: tl.constexpr,
-    EVEN_K: tl.constexpr,  # K % BLOCK_K == 0 and k_per_split % BLOCK_K == 0: no K masks
+    EVEN_K: tl.constexpr,  # K % BLOCK_K == 0: no K masks
     USE_DOT: tl.constexpr,
     IEEE: tl.constexpr,
     INTERPRET: tl.constexpr,
@@ -204,8 +206,8 @@ def _skinny_kernel(
     m_rows = tl.minimum(offs_m, M - 1).to(tl.int64)
     w_tile = w_ptr + n_rows[:, None] * stride_wn + offs_k[None, :]
     x_tile = x_ptr + m_rows[:, None] * stride_xm + offs_k[None, :]
-    k_lo = pid_k * k_per_split
-    k_hi = tl.minimum(k_lo + k_per_split, K)
+    k_lo = pid_k * split_steps * BLOCK_K
+    k_hi = tl.minimum(k_lo + split_steps * BLOCK_K, K)
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     if INTERPRET:
@@ -214,12 +216,12 @@ def _skinny_kernel(
         k0 = k_lo
         while k0 < k_hi:
             acc, acc_u = _k_step(acc, acc_u, w_tile, x_tile, k0, k_hi, offs_k, OUT_N * stride_wn,
-                                 BLOCK_M, EPI, EVEN_K, USE_DOT, IEEE)
+                                 BLOCK_M, BLOCK_K, EPI, EVEN_K, USE_DOT, IEEE)
             k0 += BLOCK_K
     else:
         for k0 in range(k_lo, k_hi, BLOCK_K):
             acc, acc_u = _k_step(acc, acc_u, w_tile, x_tile, k0, k_hi, offs_k, OUT_N * stride_wn,
-                                 BLOCK_M, EPI, EVEN_K, USE_DOT, IEEE)
+                                 BLOCK_M, BLOCK_K, EPI, EVEN_K, USE_DOT, IEEE)
     live = n_live[:, None] & m_live[None, :]
     out_ty = x_ptr.dtype.element_ty
     if SPLIT:
@@ -245,15 +247,16 @@ def _skinny_kernel(
             tl.store(pi_ptr + offs_m * tiles + pid_n, col, mask=m_live)
         else:
             if EPI == 1:
-                acc = _swiglu(acc, acc_u, out_ty)
+                acc = _swiglu(acc, acc_u, x_ptr)
             dst = y_ptr + offs_m[None, :].to(tl.int64) * OUT_N + offs_n[:, None]
             tl.store(dst, acc.to(out_ty), mask=live)
 
 
 @triton.jit
-def _swiglu(g, u, out_ty: tl.constexpr):
-    # As the unfused path rounds: gate and up to the activation dtype (the GEMM's output),
-    # then silu(gate) to it, then the product.
+def _swiglu(g, u, out_ptr):
+    # As the unfused path rounds: gate and up to the activation dtype (out_ptr's, the GEMM's
+    # output), then silu(gate) to it, then the product.
+    out_ty = out_ptr.dtype.element_ty
     g = g.to(out_ty).to(tl.float32)
     u = u.to(out_ty).to(tl.float32)
     a = (g / (1.0 + tl.exp(-g))).to(out_ty).to(tl.float32)
@@ -282,7 +285,7 @@ def _combine_kernel(ws_ptr, b_ptr, y_ptr, M, OUT_N, SPLITS: tl.constexpr, BLOCK:
             acc_u += tl.load(b_ptr + OUT_N + cols, mask=live, other=0.0).to(tl.float32)
     out_ty = y_ptr.dtype.element_ty
     if SWIGLU:
-        acc = _swiglu(acc, acc_u, out_ty)
+        acc = _swiglu(acc, acc_u, y_ptr)
     tl.store(y_ptr + row * OUT_N + cols, acc.to(out_ty), mask=live)
 
 
@@ -335,7 +338,6 @@ def _launch(kind: Kind, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
     splits = 1 if kind == "argmax" else min(cfg.split_k, steps)
     per_split = triton.cdiv(steps, splits)
     splits = triton.cdiv(steps, per_split)  # no empty split
-    k_per_split = per_split * cfg.block_k
     use_dot = cfg.dot or rows > 4
     block_m = 16 if use_dot else next_pow2(rows)
     epi = {"linear": _EPI_LINEAR, "swiglu": _EPI_SWIGLU, "argmax": _EPI_ARGMAX}[kind]
@@ -346,7 +348,7 @@ def _launch(kind: Kind, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
     _skinny_kernel[(tiles, splits)](
         x, weight, bias if bias is not None else dummy, out if out is not None else dummy, ws,
         pv if pv is not None else dummy, pi if pi is not None else dummy,
-        rows, out_n, k, x.stride(0), weight.stride(0), k_per_split,
+        rows, out_n, k, x.stride(0), weight.stride(0), per_split,
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EPI=epi,
         HAS_BIAS=bias is not None, SPLIT=splits > 1, EVEN_K=k % cfg.block_k == 0,
         USE_DOT=use_dot, IEEE=x.dtype == torch.float32, INTERPRET=interpreting(),
