@@ -51,6 +51,9 @@ SHAPES: dict[str, tuple[str, int, int]] = {
 }
 ROWS = (1, 2, 4, 8, 16)
 H200_SMS = 132  # the plan of --dry-run (no device to ask)
+DEVICE = "cuda"
+DTYPE = torch.bfloat16
+L2_BYTES = 50 << 20  # off CUDA, or where the device does not say
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -84,7 +87,7 @@ def candidates(sg: Any, kind: str, rows: int, n: int, k: int, sms: int, quick: b
     """The configs swept for one cell: the module's own choice first, then block shapes with
     the rule's split for that block (and, for two of them, no split, one or two programs per
     SM, twice the rule's), the broadcast path for 1-2 rows."""
-    out = [sg.config_for(kind, rows, n, k, torch.device("cuda")) if torch.cuda.is_available()
+    out = [sg.config_for(kind, rows, n, k, torch.device(DEVICE)) if torch.cuda.is_available()
            else sg.rule_config(kind, rows, n, k, sms)]
     out_n = n // 2 if kind == "swiglu" else n
     # (block_n, block_k, warps, stages, sweep the split): one compile per block shape (the
@@ -142,22 +145,25 @@ def config_src(c: Any) -> str:
 
 
 def weights(name: str) -> list[torch.Tensor]:
-    """Copies of one random bf16 weight, together at least 3x the L2."""
+    """Copies of one random weight, together at least 3x the L2."""
     _, n, k = SHAPES[name]
-    dev = torch.device("cuda")
-    l2 = int(getattr(torch.cuda.get_device_properties(dev), "L2_cache_size", 50 << 20))
+    dev = torch.device(DEVICE)
+    l2 = L2_BYTES
+    if dev.type == "cuda":
+        l2 = int(getattr(torch.cuda.get_device_properties(dev), "L2_cache_size", l2))
     gen = torch.Generator(device=dev).manual_seed(n + k)
-    return [(torch.randn(n, k, device=dev, generator=gen) / k**0.5).to(torch.bfloat16)
-            for _ in range(max(1, math.ceil(3 * l2 / (n * k * 2))))]
+    nbytes = n * k * DTYPE.itemsize
+    return [(torch.randn(n, k, device=dev, generator=gen) / k**0.5).to(DTYPE)
+            for _ in range(max(1, math.ceil(3 * l2 / nbytes)))]
 
 
 def run_cell(K: Any, sg: Any, name: str, ws: list[torch.Tensor], rows: int,
              a: argparse.Namespace, copy_gbs: float, sms: int) -> dict[str, Any]:
     kind, n, k = SHAPES[name]
-    nbytes = n * k * 2
+    nbytes = n * k * DTYPE.itemsize
     copies = len(ws)
     gen = torch.Generator(device=ws[0].device).manual_seed(rows)
-    x = torch.randn(rows, k, device=ws[0].device, generator=gen).to(torch.bfloat16)
+    x = torch.randn(rows, k, device=ws[0].device, generator=gen).to(DTYPE)
     loops = math.ceil(a.calls / copies)
     ops = K.ops("triton")
 
@@ -255,10 +261,10 @@ def main(argv: list[str] | None = None) -> None:
     if a.dry_run:
         dry_run(sg, a)
         return
-    if not torch.cuda.is_available():
+    if DEVICE == "cuda" and not torch.cuda.is_available():
         sys.exit("bench_gemm: needs a CUDA device (use --dry-run for the plan only)")
     copy_gbs = copy_bandwidth_gbs()
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    sms = torch.cuda.get_device_properties(0).multi_processor_count if DEVICE == "cuda" else 4
     cells = []
     start = time.monotonic()
     for name in a.shapes:

@@ -5,12 +5,15 @@ that the config table it prints at the end is Python that builds ``DEFAULT_CONFI
 from __future__ import annotations
 
 import importlib
+import json
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
-from support.kernel_support import K
+from support.kernel_support import K, need_triton
 
 KERNELS_DIR = Path(__file__).resolve().parents[2] / "kernels"
 
@@ -59,3 +62,40 @@ def test_suggested_table_is_pasteable(bench: Any) -> None:
     assert scope["DEFAULT_CONFIGS"] == {("linear", 4, 4096, 4096): best}
     assert "| o | 3 |" in bench.table([cell])
     assert K.SKINNY_MAX_ROWS == sg.MAX_ROWS == 16
+
+
+def test_a_run_on_the_cpu_writes_its_table(bench: Any, monkeypatch: pytest.MonkeyPatch,
+                                           tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The whole run at toy shapes in fp32 under the interpreter, eager calls timed instead of
+    graph replays: every cell has a best config whose output was checked, and the files and
+    the printed table are written."""
+    need_triton(torch.device("cpu"))
+    monkeypatch.setattr(bench, "DEVICE", "cpu")
+    monkeypatch.setattr(bench, "DTYPE", torch.float32)
+    monkeypatch.setattr(bench, "SHAPES", {"toy": ("linear", 40, 300), "toy+swiglu": ("swiglu", 80, 300),
+                                          "toy+argmax": ("argmax", 150, 64)})
+    monkeypatch.setattr(bench, "L2_BYTES", 40_000)  # a few copies of each toy weight
+    monkeypatch.setattr(bench, "copy_bandwidth_gbs", lambda: 100.0)
+    monkeypatch.setattr(bench, "record", lambda out, entry: None)  # no device name to log
+
+    def eager_ms(calls: list[Any], reps: int) -> float:
+        start = time.perf_counter()
+        for c in calls:
+            c()
+        return (time.perf_counter() - start) * 1e3 / len(calls) + 1e-6
+
+    monkeypatch.setattr(bench, "replay_ms", eager_ms)
+    bench.main(["--out", str(tmp_path), "--rows", "1,3", "--calls", "1", "--reps", "1", "--quick"])
+    cells = json.loads((tmp_path / "gemm.json").read_text())["cells"]
+    assert [(c["shape"], c["rows"]) for c in cells] == [
+        (s, r) for s in ("toy", "toy+swiglu", "toy+argmax") for r in (1, 3)]
+    for c in cells:
+        assert c["best"] is not None and c["best"]["ms"] > 0, c
+        assert all("error" not in r for r in c["sweep"]), c["sweep"]
+        if c["kind"] == "argmax":
+            assert c["best"]["argmax_mismatches"] == 0
+        else:
+            assert c["best"]["rel_err"] < 1e-5
+    out = capsys.readouterr().out
+    assert "| toy+swiglu | 3 |" in out and "DEFAULT_CONFIGS" in out
+    assert "| toy | 1 |" in (tmp_path / "gemm.md").read_text()
