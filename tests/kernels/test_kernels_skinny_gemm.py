@@ -99,11 +99,13 @@ def case_argmax(device: torch.device, dtype: torch.dtype, rows: int, n: int, k: 
     w = torch.randint(-2, 3, (n, k), generator=gen).to(dtype)
     # Constructed ties at the maximum: row r's best weight row copied to later columns
     # (across tiles), and for row 0 an all-equal pair at the first and last column.
+    logits = x.float() @ w.float().T  # exact; kept equal to x @ w.T as columns are copied
     for r in range(rows):
-        best = int(torch.argmax(x[r].float() @ w.float().T))
+        best = int(torch.argmax(logits[r]))
         for j in (best + 1 + r, n - 1 - r, best + 17):
             if best < j < n:
                 w[j] = w[best]
+                logits[:, j] = logits[:, best]
     if rows and n > 1:
         w[n - 1] = w[0]
         x[0] = 0  # every logit of row 0 is 0: its argmax is column 0
