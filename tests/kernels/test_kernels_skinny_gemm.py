@@ -193,6 +193,16 @@ def test_refusals(fn: str, args: tuple[torch.Tensor, ...], match: str) -> None:
         getattr(K.ops("triton"), fn)(*args)
 
 
+def test_an_empty_reduction_gives_the_bias() -> None:
+    need_triton(CPU)
+    x, w, b = torch.zeros(3, 0), torch.zeros(5, 0), torch.arange(5.0)
+    ops = K.ops("triton")
+    assert torch.equal(ops.linear(x, w, b), b.expand(3, 5))
+    assert torch.equal(ops.linear_silu_mul(x, torch.zeros(4, 0), b[:4]),
+                       K.reference.linear_silu_mul(x, torch.zeros(4, 0), b[:4]))
+    assert torch.equal(ops.linear_argmax(x, w), torch.zeros(3, dtype=torch.int64))
+
+
 def test_bad_configs_are_refused() -> None:
     sg = _sg()
     for bad in (dict(block_n=48), dict(block_k=8), dict(split_k=0), dict(num_warps=3)):

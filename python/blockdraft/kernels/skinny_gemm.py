@@ -334,7 +334,7 @@ def _launch(kind: Kind, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
     n_w = weight.shape[0]
     out_n = n_w // 2 if kind == "swiglu" else n_w
     cfg = config_for(kind, rows, n_w, k, x.device)
-    steps = triton.cdiv(k, cfg.block_k)
+    steps = max(1, triton.cdiv(k, cfg.block_k))  # K = 0: one empty step, the bias alone
     splits = 1 if kind == "argmax" else min(cfg.split_k, steps)
     per_split = triton.cdiv(steps, splits)
     splits = triton.cdiv(steps, per_split)  # no empty split
@@ -350,7 +350,7 @@ def _launch(kind: Kind, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
         pv if pv is not None else dummy, pi if pi is not None else dummy,
         rows, out_n, k, x.stride(0), weight.stride(0), per_split,
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EPI=epi,
-        HAS_BIAS=bias is not None, SPLIT=splits > 1, EVEN_K=k % cfg.block_k == 0,
+        HAS_BIAS=bias is not None, SPLIT=splits > 1, EVEN_K=k > 0 and k % cfg.block_k == 0,
         USE_DOT=use_dot, IEEE=x.dtype == torch.float32, INTERPRET=interpreting(),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
