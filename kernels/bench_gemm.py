@@ -65,7 +65,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated of {', '.join(SHAPES)}")
     p.add_argument("--reps", type=int, default=15, help="graph replays per timing (median)")
     p.add_argument("--calls", type=int, default=24, help="calls per graph replay (at least)")
-    p.add_argument("--quick", action="store_true", help="sweep 3 configs per shape, not all")
+    p.add_argument("--quick", action="store_true", help="sweep 3 block shapes, not 6")
     p.add_argument("--dry-run", action="store_true", help="print the plan and exit (no GPU)")
     a = p.parse_args(argv)
     try:
@@ -85,16 +85,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def candidates(sg: Any, kind: str, rows: int, n: int, k: int, sms: int, quick: bool) -> list[Any]:
     """The configs swept for one cell: the module's own choice first, then block shapes with
-    the rule's split for that block (and, for two of them, no split, one or two programs per
+    the rule's split for that block (and, for four of them, no split, one or two programs per
     SM, twice the rule's), the broadcast path for 1-2 rows."""
     out = [sg.config_for(kind, rows, n, k, torch.device(DEVICE)) if torch.cuda.is_available()
            else sg.rule_config(kind, rows, n, k, sms)]
     out_n = n // 2 if kind == "swiglu" else n
     # (block_n, block_k, warps, stages, sweep the split): one compile per block shape (the
     # split count is a launch argument), so the split sweep costs only timing
-    blocks = [(64, 128, 4, 4, True), (128, 128, 8, 3, True), (64, 128, 4, 6, False),
-              (32, 256, 4, 3, False), (64, 256, 4, 3, False)]
-    for bn, bk, warps, stages, sweep in blocks[:2] if quick else blocks:
+    # (narrow tiles: enough column tiles to fill the GPU without a split at N = 4096)
+    blocks = [(64, 128, 4, 4, True), (16, 256, 4, 6, True), (128, 128, 8, 3, True),
+              (32, 256, 4, 4, True), (64, 128, 4, 6, False), (64, 256, 4, 3, False)]
+    for bn, bk, warps, stages, sweep in blocks[:3] if quick else blocks:
         tiles, steps = math.ceil(out_n / bn), math.ceil(k / bk)
         base = 1 if kind == "argmax" else max(1, min(steps // 4, math.ceil(2 * sms / tiles)))
         splits = {base}
