@@ -25,11 +25,12 @@ fi
   "$py" -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'cuda', torch.version.cuda)"
 } 2>&1 | tee "$OUT/env.log"
 rc=0
-for b in ceilings kv_store attention selection dflash2; do
+for b in ceilings kv_store attention selection dflash2 gemm; do
   echo "== bench_$b" | tee -a "$OUT/bench.log"
   (cd kernels && "$py" "bench_$b.py" --out "$OUT") 2>&1 | tee -a "$OUT/bench.log" || rc=1
 done
-"$py" -m pytest -q -m gpu tests/gpu/test_kernels_gpu.py -p no:cacheprovider --durations=10 \
+"$py" -m pytest -q -m gpu tests/gpu/test_kernels_gpu.py tests/gpu/test_skinny_gemm_gpu.py \
+  -p no:cacheprovider --durations=10 \
   2>&1 | tee "$OUT/gpu_tests.log" || rc=1
 echo "wrote $OUT"
 exit "$rc"

@@ -1,8 +1,8 @@
-"""Environment levers of the proposer (``BLOCKDRAFT_DFLASH_*``).
+"""Environment levers of the proposer (``BLOCKDRAFT_DFLASH_*``) and of the target runtime.
 
-Each lever is read once, when a :class:`~blockdraft.DFlashProposer` is built, so a bad value
-fails loudly at construction (a :class:`~blockdraft.ConfigError` naming the variable) instead of
-in the middle of a serve.
+Each lever is read once, when a :class:`~blockdraft.DFlashProposer` (or a target runtime's
+forward) is built, so a bad value fails loudly at construction (a
+:class:`~blockdraft.ConfigError` naming the variable) instead of in the middle of a serve.
 
 | variable | default | meaning |
 | --- | --- | --- |
@@ -11,6 +11,7 @@ in the middle of a serve.
 | ``BLOCKDRAFT_DFLASH_BATCH_PROPOSE`` | 16 | ``propose_batch`` width; below 2 turns batching off |
 | ``BLOCKDRAFT_DFLASH_BATCHED_PRECOMPUTE`` | on | one ctx K/V precompute for a whole batch |
 | ``BLOCKDRAFT_DFLASH_DRAFT_CAP`` | unset (all B-1) | at most this many drafts per sequence |
+| ``BLOCKDRAFT_SKINNY_GEMM`` | off | target runtime: weight-streaming GEMMs for forwards of <= 16 rows |
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from blockdraft._core import DEFAULT_SLIDE, ConfigError, read_ctx_cap, read_slid
 ENV_BATCH_PROPOSE = "BLOCKDRAFT_DFLASH_BATCH_PROPOSE"
 ENV_BATCHED_PRECOMPUTE = "BLOCKDRAFT_DFLASH_BATCHED_PRECOMPUTE"
 ENV_DRAFT_CAP = "BLOCKDRAFT_DFLASH_DRAFT_CAP"
+ENV_SKINNY_GEMM = "BLOCKDRAFT_SKINNY_GEMM"
 
 DEFAULT_BATCH_PROPOSE = 16
 
@@ -100,3 +102,14 @@ def read_levers() -> Levers:
         batched_precompute=_bool_var(os.environ, ENV_BATCHED_PRECOMPUTE, True),
         draft_cap=_int_var(os.environ, ENV_DRAFT_CAP, minimum=1),
     )
+
+
+def read_skinny_gemm(env: Mapping[str, str] | None = None) -> bool:
+    """:data:`ENV_SKINNY_GEMM` (default off): whether the target runtime's forward runs its
+    projections of at most 16 rows (fp16/bf16, Triton backend) on the weight-streaming kernels
+    of :mod:`blockdraft.kernels.skinny_gemm` instead of ``torch.nn.functional.linear``.
+
+    Raises:
+        ConfigError: a value that is not a boolean word; the message names the variable.
+    """
+    return _bool_var(os.environ if env is None else env, ENV_SKINNY_GEMM, False)

@@ -92,3 +92,43 @@ def test_captured_graphs_equal_the_eager_runtime() -> None:
         engine.close()
     for kind in ("decode", "spec", "spec1"):
         assert out[(kind, "capture")] == out[(kind, "off")], kind
+
+
+def test_streaming_gemms_equal_hf(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``BLOCKDRAFT_SKINNY_GEMM=on`` (bf16): a 16-row verify and 1-row decodes of one sequence,
+    replayed from CUDA graphs, run their projections on the streaming kernels; the logits are
+    Hugging Face's within bf16 tolerance, as on cuBLAS."""
+    import dataclasses
+
+    monkeypatch.setenv("BLOCKDRAFT_SKINNY_GEMM", "on")
+    model = _target(torch.bfloat16)
+    prompt = _prompts(1, [300])[0]
+    rt = TargetRuntime(model, num_pages=100, page_size=16, graphs="capture")
+    proj = rt.forward_pass.proj
+    assert proj.streaming
+    calls = {"linear": 0, "linear_silu_mul": 0}
+    ops = proj.ops
+
+    def counting(name: str) -> Any:
+        def call(*args: Any) -> torch.Tensor:
+            calls[name] += 1
+            return getattr(ops, name)(*args)  # type: ignore[no-any-return]
+        return call
+
+    proj.ops = dataclasses.replace(ops, **{n: counting(n) for n in calls})
+    seq = rt.new_sequence(len(prompt) + 32)
+    rt.prefill([seq], [prompt])  # 300 rows: cuBLAS
+    block = [(7 * j + 1) % SHAPE.vocab for j in range(16)]
+    verify = rt.forward([seq], [block], logits="all").logits.float().clone()
+    rt.accept([seq], [16])
+    decoded = [rt.forward([seq], [[t]], logits="last").logits.float().clone() for t in (5, 9)]
+    for _ in decoded:
+        rt.accept([seq], [1])
+    assert calls["linear_silu_mul"] > 0 and calls["linear"] > 0
+    assert rt.graphs is not None and rt.graphs.disabled is None and rt.graphs.captures > 0
+    with torch.no_grad():
+        want = model(torch.tensor([prompt + block + [5, 9]], device=GPU)).logits[0].float()
+    scale = want.abs().max()
+    assert float((verify - want[len(prompt):len(prompt) + 16]).abs().max() / scale) < 2e-2
+    for i, got in enumerate(decoded):
+        assert float((got[0] - want[len(prompt) + 16 + i]).abs().max() / scale) < 2e-2

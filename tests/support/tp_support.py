@@ -124,6 +124,27 @@ def everything(group: TPGroup) -> dict[str, Any]:
     }
 
 
+def skinny_gemm_case(group: TPGroup, name: str) -> tuple[list[list[int]], int]:
+    """Greedy decoding with ``BLOCKDRAFT_SKINNY_GEMM`` on (set in this rank's process) on the
+    Triton backend: the tokens, and how many projections ran on the streaming kernels."""
+    import dataclasses
+
+    from blockdraft.levers import ENV_SKINNY_GEMM
+
+    os.environ[ENV_SKINNY_GEMM] = "on"
+    rt = TargetRuntime(make_target(name), num_pages=40, page_size=4, backend="triton", tp=group)
+    proj = rt.forward_pass.proj
+    calls = [0]
+
+    def counted(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+        calls[0] += 1
+        return ops.linear(x, w, b)
+
+    ops = proj.ops
+    proj.ops = dataclasses.replace(ops, linear=counted)
+    return blockdraft.decode(rt, PROMPTS, max_new_tokens=6).tokens, calls[0]
+
+
 def decode_until_killed(group: TPGroup, pid_dir: str) -> None:
     """Decode forever; after the first forward each rank writes its pid to
     ``pid_dir/rank<r>`` (the test kills one of them mid-run)."""

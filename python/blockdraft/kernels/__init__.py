@@ -2,9 +2,10 @@
 
 One op family per module: the Triton kernels and their host launcher (``kv_store``,
 ``paged_attention``, ``accumulator``, ``selection``, ``topk``, ``graph_inputs``, ``fused``,
-``dflash2``), and one plain-torch reference for every launcher in :mod:`blockdraft.kernels.reference`, which is also
-the ``"torch"`` backend (any device). A launcher and its reference take the same arguments, so
-a caller picks a backend once and calls through :class:`KernelOps`::
+``dflash2``, ``skinny_gemm``), and one plain-torch reference for every launcher in
+:mod:`blockdraft.kernels.reference`, which is also the ``"torch"`` backend (any device). A
+launcher and its reference take the same arguments, so a caller picks a backend once and calls
+through :class:`KernelOps`::
 
     ops = kernels.ops(kernels.resolve_backend("auto", device))
     ops.ctx_kv_store(kv, positions, slots, ...)
@@ -29,7 +30,7 @@ from blockdraft._core import ConfigError
 
 from . import reference
 from ._validate import interpreting
-from .reference import PAD_SLOT
+from .reference import PAD_SLOT, SKINNY_MAX_ROWS
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +50,9 @@ _TRITON_HOME: dict[str, str] = {
     "causal_attention": "causal_attention",
     "dynamic_conv": "dflash2",
     "selector_walk": "dflash2",
+    "linear": "skinny_gemm",
+    "linear_silu_mul": "skinny_gemm",
+    "linear_argmax": "skinny_gemm",
 }
 _triton_mods: dict[str, ModuleType] = {}
 _triton_error: str | None = None
@@ -113,6 +117,10 @@ class KernelOps:
     causal_attention: Callable[..., torch.Tensor]
     dynamic_conv: Callable[..., torch.Tensor]
     selector_walk: Callable[..., tuple[torch.Tensor, torch.Tensor | None]]
+    linear: Callable[..., torch.Tensor]
+    """Triton: at most :data:`SKINNY_MAX_ROWS` rows (the weight-streaming GEMM)."""
+    linear_silu_mul: Callable[..., torch.Tensor]
+    linear_argmax: Callable[..., torch.Tensor]
     acc_append: Callable[[torch.Tensor, torch.Tensor], None] | None = None
     """Triton: ``acc_append(rows [R, C], table)`` with ``table`` from :attr:`append_table`."""
     append_table: Callable[..., torch.Tensor] | None = None
@@ -151,6 +159,7 @@ def ops(backend: Backend) -> KernelOps:
 
 __all__ = [
     "PAD_SLOT",
+    "SKINNY_MAX_ROWS",
     "Backend",
     "KernelOps",
     "interpreting",

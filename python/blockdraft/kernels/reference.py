@@ -228,6 +228,30 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.silu(gate) * up
 
 
+SKINNY_MAX_ROWS = 16
+"""The most rows the Triton ``linear`` / ``linear_silu_mul`` / ``linear_argmax`` take (the
+weight-streaming kernels of ``skinny_gemm``); the references take any number."""
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x [M, K] @ weight [N, K].T (+ bias [N])`` -> ``[M, N]`` in ``x``'s dtype."""
+    return torch.nn.functional.linear(x, weight, bias)
+
+
+def linear_silu_mul(x: torch.Tensor, weight: torch.Tensor,
+                    bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x [M, K]``, fused ``weight [2I, K]`` (gate rows, then up rows; ``bias [2I]``
+    likewise) -> ``silu(x @ gate.T) * (x @ up.T)`` ``[M, I]``: :func:`linear`, then
+    :func:`silu_mul`."""
+    return silu_mul(linear(x, weight, bias))
+
+
+def linear_argmax(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x [M, K]``, ``weight [V, K]`` -> ``[M]`` int64: the argmax of each row's logits (in
+    ``x``'s dtype), ties to the lowest id as ``torch.argmax``."""
+    return torch.argmax(linear(x, weight), dim=1)
+
+
 def qk_norm_rope_store(
     qkv: torch.Tensor,
     positions: torch.Tensor,

@@ -25,7 +25,9 @@ from torch.nn import functional as F
 
 from blockdraft.kernels import KernelOps
 from blockdraft.kv_cache import PagedKVCache
+from blockdraft.levers import read_skinny_gemm
 from blockdraft.parallel.group import TPGroup
+from blockdraft.target.runtime.linear import Projections
 from blockdraft.target.runtime.spec import TargetSpec
 from blockdraft.target.runtime.weights import fuse_linears
 
@@ -88,6 +90,9 @@ class TargetForward:
             ``i``, the last layer's after the final norm, as Hugging Face's
             ``hidden_states[i + 1]``), in the order of a ctx row.
         tp: the tensor-parallel group ``spec`` is this rank's part of (default: one rank).
+
+    Raises:
+        ConfigError: a ``BLOCKDRAFT_SKINNY_GEMM`` value that is not a boolean word.
     """
 
     def __init__(
@@ -97,6 +102,7 @@ class TargetForward:
         self.spec = spec
         self.cache = cache
         self.ops = ops
+        self.proj = Projections(ops, read_skinny_gemm())
         self.tp = tp if tp is not None else TPGroup.single(spec.device)
         if self.tp.size != spec.tp_size:
             raise ValueError(f"a spec of {spec.tp_size} ranks in a group of {self.tp.size}")
@@ -139,7 +145,7 @@ class TargetForward:
         h, x = ops.add_rms_norm(h, None, self._layers[0].input_norm, spec.eps)
         last = spec.num_layers - 1
         for i, layer in enumerate(self._layers):
-            qkv = F.linear(x, layer.qkv, layer.qkv_bias)
+            qkv = self.proj.linear(x, layer.qkv, layer.qkv_bias)
             q = ops.qk_norm_rope_store(
                 qkv, batch.positions, batch.slots, layer.q_norm, layer.k_norm, spec.inv_freq,
                 spec.rope_scale, spec.eps, hq, hkv, cache.k_layers[i], cache.v_layers[i],
@@ -151,7 +157,7 @@ class TargetForward:
             )
             y = self._row_parallel(o.view(rows, hq * d), layer.o, layer.o_bias)
             h, x = ops.add_rms_norm(h, y, layer.post_norm, spec.eps)
-            y = self._row_parallel(ops.silu_mul(F.linear(x, layer.gate_up, layer.gate_up_bias)),
+            y = self._row_parallel(self.proj.silu_mul(x, layer.gate_up, layer.gate_up_bias),
                                    layer.down, layer.down_bias)
             nxt = self._layers[i + 1].input_norm if i < last else spec.final_norm
             h, x = ops.add_rms_norm(h, y, nxt, spec.eps)
@@ -159,14 +165,14 @@ class TargetForward:
             if slot is not None and capture is not None:
                 capture[:, slot * size : (slot + 1) * size] = x if i == last else h
         head_rows = x if batch.logit_rows is None else x.index_select(0, batch.logit_rows)
-        return F.linear(head_rows, spec.lm_head.weight)
+        return self.proj.linear(head_rows, spec.lm_head.weight)
 
     def _row_parallel(self, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
         """``x @ weight.T + bias`` for a row-parallel projection: each rank's product is a
         partial sum over its input columns; the bias is added once, after the sum."""
         if self.tp.size == 1:
-            return F.linear(x, weight, bias)
-        y = self.tp.all_reduce_(F.linear(x, weight))
+            return self.proj.linear(x, weight, bias)
+        y = self.tp.all_reduce_(self.proj.linear(x, weight))
         return y if bias is None else y.add_(bias)
 
 
