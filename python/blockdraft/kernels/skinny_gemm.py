@@ -79,7 +79,24 @@ class GemmConfig:
                              f"up to 16: {self}")
 
 
-DEFAULT_CONFIGS: dict[tuple[Kind, int, int, int], GemmConfig] = {}
+# The best of `kernels/bench_gemm.py --quick --rows 1,16` on an H200 (kernels/RESULTS.md,
+# "Skinny GEMMs"): the Qwen3-8B projections at 1 and 16 rows; % of the copy bandwidth.
+DEFAULT_CONFIGS: dict[tuple[Kind, int, int, int], GemmConfig] = {
+    ("linear", 1, 6144, 4096): GemmConfig(block_n=128, block_k=128, split_k=5, num_warps=8, num_stages=3),
+    ("linear", 16, 6144, 4096): GemmConfig(block_n=64, block_k=128, split_k=1, num_warps=4, num_stages=4),
+    ("linear", 1, 4096, 4096): GemmConfig(block_n=128, block_k=128, split_k=4, num_warps=8, num_stages=3),
+    ("linear", 16, 4096, 4096): GemmConfig(block_n=64, block_k=128, split_k=2, num_warps=4, num_stages=4),
+    ("linear", 1, 24576, 4096): GemmConfig(block_n=128, block_k=128, split_k=4, num_warps=8, num_stages=3),
+    ("linear", 16, 24576, 4096): GemmConfig(block_n=64, block_k=128, split_k=1, num_warps=4, num_stages=4),
+    ("linear", 1, 4096, 12288): GemmConfig(block_n=128, block_k=128, split_k=4, num_warps=8, num_stages=3),
+    ("linear", 16, 4096, 12288): GemmConfig(block_n=64, block_k=128, split_k=2, num_warps=4, num_stages=4),
+    ("linear", 1, 151936, 4096): GemmConfig(block_n=128, block_k=128, split_k=1, num_warps=8, num_stages=3),
+    ("linear", 16, 151936, 4096): GemmConfig(block_n=128, block_k=128, split_k=1, num_warps=8, num_stages=3),
+    ("swiglu", 1, 24576, 4096): GemmConfig(block_n=128, block_k=128, split_k=1, num_warps=8, num_stages=3),
+    ("swiglu", 16, 24576, 4096): GemmConfig(block_n=128, block_k=128, split_k=1, num_warps=8, num_stages=3),
+    ("argmax", 1, 151936, 4096): GemmConfig(block_n=128, block_k=128, split_k=1, num_warps=8, num_stages=3),
+    ("argmax", 16, 151936, 4096): GemmConfig(block_n=64, block_k=128, split_k=1, num_warps=4, num_stages=4),
+}
 """Measured configs by ``(kind, M bucket, N, K)`` (``N``: the weight's rows, ``2I`` for the
 fused gate/up); M buckets are 1, 2, 4, 8, 16. Shapes not listed follow :func:`rule_config`."""
 
