@@ -67,8 +67,21 @@ def pair() -> Pair:
 
 
 @pytest.fixture(scope="module")
+def solo(pair: Pair) -> Callable[[str, int], str]:
+    """``pair.solo_text``, each prompt and length computed once."""
+    texts: dict[tuple[str, int], str] = {}
+
+    def text(prompt: str, n: int) -> str:
+        if (prompt, n) not in texts:
+            texts[prompt, n] = pair.solo_text(prompt, n)
+        return texts[prompt, n]
+
+    return text
+
+
+@pytest.fixture(scope="module")
 def cluster() -> Iterator[Cluster]:
-    ray.init(num_cpus=4, include_dashboard=False, logging_level="WARNING", log_to_driver=False)
+    ray.init(num_cpus=6, include_dashboard=False, logging_level="WARNING", log_to_driver=False)
     try:
         port = free_port()
         serve.start(http_options={"host": HOST, "port": port})
@@ -113,12 +126,12 @@ async def _stream(client: httpx.AsyncClient, url: str, prompt: str, max_tokens: 
 
 
 
-def test_openai_client_through_the_proxy_equals_generate(cluster: Cluster, pair: Pair) -> None:
+def test_openai_client_through_the_proxy_equals_generate(cluster: Cluster, solo: Callable[[str, int], str]) -> None:
     import openai
 
     client = openai.OpenAI(base_url=f"{cluster.url}/v1", api_key="unused", max_retries=0, timeout=TIMEOUT_S)
     for prompt in PROMPTS[:2]:
-        want = pair.solo_text(prompt, 24)
+        want = solo(prompt, 24)
         got = client.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0)
         assert got.choices[0].text == want and got.choices[0].finish_reason == "length"
         chunks = list(client.chat.completions.create(
@@ -129,7 +142,7 @@ def test_openai_client_through_the_proxy_equals_generate(cluster: Cluster, pair:
     wait_until(cluster.all_idle, "every replica idle")
 
 
-def test_concurrent_clients_spread_over_both_replicas(cluster: Cluster, pair: Pair) -> None:
+def test_concurrent_clients_spread_over_both_replicas(cluster: Cluster, solo: Callable[[str, int], str]) -> None:
     names = cluster.live_replicas()
     assert len(names) == 2
     before = cluster.statuses(names)
@@ -137,14 +150,13 @@ def test_concurrent_clients_spread_over_both_replicas(cluster: Cluster, pair: Pa
     async def main() -> list[dict[str, Any]]:
         async with httpx.AsyncClient(timeout=TIMEOUT_S, limits=httpx.Limits(max_connections=16)) as client:
             async def one_client(c: int) -> list[dict[str, Any]]:
-                return [await _stream(client, cluster.url, PROMPTS[(c + r) % len(PROMPTS)], 48) for r in range(2)]
+                return [await _stream(client, cluster.url, PROMPTS[(c + r) % len(PROMPTS)], 32) for r in range(2)]
 
             return [a for per in await asyncio.gather(*(one_client(c) for c in range(CLIENTS))) for a in per]
 
     answers = asyncio.run(main())
-    want = {p: pair.solo_text(p, 48) for p in PROMPTS}
     for a in answers:
-        assert a["error"] is None and a["text"] == want[a["prompt"]] and a["reason"] == "length", a
+        assert a["error"] is None and a["text"] == solo(a["prompt"], 32) and a["reason"] == "length", a
     served = {n: sum(a["replica"] == n for a in answers) for n in names}
     assert sum(served.values()) == len(answers) and all(v > 0 for v in served.values()), served
     wait_until(cluster.all_idle, "every replica idle")
@@ -153,10 +165,11 @@ def test_concurrent_clients_spread_over_both_replicas(cluster: Cluster, pair: Pa
         assert after[n]["requests"]["length"] - before[n]["requests"]["length"] == served[n], (n, served)
 
 
-def test_a_killed_replica_is_replaced_and_the_other_completes(cluster: Cluster, pair: Pair) -> None:
+def test_a_killed_replica_is_replaced_and_the_other_completes(cluster: Cluster,
+                                                            solo: Callable[[str, int], str]) -> None:
     names = cluster.live_replicas()
     assert len(names) == 2
-    n_tokens = 400
+    n_tokens = 300
     first: list[str] = []
 
     async def main() -> list[dict[str, Any]]:
@@ -185,13 +198,37 @@ def test_a_killed_replica_is_replaced_and_the_other_completes(cluster: Cluster, 
         assert a["error"] is not None and a["reason"] is None, a
     for a in others:
         assert a["error"] is None and a["reason"] in ("length", "stop"), a
-        assert a["text"] == pair.solo_text(a["prompt"], n_tokens), a["prompt"]
+        assert a["text"] == solo(a["prompt"], n_tokens), a["prompt"]
     wait_until(lambda: len(cluster.live_replicas()) == 2 and victim not in cluster.live_replicas(),
                "Ray to start a replica in place of the killed one", deadline_s=120)
     wait_until(cluster.all_idle, "every live replica idle with every page back", deadline_s=120)
     # The new replica answers.
     new = (cluster.live_replicas() - names).pop()
     assert cluster.statuses({new})[new]["alive"]
+
+
+def test_a_tensor_parallel_replica(cluster: Cluster, solo: Callable[[str, int], str]) -> None:
+    """``--tp 2`` inside a replica: rank 0 is the replica, rank 1 a Ray actor in the second
+    bundle of its placement group (gloo on the CPU); its answers equal ``generate``."""
+    import openai
+
+    app = "blockdraft-tp"
+    args = parse_serve_args({"replicas": 1, "tp": 2, "device": "cpu", "max_seq_len": 512, "max_active": 4,
+                             "no_warmup": True, "shutdown_timeout": 5})
+    serve.run(build_app(args), name=app, route_prefix="/tp")
+    try:
+        client = openai.OpenAI(base_url=f"{cluster.url}/tp/v1", api_key="unused", max_retries=0, timeout=TIMEOUT_S)
+        for prompt in PROMPTS[:2]:
+            got = client.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0)
+            assert got.choices[0].text == solo(prompt, 24)
+        handle = serve.get_deployment_handle(DEPLOYMENT_NAME, app_name=app)
+        metrics = httpx.get(f"{cluster.url}/tp/metrics", timeout=TIMEOUT_S).text
+        assert "blockdraft_tp_size 2.0" in metrics
+        handle.check_health.remote().result(timeout_s=TIMEOUT_S)
+        st = handle.status.remote().result(timeout_s=TIMEOUT_S)
+        assert st["requests"]["length"] == 2 and not any(st["pages_used"].values()), st
+    finally:
+        serve.delete(app)
 
 
 def test_health_check_raises_once_the_engine_loop_has_ended(pair: Pair, monkeypatch: pytest.MonkeyPatch) -> None:

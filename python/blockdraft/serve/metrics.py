@@ -6,7 +6,7 @@ can live in one process, as tests start them).
 | ``blockdraft_requests_total{status}`` | counter | answered requests by outcome (see :data:`STATUSES`) |
 | ``blockdraft_requests_running`` / ``_waiting`` | gauge | requests in the batch / queued for pages |
 | ``blockdraft_pool_pages_used{pool}`` / ``_total{pool}`` | gauge | pages of the ``target`` and ``drafter`` pools |
-| ``blockdraft_kv_cache_usage_ratio{pool}`` | gauge | pages used / pages total of each pool, in [0, 1] (a router's KV-cache signal) |
+| ``blockdraft_kv_cache_usage_ratio{pool}`` | gauge | used / total pages of each pool, in [0, 1] (for routers) |
 | ``blockdraft_generated_tokens_total`` | counter | tokens the engine generated |
 | ``blockdraft_spec_steps_total`` | counter | speculative steps, summed over requests |
 | ``blockdraft_spec_accepted_tokens_total`` | counter | accepted drafts (each step's tokens minus its bonus token) |

@@ -49,14 +49,20 @@ DEPLOYMENT_NAME = "blockdraft"
 REPLICA_HEADER = "x-blockdraft-replica"
 """The response header naming the replica (its Ray actor name) that answered."""
 
-# The app of the replica running in this process: Serve builds an ingress from a function it
-# calls with no arguments after the replica's constructor, so the constructor leaves the app
-# here for it (a replica is a process of its own, so there is one per process).
+# The app of the replica running in this process (a replica is a process of its own): its
+# constructor builds it, once its engine is built, and leaves it here for ReplicaIngress.
 _replica_apps: list[ASGIApp] = []
 
 
-def _replica_app() -> ASGIApp:
-    return _replica_apps[-1]
+class ReplicaIngress:
+    """The ASGI app Serve's ingress wraps: every call (HTTP and lifespan) goes to the app this
+    process's replica built. Serve takes the ingress app when the deployment is defined,
+    before any replica or engine exists, so the real app is looked up when it is called."""
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if not _replica_apps:
+            raise RuntimeError("no blockdraft replica was built in this process")
+        await _replica_apps[-1](scope, receive, send)
 
 
 class ReplicaHeader:
@@ -194,7 +200,7 @@ def build_app(args: argparse.Namespace) -> Application:
     """The Serve application of ``args`` (the ``blockdraft serve`` flags, checked)."""
     options = deployment_options(args, gpus=wants_gpus(args.device))
     replica_args = argparse.Namespace(**{k: v for k, v in vars(args).items() if k != "func"})
-    ingress = serve.ingress(_replica_app)(BlockdraftReplica)
+    ingress = serve.ingress(ReplicaIngress())(BlockdraftReplica)
     deployment: Deployment = serve.deployment(**options)(ingress)
     return deployment.bind(replica_args)
 
@@ -210,6 +216,6 @@ def app_builder(args: dict[str, Any]) -> Application:
     return build_app(parse_serve_args(args))
 
 
-__all__ = ["APP_NAME", "DEPLOYMENT_NAME", "REPLICA_HEADER", "BlockdraftReplica", "ReplicaHeader",
+__all__ = ["APP_NAME", "DEPLOYMENT_NAME", "REPLICA_HEADER", "BlockdraftReplica", "ReplicaHeader", "ReplicaIngress",
            "app_builder", "build_app", "deployment_options", "engine_health", "replica_status",
            "wants_gpus"]
