@@ -3,9 +3,10 @@
 ``blockdraft serve --tp N --replicas M``: each replica is rank 0 of its own group of N ranks,
 as ``blockdraft serve --tp N`` is without Ray, with the same engine loop and the same
 broadcast of engine calls (:mod:`blockdraft.serve.tp`). What differs is who starts the
-other ranks: the replica starts them as Ray actors (:class:`RankActor`), each in its own
-bundle of the replica's placement group (``placement_group_bundles``: one bundle of one CPU,
-and one GPU on CUDA, per rank; ``STRICT_PACK`` keeps them on the replica's node). Ray gives
+other ranks: the replica starts them as Ray actors (:class:`RankActor`) in the replica's placement group
+(``placement_group_bundles``: one bundle of one CPU, and one GPU on CUDA, per rank;
+``STRICT_PACK`` keeps them on the replica's node). The replica holds one bundle (which one is
+Ray's choice), so each rank actor asks for any bundle of the group and gets one of the others. Ray gives
 each rank's actor one GPU, which that actor sees as ``cuda:0``; NCCL finds its peers across
 processes that each see one GPU. The group meets on a free loopback port of the replica's
 node (``MASTER_ADDR``/``MASTER_PORT``, as :func:`blockdraft.parallel.launch` sets them).
@@ -85,8 +86,8 @@ class RankGroup:
 
     @classmethod
     def start(cls, args: argparse.Namespace, size: int) -> RankGroup:
-        """Start ranks ``1..size-1`` in the replica's placement group's bundles ``1..size-1``
-        and join the group as rank 0 (returns once every rank has joined)."""
+        """Start ranks ``1..size-1`` in the free bundles of the replica's placement group and
+        join the group as rank 0 (returns once every rank has joined)."""
         pg = get_current_placement_group()
         if pg is None:
             raise RuntimeError("a tensor-parallel replica needs its placement group "
@@ -94,11 +95,9 @@ class RankGroup:
         gpus = 1.0 if tp_device(args.device) == "cuda" else 0.0
         port = free_port()
         remote = ray.remote(RankActor)
-        actors = [
-            remote.options(num_cpus=1.0, num_gpus=gpus, scheduling_strategy=PlacementGroupSchedulingStrategy(
-                placement_group=pg, placement_group_bundle_index=rank)).remote(args, rank, size, port)
-            for rank in range(1, size)
-        ]
+        in_group = PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=-1)
+        actors = [remote.options(num_cpus=1.0, num_gpus=gpus, scheduling_strategy=in_group)
+                  .remote(args, rank, size, port) for rank in range(1, size)]
         group = _join(args, 0, size, port)
         log.info("blockdraft replica: tensor-parallel group of %d ranks joined (%s)", size, group.backend)
         return cls(group, actors, [])
