@@ -129,6 +129,10 @@ class BlockdraftReplica:
     def __init__(self, args: argparse.Namespace) -> None:
         from blockdraft.serve.ray_tp import RankGroup
 
+        # As the command sets it up: the engine's log lines (pools at exit among them) reach
+        # the replica's log, which Ray forwards to the driver.
+        logging.basicConfig(level=logging.DEBUG if getattr(args, "debug", False) else logging.INFO,
+                            format="%(message)s")
         self.name = serve.get_replica_context().replica_id.to_full_id_str()
         tp = int(args.tp or 1)
         self.ranks = RankGroup.start(args, tp) if tp > 1 else None
