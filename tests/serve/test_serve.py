@@ -12,7 +12,16 @@ from typing import Any
 import httpx
 import pytest
 
-from support.serve_support import MODEL, LiveServer, Pair, builtin_pair, counter, live_server, requests_total
+from support.serve_support import (
+    MODEL,
+    LiveServer,
+    Pair,
+    builtin_pair,
+    counter,
+    live_server,
+    requests_total,
+    wait_until,
+)
 
 PROMPT = "def fibonacci(n):"
 
@@ -156,6 +165,33 @@ def test_models_health_and_metrics(server: LiveServer, pair: Pair) -> None:
         assert after[("blockdraft_pool_pages_total", (("pool", pool),))] == total[pool] > 0
         assert after[("blockdraft_pool_pages_used", (("pool", pool),))] == 0
     assert server.engine.request_ids() == []  # answered requests are forgotten
+
+
+def test_kv_cache_usage_is_pages_used_over_total(server: LiveServer) -> None:
+    """``blockdraft_kv_cache_usage_ratio{pool}``: a fraction in [0, 1] equal to the pool's pages
+    used / total, while a request runs and once it has ended."""
+
+    def ratios() -> dict[str, tuple[float, float, float]]:
+        m = server.metrics()
+        return {p: (m[("blockdraft_kv_cache_usage_ratio", (("pool", p),))],
+                    m[("blockdraft_pool_pages_used", (("pool", p),))],
+                    m[("blockdraft_pool_pages_total", (("pool", p),))]) for p in ("target", "drafter")}
+
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 400, "temperature": 0, "stream": True}
+    with httpx.Client(timeout=60) as client, client.stream("POST", f"{server.url}/v1/completions", json=body) as r:
+        next(r.iter_lines())
+        seen: list[dict[str, tuple[float, float, float]]] = []
+
+        def running_and_consistent() -> bool:
+            # The engine loop sets the gauges after each step: poll past the one being set.
+            seen.append(ratios())
+            return all(0 < used <= total and ratio == pytest.approx(used / total)
+                       for ratio, used, total in seen[-1].values())
+
+        wait_until(running_and_consistent, "the gauges of a running request")
+    assert all(0 < ratio <= 1 for ratio, _, _ in seen[-1].values())
+    server.wait_idle()
+    assert all(ratio == used == 0 for ratio, used, _ in ratios().values())
 
 
 def _heldout() -> list[list[int]]:

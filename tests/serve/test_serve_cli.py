@@ -110,6 +110,14 @@ def test_missing_serve_extra_is_one_line(monkeypatch: pytest.MonkeyPatch, capsys
     (["--shutdown-timeout", "-2"], "--shutdown-timeout"),
     (["--target", "/nonexistent"], "give both --target DIR and --drafter DIR"),
     (["--max-seq-len", "999999"], "past the target's max_position_embeddings"),
+    (["--replicas", "0"], "--replicas must be a count N >= 1 or autoscaling bounds MIN:MAX"),
+    (["--replicas", "two"], "--replicas must be a count N >= 1"),
+    (["--replicas", "4:2"], "1 <= MIN <= MAX, not '4:2'"),
+    (["--replicas", "1:2:3"], "--replicas must be"),
+    (["--replicas", "-1"], "--replicas must be"),
+    (["--ray-address", "auto"], "--ray-address needs --replicas N"),
+    (["--replicas", "2", "--ssl-keyfile", "k.pem", "--ssl-certfile", "c.pem"], "do not go with --replicas"),
+    (["--replicas", "2", "--device", "cuda:1"], "its own GPU, which it sees as cuda:0"),
 ])
 def test_bad_flags_are_one_line(flags: list[str], words: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["serve", "--device", "cpu", *flags]) == 2
@@ -167,3 +175,25 @@ def test_a_port_in_use_fails_before_loading(capsys: pytest.CaptureFixture[str],
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith(f"blockdraft: error: --port {port}: cannot listen on"), err
     assert loads == []
+
+
+def test_serve_run_arguments_are_the_command_flags() -> None:
+    """``serve run blockdraft.serve.ray_app:app_builder key=value ...``: the keys are the flags'
+    names, checked as the command checks them."""
+    from blockdraft.cli.common import CliError
+    from blockdraft.cli.serve_setup import parse_replicas, parse_serve_args
+
+    args = parse_serve_args({"max_active": "8", "replicas": "1:3", "no_warmup": "true", "device": "cpu",
+                             "no_speculation": False})
+    assert (args.max_active, args.no_warmup, args.no_speculation, args.device) == (8, True, False, "cpu")
+    count = parse_replicas(args.replicas)
+    assert (count.low, count.high, count.autoscaling) == (1, 3, True)
+    assert parse_serve_args({}).replicas == "1"
+    assert not parse_replicas("3").autoscaling
+    for values, words in [({"max_actve": 8}, "unknown blockdraft serve settings: max_actve"),
+                          ({"max_active": "eight"}, "--max-active"),
+                          ({"max_active": 0}, "--max-active must be >= 1"),
+                          ({"no_warmup": "maybe"}, "no_warmup must be true or false"),
+                          ({"replicas": "0"}, "--replicas must be")]:
+        with pytest.raises(CliError, match=words):
+            parse_serve_args(values)

@@ -20,6 +20,7 @@ prometheus-client, llguidance). User guide: ``docs/serve.md``.
 | ``access`` | the API key and the body-size limit, before any route |
 | ``errors`` | OpenAI-style errors |
 | ``server`` | building the engine; uvicorn and graceful shutdown |
+| ``ray_app`` / ``ray_tp`` | replicas on Ray Serve (``--replicas``; the ``ray`` extra), a TP group inside a replica |
 """
 
 from __future__ import annotations

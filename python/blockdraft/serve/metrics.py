@@ -6,6 +6,7 @@ can live in one process, as tests start them).
 | ``blockdraft_requests_total{status}`` | counter | answered requests by outcome (see :data:`STATUSES`) |
 | ``blockdraft_requests_running`` / ``_waiting`` | gauge | requests in the batch / queued for pages |
 | ``blockdraft_pool_pages_used{pool}`` / ``_total{pool}`` | gauge | pages of the ``target`` and ``drafter`` pools |
+| ``blockdraft_kv_cache_usage_ratio{pool}`` | gauge | used / total pages of each pool, in [0, 1] (for routers) |
 | ``blockdraft_generated_tokens_total`` | counter | tokens the engine generated |
 | ``blockdraft_spec_steps_total`` | counter | speculative steps, summed over requests |
 | ``blockdraft_spec_accepted_tokens_total`` | counter | accepted drafts (each step's tokens minus its bonus token) |
@@ -55,6 +56,8 @@ class ServeMetrics:
                                 registry=reg)
         self.pages_total = Gauge("blockdraft_pool_pages_total", "Pages of each pool.", ["pool"],
                                  registry=reg)
+        self.kv_usage = Gauge("blockdraft_kv_cache_usage_ratio",
+                              "Fraction of each pool's pages in use (0 to 1).", ["pool"], registry=reg)
         self.generated = Counter("blockdraft_generated_tokens", "Tokens generated.", registry=reg)
         self.spec_steps = Counter("blockdraft_spec_steps", "Speculative steps, over all requests.",
                                   registry=reg)
@@ -91,6 +94,8 @@ class ServeMetrics:
         for pool in POOLS:
             self.pages_used.labels(pool).set(used.get(pool, 0))
             self.pages_total.labels(pool).set(total.get(pool, 0))
+            pages = total.get(pool, 0)
+            self.kv_usage.labels(pool).set(used.get(pool, 0) / pages if pages else 0.0)
 
     def set_after_warmup(self, compiles: int, captures: int) -> None:
         """Bring the after-warm-up counters up to the engine's totals."""
