@@ -177,7 +177,10 @@ def test_kv_cache_usage_is_pages_used_over_total(server: LiveServer) -> None:
                     m[("blockdraft_pool_pages_used", (("pool", p),))],
                     m[("blockdraft_pool_pages_total", (("pool", p),))]) for p in ("target", "drafter")}
 
-    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 400, "temperature": 0, "stream": True}
+    # A request far longer than the polling needs (ignore_eos: all its tokens), so that a slow
+    # machine still reads the gauges while it runs; leaving the stream cancels the rest.
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 1800, "temperature": 0, "stream": True,
+            "ignore_eos": True}
     with httpx.Client(timeout=60) as client, client.stream("POST", f"{server.url}/v1/completions", json=body) as r:
         next(r.iter_lines())
         seen: list[dict[str, tuple[float, float, float]]] = []
