@@ -141,7 +141,7 @@ class SoakConfig:
         duration_s: run rounds until this much time has passed (``None``: ``rounds`` only).
         per_round: Poisson arrivals per round (the burst comes on top).
         rate: arrivals per second.
-        seed: the seed of prompts, arrivals, kinds, lengths and fault positions.
+        seed: starts the random draws of prompts, arrivals, kinds, lengths and fault positions.
         max_active: the server's ``max_active``.
         max_queue: the server's ``max_queue``.
         prompts: distinct prompts (pieces of :data:`CODE`).

@@ -84,24 +84,33 @@ def accept_blocks(
     the distribution request ``i``'s drafts were sampled from (``None``: greedy drafts).
 
     Requests :func:`~blockdraft.engine.device_accept.on_device` accepts are decided together
-    where the logits are, and one small tensor comes back; only the others' rows travel to
-    the host, to be decided there row by row."""
+    where the logits are, and one small tensor comes back (greedy alone: the argmax of each
+    row); only the others' rows travel to the host, to be decided there row by row."""
     qs = list(draft_q) if draft_q is not None else [None] * len(requests)
     starts: list[int] = []
     offset = 0
     for d in drafts:
         starts.append(offset)
         offset += len(d) + 1
-    dev = [i for i, r in enumerate(requests) if on_device(r)]
-    host_idx = [i for i, r in enumerate(requests) if not on_device(r)]
+    where = [on_device(r) for r in requests]
+    dev = [i for i, d in enumerate(where) if d]
+    host_idx = [i for i, d in enumerate(where) if not d]
     out: list[tuple[int, int] | None] = [None] * len(requests)
     if dev:
         rows = logits if not host_idx else logits.index_select(0, _row_index(dev, drafts, starts, logits.device))
         sub, sub_drafts = [requests[i] for i in dev], [drafts[i] for i in dev]
-        got: list[list[int]] = decide_on_device(sub, sub_drafts, rows, [qs[i] for i in dev],
-                                                draw_uniforms(sub, sub_drafts)).tolist()
-        for i, (a, nxt) in zip(dev, got):
-            out[i] = (a, nxt)
+        if all(r.params.greedy for r in sub):
+            # Greedy alone: one argmax and one read of a token per row, the cheapest step.
+            choices: list[int] = torch.argmax(rows, dim=-1).tolist()
+            at = 0
+            for i, d in zip(dev, sub_drafts):
+                out[i] = _greedy_accept(d, choices[at : at + len(d) + 1])
+                at += len(d) + 1
+        else:
+            got: list[list[int]] = decide_on_device(sub, sub_drafts, rows, [qs[i] for i in dev],
+                                                    draw_uniforms(sub, sub_drafts)).tolist()
+            for i, (a, nxt) in zip(dev, got):
+                out[i] = (a, nxt)
     if host_idx:
         # Only these requests' rows travel to the host: copying the whole [R, V] would move
         # every other request's rows too.
@@ -119,6 +128,13 @@ def _row_index(which: Sequence[int], drafts: Sequence[list[int]], starts: Sequen
                device: torch.device) -> Tensor:
     """The verify rows of the requests ``which``, in order."""
     return torch.tensor([starts[i] + k for i in which for k in range(len(drafts[i]) + 1)], device=device)
+
+
+def _greedy_accept(drafts: Sequence[int], choices: Sequence[int]) -> tuple[int, int]:
+    for j, d in enumerate(drafts):
+        if d != choices[j]:
+            return j, choices[j]
+    return len(drafts), choices[len(drafts)]
 
 
 def _host_accept(r: Request, drafts: Sequence[int], rows: Tensor, q: Tensor | None) -> tuple[int, int]:

@@ -19,6 +19,7 @@ by :func:`~blockdraft.sampling.inverse_cdf`, as every draw of the package is.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import accumulate
 
 import torch
 from torch import Tensor
@@ -33,14 +34,13 @@ def on_device(r: Request) -> bool:
     return r.mask_fn is None and not r.params.penalised and not r.holds_stops()
 
 
-def _segments(lengths: Sequence[int], device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
-    """For rows laid out request after request (``lengths[i]`` rows each): each row's request
-    index, its rank inside its request, and each request's first row."""
+def _segments(lengths: Sequence[int], offsets: Sequence[int], device: torch.device) -> tuple[Tensor, Tensor]:
+    """For rows laid out request after request (``lengths[i]`` rows each, request ``i`` from
+    row ``offsets[i]``): each row's request index and its rank inside its request."""
     counts = torch.tensor(lengths, dtype=torch.int64)
-    starts = torch.cumsum(counts, 0) - counts
     owner = torch.repeat_interleave(torch.arange(len(lengths)), counts)
-    rank = torch.arange(int(counts.sum())) - starts[owner]
-    return owner.to(device, non_blocking=True), rank.to(device, non_blocking=True), starts.to(device, non_blocking=True)
+    rank = torch.arange(offsets[-1]) - torch.tensor(offsets[:-1], dtype=torch.int64)[owner]
+    return owner.to(device, non_blocking=True), rank.to(device, non_blocking=True)
 
 
 def _first_rejected(ok: Tensor, owner: Tensor, rank: Tensor, n: int, last: Tensor) -> Tensor:
@@ -74,7 +74,9 @@ def decide_on_device(
     dev = logits.device
     n = len(requests)
     lengths = [len(d) + 1 for d in drafts]
-    owner, rank, starts = _segments(lengths, dev)
+    offsets = list(accumulate(lengths, initial=0))
+    owner, rank = _segments(lengths, offsets, dev)
+    starts = torch.tensor(offsets[:-1], dtype=torch.int64).to(dev, non_blocking=True)
     last = torch.tensor([x - 1 for x in lengths], dtype=torch.int64).to(dev, non_blocking=True)
     # Row j's draft (the draft it verifies); a request's last row has none (-1).
     row_draft = torch.tensor([t for d in drafts for t in (*d, -1)], dtype=torch.int64).to(dev, non_blocking=True)
@@ -83,14 +85,6 @@ def decide_on_device(
 
     greedy = [r.params.greedy for r in requests]
     choice = torch.argmax(logits, dim=-1)
-    if all(greedy):
-        ok = has_draft & (choice == row_draft)
-        accepted = _first_rejected(ok, owner, rank, n, last)
-        return torch.stack([accepted, choice[starts + accepted]], dim=1)
-
-    offsets = [0]
-    for x in lengths:
-        offsets.append(offsets[-1] + x)
     sampled = [i for i in range(n) if not greedy[i]]
     probs = _target_probs(requests, sampled, offsets, logits)
     u_accept, u_draw = _row_uniforms(sampled, drafts, uniforms, offsets, logits.shape[0], dev)
