@@ -11,7 +11,7 @@ forward) is built, so a bad value fails loudly at construction (a
 | ``BLOCKDRAFT_DFLASH_BATCH_PROPOSE`` | 16 | ``propose_batch`` width; below 2 turns batching off |
 | ``BLOCKDRAFT_DFLASH_BATCHED_PRECOMPUTE`` | on | one ctx K/V precompute for a whole batch |
 | ``BLOCKDRAFT_DFLASH_DRAFT_CAP`` | unset (all B-1) | at most this many drafts per sequence |
-| ``BLOCKDRAFT_SKINNY_GEMM`` | off | target runtime: weight-streaming GEMMs for forwards of <= 16 rows |
+| ``BLOCKDRAFT_SKINNY_GEMM`` | on (CUDA) | target runtime: weight-streaming GEMMs for forwards of <= 16 rows |
 """
 
 from __future__ import annotations
@@ -104,12 +104,21 @@ def read_levers() -> Levers:
     )
 
 
-def read_skinny_gemm(env: Mapping[str, str] | None = None) -> bool:
-    """:data:`ENV_SKINNY_GEMM` (default off): whether the target runtime's forward runs its
-    projections of at most 16 rows (fp16/bf16, Triton backend) on the weight-streaming kernels
-    of :mod:`blockdraft.kernels.skinny_gemm` instead of ``torch.nn.functional.linear``.
+def read_skinny_gemm(env: Mapping[str, str] | None = None) -> bool | None:
+    """:data:`ENV_SKINNY_GEMM`: whether the target runtime's forward runs its projections of at
+    most 16 rows (fp16/bf16, Triton backend) on the weight-streaming kernels of
+    :mod:`blockdraft.kernels.skinny_gemm` instead of ``torch.nn.functional.linear``.
+
+    Returns:
+        ``True`` or ``False`` as set; ``None`` when unset, which the runtime reads as on where
+        Triton compiles its kernels (CUDA) and off under Triton's CPU interpreter, where they
+        would be interpreted row by row.
 
     Raises:
         ConfigError: a value that is not a boolean word; the message names the variable.
     """
-    return _bool_var(os.environ if env is None else env, ENV_SKINNY_GEMM, False)
+    source = os.environ if env is None else env
+    raw = source.get(ENV_SKINNY_GEMM)
+    if raw is None or raw.strip() == "":
+        return None
+    return _bool_var(source, ENV_SKINNY_GEMM, True)

@@ -80,11 +80,26 @@ def test_streaming_gemms_keep_the_greedy_tokens(name: str, monkeypatch: pytest.M
 
 
 def test_lever_values() -> None:
-    assert read_skinny_gemm({}) is False
+    assert read_skinny_gemm({}) is None  # unset: the runtime decides
+    assert read_skinny_gemm({ENV_SKINNY_GEMM: " "}) is None
     assert read_skinny_gemm({ENV_SKINNY_GEMM: "on"}) is True
     assert read_skinny_gemm({ENV_SKINNY_GEMM: " OFF "}) is False
     with pytest.raises(ConfigError, match=ENV_SKINNY_GEMM):
         read_skinny_gemm({ENV_SKINNY_GEMM: "fast"})
+
+
+def test_unset_streams_unless_interpreted(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Unset, the lever is on where Triton compiles (CUDA) and off under the CPU interpreter;
+    set, it is what it says either way."""
+    need_triton(torch.device("cpu"))
+    from blockdraft.target.runtime import linear
+
+    monkeypatch.delenv(ENV_SKINNY_GEMM, raising=False)
+    ops = TargetRuntime(make_target("qwen3"), num_pages=8, page_size=4, backend="triton").forward_pass.ops
+    for interpreted, setting, want in [(True, None, False), (False, None, True), (True, True, True),
+                                       (False, False, False)]:
+        monkeypatch.setattr(linear, "interpreting", lambda v=interpreted: v)
+        assert linear.Projections(ops, setting).streaming is want, (interpreted, setting)
 
 
 def test_the_torch_backend_never_streams(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -4,7 +4,8 @@ weight-streaming GEMMs (:mod:`blockdraft.kernels.skinny_gemm`) for forwards of f
 A decode (one row per sequence) or a verify (a block of rows) of a small batch reads every
 weight once for a handful of rows: the GEMMs are bound by how fast the weights stream, which
 the streaming kernels are built for. They run when the ``BLOCKDRAFT_SKINNY_GEMM`` lever is on
-(:func:`~blockdraft.levers.read_skinny_gemm`), the backend is Triton, the rows are at most
+(:func:`~blockdraft.levers.read_skinny_gemm`; unset, it is on except under Triton's CPU
+interpreter), the backend is Triton, the rows are at most
 :data:`~blockdraft.kernels.SKINNY_MAX_ROWS` and the activations fp16 or bf16 (fp32 too under
 Triton's CPU interpreter, where the tests run); every other call is ``F.linear`` as before.
 The choice depends only on shapes and dtypes, so a captured CUDA graph holds one of the two.
@@ -24,11 +25,14 @@ class Projections:
 
     Args:
         ops: the kernels of the runtime's backend.
-        streaming: the lever: use the weight-streaming kernels where they apply.
+        streaming: the lever: use the weight-streaming kernels where they apply; ``None``
+            (unset) uses them unless Triton runs under its CPU interpreter.
     """
 
-    def __init__(self, ops: KernelOps, streaming: bool) -> None:
+    def __init__(self, ops: KernelOps, streaming: bool | None) -> None:
         self.ops = ops
+        if streaming is None:
+            streaming = not interpreting()
         self.streaming = streaming and ops.backend == "triton"
         # bf16 tl.dot is wrong under the interpreter, fp32 is what the CPU tests run.
         self._dtypes = ((torch.float16, torch.bfloat16, torch.float32) if interpreting()
