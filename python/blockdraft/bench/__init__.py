@@ -25,6 +25,12 @@ Sections of one run (each recorded in the JSON even when another fails):
   wall time of the same calls (torch.profiler; CUDA only).
 * ``e2e``: batch-1 speculative decoding, blockdraft's engine against ``dflash_generate``, ms
   per step and the drafter's share.
+* ``target``: one target forward (decode, verify) on Hugging Face eager and on blockdraft's
+  runtime, eager and graphed.
+* ``spec``: the engine's whole speculative step, the same sequences' target-only decode step,
+  and the step's host work alone (graph replays stubbed out); the report puts these beside the
+  ``e2e`` reference in one table with tokens/s derived at a trained pair's τ
+  (:mod:`blockdraft.bench.side_by_side`).
 
 Each step of the propose section commits one new ctx row per sequence (a random pair accepts
 nothing, so a step adds ``accepted + 1 = 1`` row), so every timed call includes the K/V
@@ -33,7 +39,8 @@ precompute of that row, as in steady state.
 The shapes and the random pairs built at them are :mod:`blockdraft.pair`'s.
 The modules: ``timing``, ``workload`` (the bench's
 proposers and live sequences), ``memory``, one module per section (``propose``, ``reference``,
-``host``, ``kernels``, ``e2e``, ``quick``, ``target``), ``driver`` (one run), ``report``
+``host``, ``kernels``, ``e2e``, ``quick``, ``target``, ``spec``), ``side_by_side``
+(the table built from ``spec`` and ``e2e``), ``driver`` (one run), ``report``
 (markdown, plots, files) and ``command`` (the CLI options).
 """
 

@@ -11,6 +11,7 @@ from typing import Any
 from blockdraft.bench.config import BenchConfig
 from blockdraft.bench.driver import resolve, run
 from blockdraft.bench.report import to_markdown, write_outputs
+from blockdraft.bench.side_by_side import PUBLIC_TAU
 from blockdraft.pair import SHAPES
 
 log = logging.getLogger(__name__)
@@ -92,6 +93,9 @@ def add_arguments(parser: Any) -> None:
                         help="comma-separated drafter window caps the spec section runs each "
                              "cell under: 'env' (BLOCKDRAFT_DFLASH_CTX_CAP, default 16384) or "
                              "a number of tokens (0 = uncapped); e.g. env,0")
+    parser.add_argument("--public-tau", type=float, default=PUBLIC_TAU,
+                        help="tokens per step of a trained pair at which the side-by-side table "
+                             f"derives tokens/s from the measured steps (default {PUBLIC_TAU})")
     parser.add_argument("--plot", action="store_true", help="also write PNG charts (matplotlib)")
 
 
@@ -114,6 +118,7 @@ def config_from_args(args: Any) -> BenchConfig:
         sections=[s for s in args.sections.split(",") if s.strip()],
         seed=args.seed,
         spec_caps=_caps(args.spec_caps),
+        public_tau=args.public_tau,
     )
 
 

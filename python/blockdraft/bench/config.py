@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from blockdraft.bench.side_by_side import PUBLIC_TAU
+
 
 @dataclass
 class BenchConfig:
@@ -28,6 +30,9 @@ class BenchConfig:
             under, in order (``None``: the environment's ``BLOCKDRAFT_DFLASH_CTX_CAP``, by
             default 16384; ``0``: uncapped), so a capped and an uncapped step are measured on
             the same pair in one run.
+        public_tau: the tokens per step of a trained pair at which the side-by-side table
+            derives tokens/s from the measured steps
+            (:data:`~blockdraft.bench.side_by_side.PUBLIC_TAU`).
     """
 
     shape: str = "tiny"
@@ -48,6 +53,7 @@ class BenchConfig:
     profile_context: int | None = None
     profile_batches: list[int] = field(default_factory=lambda: [1, 32])
     spec_caps: list[int | None] = field(default_factory=lambda: [None])
+    public_tau: float = PUBLIC_TAU
 
     def wide_context(self) -> int:
         """The context of the host profile and of the kernel profile's batched cells: the

@@ -89,6 +89,8 @@ def resolve(cfg: BenchConfig) -> tuple[Shape, torch.device, torch.dtype]:
         raise ValueError("reps, loop_reps, e2e_steps and e2e_repeats must be >= 1 and warmup >= 0")
     if not cfg.spec_caps or any(c is not None and c < 0 for c in cfg.spec_caps):
         raise ValueError(f"spec caps must be a non-empty list of None or ints >= 0, not {cfg.spec_caps}")
+    if not cfg.public_tau >= 1:
+        raise ValueError(f"public tau must be >= 1 (tokens per step), not {cfg.public_tau}")
     bad = [b for b in cfg.e2e_backends if b not in ("flash", "default")]
     if bad or not cfg.e2e_backends:
         raise ValueError(f"e2e backends must be 'flash' and/or 'default', not {cfg.e2e_backends}")

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from blockdraft.bench.figures import fmt
+from blockdraft.bench.side_by_side import side_by_side_markdown
 from blockdraft.bench.spec import spec_markdown
 from blockdraft.bench.target import target_markdown
 from blockdraft.bench.timing import timing_method
@@ -41,6 +42,7 @@ def to_markdown(result: dict[str, Any]) -> str:
         lines += target_markdown(sec["target"])
     if sec.get("spec"):
         lines += spec_markdown(sec["spec"])
+        lines += side_by_side_markdown(result)
     if result.get("errors"):
         lines += ["## Errors", ""]
         for name, tb in result["errors"].items():

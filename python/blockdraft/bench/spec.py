@@ -101,7 +101,8 @@ def bench_spec(
             produced += sum(len(e.tokens) for e in events)
         rec: dict[str, Any] = {
             "context": ctx, "batch": n, "block": block, "ctx_cap": cap, "window": window,
-            "step_ms": summarize(times), "tau": produced / (cfg.reps * n), "warmup_ms": warm,
+            "draft_length": engine.draft_length, "step_ms": summarize(times),
+            "tau": produced / (cfg.reps * n), "warmup_ms": warm,
         }
         seqs = [engine.request(rid).target_seq for rid in rids]
         rec["decode_ms"] = _decode_step(engine.runtime, seqs, cfg, device)
@@ -146,16 +147,16 @@ def spec_markdown(recs: list[dict[str, Any]]) -> list[str]:
     lines = [
         "## Speculative step on blockdraft's runtime (random pair: tau ~ 1)",
         "",
-        "| context | batch | drafter window cap | step ms | tau | target-only decode ms "
-        "| host us per step | warm-up steps ms |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| context | batch | drafter window cap | drafts per step | step ms | tau "
+        "| target-only decode ms | host us per step | warm-up steps ms |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in recs:
         cap = r.get("ctx_cap")
         label = "environment" if cap is None else ("uncapped" if cap == 0 else str(cap))
         lines.append(
             f"| {r['context']} | {r['batch']} | {label} (window ceiling {r.get('window', '-')}) "
-            f"| {fmt(r['step_ms']['median'])} | {fmt(r['tau'], 2)} "
+            f"| {r.get('draft_length', '-')} | {fmt(r['step_ms']['median'])} | {fmt(r['tau'], 2)} "
             f"| {fmt(r['decode_ms']['median'])} | {fmt(r['host_us']['median'], 1)} "
             f"| {' / '.join(fmt(t) for t in r.get('warmup_ms', [])) or '-'} |"
         )
