@@ -25,7 +25,7 @@ fi
   "$py" -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'cuda', torch.version.cuda)"
 } 2>&1 | tee "$OUT/env.log"
 rc=0
-for b in ceilings kv_store attention selection dflash2 gemm; do
+for b in ceilings kv_store attention causal selection dflash2 gemm; do
   echo "== bench_$b" | tee -a "$OUT/bench.log"
   (cd kernels && "$py" "bench_$b.py" --out "$OUT") 2>&1 | tee -a "$OUT/bench.log" || rc=1
 done
