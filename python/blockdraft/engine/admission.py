@@ -29,6 +29,8 @@ def num_admissible(
         target_pages / drafter_pages: the pools' sizes (``target_pages=None``: the target is
             not page-budgeted).
     """
+    if not waiting:
+        return 0
     held_t = sum(r.target_pages for r in running)
     held_d = sum(r.drafter_pages for r in running)
     n = 0

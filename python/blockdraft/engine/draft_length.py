@@ -169,9 +169,12 @@ class DraftLengthPolicy:
         A step without drafts counts down a pause and lets the history fade toward the prior;
         a drafting step whose estimate falls below ``min_accept``, or a probe that took
         nothing, starts a pause twice as long as the last (one accepted draft resets it)."""
-        c = self._counts.setdefault(request_id, _Counts())
-        c.accepted *= self.decay
-        c.rejected *= self.decay
+        c = self._counts.get(request_id)
+        if c is None:
+            c = self._counts[request_id] = _Counts()
+        decay = self.decay
+        c.accepted *= decay
+        c.rejected *= decay
         if offered == 0:
             c.wait = max(0, c.wait - 1)
             return
@@ -181,7 +184,8 @@ class DraftLengthPolicy:
             c.pause = 0
         # A probe that took nothing lengthens the pause even when the faded history is back
         # above the threshold: that history is the prior's, not the request's.
-        if c.pause > 0 or self.acceptance(request_id) < self.min_accept:
+        a, r = c.accepted + self.prior[0], c.rejected + self.prior[1]
+        if c.pause > 0 or a / (a + r) < self.min_accept:
             c.pause = min(max(1, 2 * c.pause), self.max_wait)
             c.wait = c.pause
 

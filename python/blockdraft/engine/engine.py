@@ -52,6 +52,7 @@ from blockdraft.engine.drafting import draft_requests
 from blockdraft.engine.logprobs import emitted_logprobs
 from blockdraft.engine.request import MaskFn, Request, Status, StepEvent, new_request
 from blockdraft.engine.target_only import decode_step
+from blockdraft.engine.verified import kept_rows, push_verified
 from blockdraft.parallel import TPGroup
 from blockdraft.proposer import DFlashProposer, agreed_pool_size
 from blockdraft.results import GenerationResult
@@ -516,37 +517,29 @@ class SpeculativeEngine:
 
     def _speculate(self, running: list[Request], events: list[StepEvent]) -> None:
         drafts, draft_q = self._draft(running)
-        events.extend(r.event() for r in running if r.status is Status.FAILED)
-        live = [r for r in running if r.status is Status.RUNNING]
-        if not live:
-            return
-        blocks = [[r.out[-1], *drafts[r.id]] for r in live]
-        logits, rows = self.target.verify([r.target_seq for r in live], blocks)
-        decided = accept_blocks(live, [drafts[r.id] for r in live], logits,
-                                [draft_q.get(r.id) for r in live])
-        news = [[*drafts[r.id][:a], nxt] for r, (a, nxt) in zip(live, decided)]
-        lps = emitted_logprobs(live, logits, [len(b) for b in blocks], news)
-        self.target.accept([r.target_seq for r in live], [a + 1 for a, _ in decided])
-        prop = self.proposer
-        prop.after_verify_batch([r.state for r in live], [a for a, _ in decided])  # type: ignore[misc]
-        keep_states, keep_rows, keep_pos = [], [], []
-        offset = 0
-        for r, new, lp, block in zip(live, news, lps, blocks):
-            start, accepted = r.anchor_position, len(new) - 1
-            self._lengths.observe(r.id, len(block) - 1, accepted)
-            r.steps.append(len(new))
-            r.push(new, lp)
-            if r.finish_reason is None:
-                keep_states.append(r.state)
-                keep_rows.append(rows[offset : offset + accepted + 1])
-                keep_pos.append(range(start, start + accepted + 1))
-            offset += len(block)
-        if keep_states:
-            prop.commit_ctx_batch(keep_states, torch.cat(keep_rows) if len(keep_rows) > 1  # type: ignore[arg-type]
-                                  else keep_rows[0], keep_pos)
+        if any(r.status is not Status.RUNNING for r in running):
+            events.extend(r.event() for r in running if r.status is Status.FAILED)
+            keep = [i for i, r in enumerate(running) if r.status is Status.RUNNING]
+            running, drafts, draft_q = [running[i] for i in keep], [drafts[i] for i in keep], [draft_q[i] for i in keep]
+            if not running:
+                return
+        live, seqs = running, [r.target_seq for r in running]
+        blocks = [[r.out[-1], *d] for r, d in zip(live, drafts)]
+        logits, rows = self.target.verify(seqs, blocks)
+        decided = accept_blocks(live, drafts, logits, draft_q)
+        news = [[*d[:a], nxt] if a else [nxt] for d, (a, nxt) in zip(drafts, decided)]
+        lens = [len(b) for b in blocks]
+        lps = emitted_logprobs(live, logits, lens, news)
+        counts = [a + 1 for a, _ in decided]
+        self.target.accept(seqs, counts)
+        self.proposer.after_verify_batch([r.state for r in live], [a for a, _ in decided])  # type: ignore[misc]
+        going, positions = push_verified(live, news, [len(d) for d in drafts], lps, self._lengths)
+        if going:
+            self.proposer.commit_ctx_batch([live[i].state for i in going],  # type: ignore[misc]
+                                           kept_rows(rows, lens, counts, going), positions)
         self._settle(live, events)
 
-    def _draft(self, running: list[Request]) -> tuple[dict[int, list[int]], dict[int, Tensor]]:
+    def _draft(self, running: list[Request]) -> tuple[list[list[int]], list[Tensor | None]]:
         """Drafts per request (as many as the draft-length policy chooses; see
         :func:`~blockdraft.engine.drafting.draft_requests`) and, for sampled drafts, their
         distribution ``[drafts, V]`` (on the device); a request whose proposal fails is failed."""
@@ -557,8 +550,7 @@ class SpeculativeEngine:
         for r, exc in zip(running, got.errors):
             if exc is not None:
                 self._fail(r, exc)
-        return ({r.id: t for r, t in zip(running, got.tokens)},
-                {r.id: q for r, q in zip(running, got.q) if q is not None})
+        return got.tokens, got.q
 
     def _end(self, req: Request, status: Status, reason: str, *, error: str | None = None) -> None:
         """Give back what ``req`` holds and mark it ended (idempotent)."""

@@ -146,7 +146,7 @@ class Request:
     def event(self) -> StepEvent:
         """What happened since its previous event: the new tokens and, once it ended, why."""
         new = tuple(self.out[self.reported :])
-        lps = tuple(self.out_logprobs[self.reported :])
+        lps = tuple(self.out_logprobs[self.reported :]) if self.out_logprobs else ()
         self.reported = len(self.out)
         reason = self.finish_reason if self.status.ended else None
         return StepEvent(self.id, new, reason, self.error, lps)

@@ -81,16 +81,21 @@ def draft_many(
     single: list[int] = []
     sampled: list[tuple[int, SampledDraft]] = []
     plain: list[int] = []
-    for i in range(n):
-        if want[i] <= 0 or not prop.can_draft(positions[i]):
-            continue
-        how = sampling[i] if sampling is not None else None
-        if masks is not None and masks[i] is not None:
-            single.append(i)
-        elif how is not None and not how[0].greedy:
-            sampled.append((i, how))
-        else:
-            plain.append(i)
+    if masks is None and sampling is None:
+        # Greedy drafts without masks (a serving step's common case): one pass, no sorting.
+        limit = prop.max_positions - prop.block_gamma  # can_draft(p) is p <= limit
+        plain = [i for i in range(n) if want[i] > 0 and positions[i] <= limit]
+    else:
+        for i in range(n):
+            if want[i] <= 0 or not prop.can_draft(positions[i]):
+                continue
+            how = sampling[i] if sampling is not None else None
+            if masks is not None and masks[i] is not None:
+                single.append(i)
+            elif how is not None and not how[0].greedy:
+                sampled.append((i, how))
+            else:
+                plain.append(i)
     width = prop.propose_batch_max()
     for group in _sampled_groups(sampled, want, width):
         if len(group) >= 2:

@@ -54,9 +54,13 @@ class _Bucket:
         self.capture = torch.zeros((m, capture_width), dtype=dtype, device=device) if capture_width else None
         self.graph: Any = None
         self.logits: Tensor | None = None
+        # Sequences whose rows a call wrote since the padding was last reset: a call of as
+        # many or more rewrites every row of its own and leaves the padding past it clean.
+        self.written = 0
 
     def reset_padding(self) -> None:
         """Rows past any call's ``n``: token 0 at position 0, no K/V written, one key."""
+        self.written = 0
         self.host64[0].zero_()
         self.host64[1].zero_()
         self.host64[2].fill_(PAD_SLOT)
@@ -113,10 +117,11 @@ class RuntimeGraphs:
             self._slots[(size, rows)] = bucket
         m = n * rows
         self.calls += 1
-        bucket.reset_padding()
-        bucket.host64[0, :m] = torch.tensor(flat, dtype=torch.int64)
-        bucket.host64[1, :m] = torch.tensor(plan.positions, dtype=torch.int64)
-        bucket.host64[2, :m] = torch.tensor(plan.slots, dtype=torch.int64)
+        if n < bucket.written:
+            bucket.reset_padding()
+        bucket.written = n
+        # Rows [:n] are rewritten whole (the core fills each table row to its width).
+        bucket.host64[:, :m] = torch.tensor((flat, plan.positions, plan.slots), dtype=torch.int64)
         bucket.host32[:n] = torch.tensor(plan.kv_lens, dtype=torch.int32)
         plan.fill(bucket.host_table[:n], self.width)
         bucket.dev64.copy_(bucket.host64, non_blocking=True)

@@ -423,7 +423,12 @@ class TargetRuntime:
 
     def _tokens(self, tokens: Sequence[Sequence[int]]) -> list[int]:
         vocab = int(self.spec.embed.weight.shape[0])
-        flat: list[int] = []
+        flat: list[int] = [t for toks in tokens for t in toks]
+        # The common case checked in C (every id a plain int in range); anything else is
+        # walked token by token below, for the error that names the sequence.
+        if flat and set(map(type, flat)) == {int} and 0 <= min(flat) and max(flat) < vocab:
+            return flat
+        flat = []
         for i, toks in enumerate(tokens):
             for t in toks:
                 if isinstance(t, bool) or not isinstance(t, int):

@@ -1,0 +1,64 @@
+"""After a verify: each request's new tokens pushed, and the verify rows its context keeps.
+
+A step's verify rows lie request after request (``1 + drafts`` rows each); of each request
+that goes on, its first ``accepted + 1`` rows become its drafter context. They are picked in
+one gather (one view when every block and every count is the same), not cut out per request.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from blockdraft.engine.draft_length import DraftLengthPolicy
+from blockdraft.engine.request import Request
+from blockdraft.results import TokenLogprob
+
+
+def push_verified(
+    live: Sequence[Request],
+    news: Sequence[list[int]],
+    offered: Sequence[int],
+    logprobs: Sequence[Sequence[TokenLogprob] | None],
+    lengths: DraftLengthPolicy,
+) -> tuple[list[int], list[range]]:
+    """Push each request's new tokens ``news[i]`` (its accepted drafts of the ``offered[i]``
+    and the target's next token) and record the step in ``lengths``; returns the indices of
+    the requests that go on (not finished by these tokens) and, for each, the positions of
+    its accepted rows (from its anchor)."""
+    going: list[int] = []
+    positions: list[range] = []
+    for i, (r, new, k, lp) in enumerate(zip(live, news, offered, logprobs)):
+        start = len(r.prompt) + len(r.out) - 1  # the anchor's position, before the push
+        lengths.observe(r.id, k, len(new) - 1)
+        r.steps.append(len(new))
+        r.push(new, lp)
+        if r.finish_reason is None:
+            going.append(i)
+            positions.append(range(start, start + len(new)))
+    return going, positions
+
+
+def kept_rows(rows: Tensor, block_lens: Sequence[int], counts: Sequence[int], which: Sequence[int]) -> Tensor:
+    """The first ``counts[i]`` of request ``i``'s ``block_lens[i]`` rows, for each ``i`` of
+    ``which`` (in order), request after request."""
+    n = len(block_lens)
+    if n == 1:
+        return rows[: counts[0]]
+    first = block_lens[0]
+    count = counts[which[0]]
+    if len(which) == n and block_lens.count(first) == n and [counts[i] for i in which].count(count) == n:
+        # The steady state: one shape for every request, a strided view of the rows.
+        return rows.view(n, first, rows.shape[-1])[:, :count].reshape(-1, rows.shape[-1])
+    starts = [0] * n
+    at = 0
+    for i, length in enumerate(block_lens):
+        starts[i] = at
+        at += length
+    index = [j for i in which for j in range(starts[i], starts[i] + counts[i])]
+    return rows.index_select(0, torch.tensor(index, dtype=torch.int64).to(rows.device, non_blocking=True))
+
+
+__all__ = ["kept_rows", "push_verified"]
