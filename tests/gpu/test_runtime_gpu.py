@@ -121,8 +121,9 @@ def test_streaming_gemms_equal_hf(monkeypatch: pytest.MonkeyPatch) -> None:
     block = [(7 * j + 1) % SHAPE.vocab for j in range(16)]
     verify = rt.forward([seq], [block], logits="all").logits.float().clone()
     rt.accept([seq], [16])
-    decoded = [rt.forward([seq], [[t]], logits="last").logits.float().clone() for t in (5, 9)]
-    for _ in decoded:
+    decoded = []
+    for t in (5, 9):  # each decoded row is accepted before the next forward
+        decoded.append(rt.forward([seq], [[t]], logits="last").logits.float().clone())
         rt.accept([seq], [1])
     assert calls["linear_silu_mul"] > 0 and calls["linear"] > 0
     assert rt.graphs is not None and rt.graphs.disabled is None and rt.graphs.captures > 0
