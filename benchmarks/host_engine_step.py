@@ -15,7 +15,8 @@ cumulative and by own time, and the step's own time split into torch's operators
 torch), the Rust core's calls and the rest (Python):
 
     PYTHONPATH=python python benchmarks/host_engine_step.py [--batches 1,32] [--steps 200]
-        [--warmup 20] [--repeats 3] [--threads 1] [--compute] [--profile] [--top 30]
+        [--warmup 20] [--repeats 3] [--threads 1] [--max-seq-len 1024] [--compute] [--profile]
+        [--top 30]
 """
 
 from __future__ import annotations
@@ -40,14 +41,14 @@ MAX_SEQ_LEN = 1024  # room for about 850 steps at tau 1; the page tables are 64 
 log = logging.getLogger("host_engine_step")
 
 
-def build(target: object, drafter: object, n: int) -> SpeculativeEngine:
-    """An engine with ``n`` running requests, prefilled and stepped twice."""
+def build(target: object, drafter: object, n: int, max_seq_len: int = MAX_SEQ_LEN) -> SpeculativeEngine:
+    """An engine of ``max_seq_len`` with ``n`` running requests, prefilled and stepped twice."""
     shape = pair.SHAPES["tiny"]
-    engine = SpeculativeEngine(target, drafter, runtime="blockdraft", max_seq_len=MAX_SEQ_LEN,
+    engine = SpeculativeEngine(target, drafter, runtime="blockdraft", max_seq_len=max_seq_len,
                                max_active=n, max_batch=n, graphs="static",
                                draft_length=DRAFTS)
     gen = torch.Generator().manual_seed(n)
-    new = MAX_SEQ_LEN - PROMPT - 3 * engine.block_size
+    new = max_seq_len - PROMPT - 3 * engine.block_size
     for _ in range(n):
         prompt = torch.randint(0, shape.vocab - 1, (PROMPT + int(torch.randint(0, 8, (1,), generator=gen)),),
                                generator=gen).tolist()
@@ -126,6 +127,8 @@ def main() -> None:
     ap.add_argument("--compute", action="store_true", help="run the forwards every step")
     ap.add_argument("--threads", type=int, default=1,
                     help="torch's intra-op threads (1: the small ops are not spread over busy cores)")
+    ap.add_argument("--max-seq-len", type=int, default=MAX_SEQ_LEN,
+                    help="the engine's max_seq_len (the page tables' width follows it)")
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--top", type=int, default=30)
     args = ap.parse_args()
@@ -135,7 +138,7 @@ def main() -> None:
     shape = pair.SHAPES["tiny"]
     target, drafter = pair.random_pair(shape, "cpu", torch.float32)
     for n in (int(b) for b in args.batches.split(",")):
-        engine = build(target, drafter, n)
+        engine = build(target, drafter, n, args.max_seq_len)
         if not args.compute:
             stub_forwards(engine)
         with torch.inference_mode():
