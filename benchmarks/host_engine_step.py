@@ -8,7 +8,8 @@ WARMUP steps, REPEATS runs of STEPS steps are timed; the best median is printed.
 As ``blockdraft bench --sections spec``'s ``host_us`` does on CUDA (every graph replay doing
 nothing), the device work of the two graph paths (the proposer's draft forward, the runtime's
 verify forward) runs once per graph shape and is then replaced by its first answer, so what is
-timed is Python, the Rust core and the small tensor ops around the forwards. ``--compute``
+timed is Python, the Rust core and the small tensor ops around the forwards. The host's speed
+is printed first as a yardstick (:func:`yardstick_us`). ``--compute``
 runs the forwards every step instead (the tiny model's CPU compute is then most of the step).
 ``--profile`` profiles the steps once more with cProfile and prints the top entries by
 cumulative and by own time, and the step's own time split into torch's operators (builtins of
@@ -105,6 +106,20 @@ def timed(engine: SpeculativeEngine, n: int, steps: int) -> list[float]:
     return out
 
 
+def yardstick_us() -> float:
+    """Median µs of one small-op round on the host (a tensor built from 64 ints, then one
+    in-place add): what most of a step's host work is made of, so figures taken on hosts of
+    different speed compare through it."""
+    ints = list(range(64))
+    times = []
+    for i in range(2100):
+        t0 = time.perf_counter()
+        torch.tensor(ints, dtype=torch.int64).add_(1)
+        if i >= 100:
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e6
+
+
 def split(stats: pstats.Stats) -> dict[str, float]:
     """Own time (s) of torch's builtins, the Rust core's and everything else."""
     parts = {"torch": 0.0, "core": 0.0, "python": 0.0}
@@ -137,6 +152,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     shape = pair.SHAPES["tiny"]
     target, drafter = pair.random_pair(shape, "cpu", torch.float32)
+    print(f"host yardstick: {yardstick_us():.2f} us (one torch.tensor of 64 ints + one add_)")
     for n in (int(b) for b in args.batches.split(",")):
         engine = build(target, drafter, n, args.max_seq_len)
         if not args.compute:

@@ -682,15 +682,17 @@ class ForwardPlan:
         """The most new rows of any sequence (0 for an empty call)."""
     @property
     def max_pages(self) -> int:
-        """The most pages of any sequence (0 for an empty call)."""
+        """The most pages any sequence's forward reads (0 for an empty call)."""
     def page_table(self, width: int) -> list[int]:
-        """The ``n x width`` page table, row-major: each sequence's pages, zero padded.
+        """The ``n x width`` page table, row-major: each sequence's pages that hold its first
+        ``kv_lens[i]`` tokens (those its forward reads and writes; the rest of its reservation
+        is left out), zero padded.
 
         Raises:
             ValueError: ``width < max_pages`` (or negative).
         """
 
-    def fill(self, out: Any, width: int) -> None:
+    def fill(self, out: Any, width: int, pad: bool = True) -> None:
         """Write :meth:`page_table` into ``out`` in place, without building a Python list.
 
         Args:
@@ -698,6 +700,10 @@ class ForwardPlan:
                 ``torch.Tensor``, not a subclass); the caller must not have an asynchronous
                 copy out of it in flight.
             width: entries per row (>= ``max_pages``).
+            pad: zero each row past its pages (as :meth:`page_table`); ``False`` writes only
+                the pages and leaves the rest of each row as it was, for a caller whose
+                kernels never read past a sequence's ``kv_lens[i]`` tokens (a table as wide as
+                ``max_seq_len`` then costs only the pages in use).
 
         Raises:
             TypeError: ``out`` is not a ``torch.Tensor``.

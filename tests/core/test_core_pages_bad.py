@@ -170,8 +170,8 @@ CASES: list[Case] = [
     C("free_all a ContextState", InvalidStateError, ("^free: sequence 1: ", "not a SeqPages"),
       lambda w: free_all("free", [w.b, w.ctx], OWNER)),  # type: ignore[list-item]
     # the plan
-    C("page_table narrower than the pages", ValueError, ("^page_table: ", "width", "3 pages"),
-      lambda w: w.plan.page_table(2)),
+    C("page_table narrower than the pages", ValueError, ("^page_table: ", "width", "2 pages"),
+      lambda w: w.plan.page_table(1)),
     C("page_table width negative", ValueError, "width", lambda w: w.plan.page_table(-1)),
     C("page_table width str", TypeError, "width", lambda w: w.plan.page_table("3")),  # type: ignore[arg-type]
 ]
@@ -200,4 +200,5 @@ def test_the_world_is_what_the_cases_assume() -> None:
     assert (w.b.length, w.b.pending, w.b.num_pages) == (0, 0, 2)
     assert w.freed.freed and w.other.owner == OTHER
     assert w.pool.num_free == 12 - 3 - 2 - 1
-    assert w.plan.max_pages == 3 and w.plan.positions == [4, 5, 6]
+    # `a` holds 3 pages; the plan's forward reads its first 7 tokens: 2 pages
+    assert w.plan.max_pages == 2 and w.plan.positions == [4, 5, 6]

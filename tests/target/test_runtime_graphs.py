@@ -144,7 +144,9 @@ def test_calls_land_in_the_smallest_bucket_with_padded_rows(rows: int, monkeypat
             assert b.slots[i * rows:(i + 1) * rows] == [
                 seq.pages[p // PAGE] * PAGE + p % PAGE for p in pos]
             assert b.kv_lens[i] == seq.length + rows
-            assert b.tables[i, :len(seq.pages)].tolist() == list(seq.pages)
+            # the pages of the tokens the forward reads (the rest of the row is never read)
+            used = -(-(seq.length + rows) // PAGE)
+            assert b.tables[i, :used].tolist() == list(seq.pages[:used])
         assert b.ids[m:] == [0] * (bucket * rows - m)
         assert b.positions[m:] == [0] * (bucket * rows - m)
         assert b.slots[m:] == [PAD_SLOT] * (bucket * rows - m)

@@ -23,9 +23,10 @@ pub struct ForwardPlan {
     pub kv_lens: Vec<usize>,
     /// The most new rows of any sequence.
     pub max_rows: usize,
-    /// The most pages of any sequence.
+    /// The most pages any sequence's forward reads.
     pub max_pages: usize,
-    /// Every sequence's page table, back to back; sequence `i`'s is
+    /// Every sequence's pages that hold its first `kv_lens[i]` tokens (the pages its forward
+    /// reads and writes), back to back; sequence `i`'s are
     /// `pages[page_starts[i] .. page_starts[i + 1]]`.
     pages: Vec<usize>,
     page_starts: Vec<usize>,
@@ -44,7 +45,7 @@ impl ForwardPlan {
         self.kv_lens.len()
     }
 
-    /// Sequence `i`'s page table.
+    /// Sequence `i`'s page table: its pages that hold its first `kv_lens[i]` tokens.
     ///
     /// # Panics
     /// When `i >= n_seqs()`.
@@ -73,7 +74,7 @@ impl ForwardPlan {
     pub fn page_table(&self, width: usize) -> Result<Vec<usize>> {
         self.check_width(width)?;
         let mut out = vec![0; self.n_seqs() * width];
-        self.write_table(&mut out, width, |b| b);
+        self.write_table(&mut out, width, true, |b| b);
         Ok(out)
     }
 
@@ -84,6 +85,21 @@ impl ForwardPlan {
     /// [`Error::InvalidArgument`] when `width < max_pages`, `out` has another length, or a page
     /// id does not fit in `i32`; `out` is untouched.
     pub fn fill_page_table(&self, out: &mut [i32], width: usize) -> Result<()> {
+        self.fill_rows(out, width, true)
+    }
+
+    /// [`Self::fill_page_table`] without the padding: each row's pages are written and the
+    /// entries past them keep what they held. For a caller whose kernels read no entry past a
+    /// sequence's pages (they mask keys at its length): a table as wide as `max_seq_len` then
+    /// costs each step only the pages in use, not its width.
+    ///
+    /// # Errors
+    /// As [`Self::fill_page_table`]; `out` is untouched.
+    pub fn fill_page_table_pages(&self, out: &mut [i32], width: usize) -> Result<()> {
+        self.fill_rows(out, width, false)
+    }
+
+    fn fill_rows(&self, out: &mut [i32], width: usize, pad: bool) -> Result<()> {
         self.check_width(width)?;
         let want = self.n_seqs() * width;
         if out.len() != want {
@@ -102,7 +118,7 @@ impl ForwardPlan {
                 format!("page id {b} does not fit in int32"),
             ));
         }
-        self.write_table(out, width, |b| i32::try_from(b).unwrap_or(i32::MAX));
+        self.write_table(out, width, pad, |b| i32::try_from(b).unwrap_or(i32::MAX));
         Ok(())
     }
 
@@ -110,6 +126,7 @@ impl ForwardPlan {
         &self,
         out: &mut [T],
         width: usize,
+        pad: bool,
         conv: impl Fn(usize) -> T,
     ) {
         if width == 0 {
@@ -120,7 +137,9 @@ impl ForwardPlan {
             for (dst, &b) in row.iter_mut().zip(pages) {
                 *dst = conv(b);
             }
-            row[pages.len()..].fill(T::default());
+            if pad {
+                row[pages.len()..].fill(T::default());
+            }
         }
     }
 }
@@ -198,7 +217,7 @@ pub fn plan_forward(seqs: &mut [&mut SeqPages], rows: &[i64], owner: u64) -> Res
         slots: Vec::with_capacity(total),
         q_starts: Vec::with_capacity(n + 1),
         kv_lens: Vec::with_capacity(n),
-        pages: Vec::with_capacity(seqs.iter().map(|s| s.num_pages()).sum()),
+        pages: Vec::new(),
         page_starts: Vec::with_capacity(n + 1),
         ..ForwardPlan::default()
     };
@@ -207,11 +226,16 @@ pub fn plan_forward(seqs: &mut [&mut SeqPages], rows: &[i64], owner: u64) -> Res
     for (s, &r) in seqs.iter_mut().zip(&counts) {
         s.rows_into(r, &mut plan.positions, &mut plan.slots);
         plan.q_starts.push(plan.positions.len());
-        plan.kv_lens.push(s.length() + r);
+        let kv_len = s.length() + r;
+        plan.kv_lens.push(kv_len);
         plan.max_rows = plan.max_rows.max(r);
-        plan.pages.extend_from_slice(s.pages());
+        // The forward reads and writes only the pages that hold its first `kv_len` tokens;
+        // the rest of the sequence's reservation stays out of the plan, so a plan (and a table
+        // filled from it) costs the pages in use, not the sequence's capacity.
+        let used = kv_len.div_ceil(s.page_size()).min(s.num_pages());
+        plan.pages.extend_from_slice(&s.pages()[..used]);
         plan.page_starts.push(plan.pages.len());
-        plan.max_pages = plan.max_pages.max(s.num_pages());
+        plan.max_pages = plan.max_pages.max(used);
         // Checked above; the sequences are borrowed exclusively, so nothing changed since.
         s.forward(r)?;
     }
@@ -296,14 +320,16 @@ mod tests {
         assert_eq!(plan.slots, want);
         assert_eq!(plan.q_starts, vec![0, 3, 5, 6]);
         assert_eq!(plan.kv_lens, vec![9, 2, 1]);
-        assert_eq!((plan.max_rows, plan.max_pages), (3, 4));
+        // The third sequence holds pages 4..=7 but its forward reads one token: page 4 only.
+        assert_eq!((plan.max_rows, plan.max_pages), (3, 3));
+        assert_eq!(plan.pages_of(2), [4]);
         assert_eq!(
             plan.page_table(4).unwrap(),
-            vec![0, 1, 2, 0, 3, 0, 0, 0, 4, 5, 6, 7]
+            vec![0, 1, 2, 0, 3, 0, 0, 0, 4, 0, 0, 0]
         );
         assert_eq!(plan.page_table(5).unwrap().len(), 15);
         assert!(matches!(
-            plan.page_table(3),
+            plan.page_table(2),
             Err(Error::InvalidArgument { name: "width", .. })
         ));
         assert_eq!(
@@ -334,6 +360,34 @@ mod tests {
             Err(Error::InvalidArgument { name: "out", .. })
         ));
         assert!(plan.fill_page_table(&mut short, 3).is_err());
+        assert!(
+            short.iter().all(|&x| x == -5),
+            "a refused fill writes nothing"
+        );
+    }
+
+    #[test]
+    fn fill_pages_writes_the_pages_and_keeps_the_rest() {
+        let mut pool = BlockPool::new(16, 2).unwrap();
+        let mut v = seqs(&mut pool, &[3, 7, 1], 0);
+        let plan = plan_forward(&mut refs(&mut v), &[1, 1, 1], 0).unwrap();
+        let width = 6;
+        let full: Vec<i32> = plan
+            .page_table(width)
+            .unwrap()
+            .into_iter()
+            .map(|b| i32::try_from(b).unwrap())
+            .collect();
+        let mut out = vec![-5i32; 3 * width];
+        plan.fill_page_table_pages(&mut out, width).unwrap();
+        for (i, row) in out.chunks_exact(width).enumerate() {
+            let used = plan.pages_of(i).len();
+            assert_eq!(row[..used], full[i * width..i * width + used], "row {i}");
+            assert!(row[used..].iter().all(|&x| x == -5), "row {i}: {row:?}");
+        }
+        let mut short = vec![-5i32; 11];
+        assert!(plan.fill_page_table_pages(&mut short, 4).is_err());
+        assert!(plan.fill_page_table_pages(&mut out, 3).is_err());
         assert!(
             short.iter().all(|&x| x == -5),
             "a refused fill writes nothing"

@@ -214,17 +214,24 @@ impl Harness {
         }
         let plan = res.unwrap();
         let (mut positions, mut slots, mut q_starts, mut table) = (vec![], vec![], vec![0], vec![]);
-        let width = picked.iter().map(|&i| self.seqs[i].1.pages.len()).max();
+        // A forward's table holds the pages of the tokens it reads: `length + rows` of them.
+        let used = |m: &Model, r: i64| (m.length + usize::try_from(r).unwrap()).div_ceil(page_size);
+        let width = picked
+            .iter()
+            .zip(&rows)
+            .map(|(&i, &r)| used(&self.seqs[i].1, r))
+            .max();
         for (&i, &r) in picked.iter().zip(&rows) {
             let m = &mut self.seqs[i].1;
+            let in_use = used(m, r);
             let r = usize::try_from(r).unwrap();
             for p in m.length..m.length + r {
                 positions.push(p);
                 slots.push(m.pages[p / page_size] * page_size + p % page_size);
             }
             q_starts.push(positions.len());
-            table.extend(&m.pages);
-            table.resize(table.len() + width.unwrap() - m.pages.len(), 0);
+            table.extend(&m.pages[..in_use]);
+            table.resize(table.len() + width.unwrap() - in_use, 0);
             m.pending = r;
         }
         assert_eq!(plan.positions, positions);

@@ -279,17 +279,22 @@ impl PyForwardPlan {
             .map_err(|e| prefixed(e, "page_table"))
     }
 
-    /// The page table written straight into `out` (see the stub), without a Python list.
-    #[pyo3(signature = (out, width))]
-    fn fill(&self, out: &Bound<'_, PyAny>, width: &Bound<'_, PyAny>) -> PyResult<()> {
+    /// The page table written straight into `out` (see the stub), without a Python list; with
+    /// `pad` false only each row's pages are written.
+    #[pyo3(signature = (out, width, pad=true))]
+    fn fill(&self, out: &Bound<'_, PyAny>, width: &Bound<'_, PyAny>, pad: bool) -> PyResult<()> {
         let width = size_arg(width, "width")?;
         let n = self.inner.n_seqs();
         let (ptr, len) = int32_host(out, n, width)?;
+        let fill = |buf: &mut [i32]| {
+            if pad {
+                self.inner.fill_page_table(buf, width)
+            } else {
+                self.inner.fill_page_table_pages(buf, width)
+            }
+        };
         if len == 0 {
-            return self
-                .inner
-                .fill_page_table(&mut [], width)
-                .map_err(|e| prefixed(e, "fill"));
+            return fill(&mut []).map_err(|e| prefixed(e, "fill"));
         }
         // SAFETY: `int32_host` checked that `out` is a plain `torch.Tensor` on the CPU, strided,
         // contiguous, of dtype int32 and shape [n, width], so its `len` elements lie back to
@@ -299,9 +304,7 @@ impl PyForwardPlan {
         // an asynchronous device copy out of the tensor in flight (the same rule as for any
         // in-place write to it).
         let buf = unsafe { std::slice::from_raw_parts_mut(ptr as *mut i32, len) };
-        self.inner
-            .fill_page_table(buf, width)
-            .map_err(|e| prefixed(e, "fill"))
+        fill(buf).map_err(|e| prefixed(e, "fill"))
     }
 
     fn __repr__(&self) -> String {

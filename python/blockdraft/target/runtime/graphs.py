@@ -120,10 +120,13 @@ class RuntimeGraphs:
         if n < bucket.written:
             bucket.reset_padding()
         bucket.written = n
-        # Rows [:n] are rewritten whole (the core fills each table row to its width).
+        # Rows [:n] get their ids, positions, slots, lengths and the pages holding their
+        # kv_lens tokens; a table row's entries past those keep what an earlier call wrote
+        # (page ids of this pool, or 0): the attention loads no table entry past a sequence's
+        # length, so a table as wide as max_seq_len costs each step only the pages in use.
         bucket.host64[:, :m] = torch.tensor((flat, plan.positions, plan.slots), dtype=torch.int64)
         bucket.host32[:n] = torch.tensor(plan.kv_lens, dtype=torch.int32)
-        plan.fill(bucket.host_table[:n], self.width)
+        plan.fill(bucket.host_table[:n], self.width, pad=False)
         bucket.dev64.copy_(bucket.host64, non_blocking=True)
         bucket.dev32.copy_(bucket.host32, non_blocking=True)
         if self.mode == "static":
