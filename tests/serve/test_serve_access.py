@@ -33,7 +33,16 @@ from blockdraft.serve.access import AccessGuard
 from blockdraft.serve.server import is_loopback, serve
 
 from support.scorecard import score
-from support.serve_support import MODEL, LiveServer, Pair, builtin_pair, counter, requests_total, sse_events
+from support.serve_support import (
+    MODEL,
+    LiveServer,
+    Pair,
+    builtin_pair,
+    counter,
+    refused_total,
+    requests_total,
+    sse_events,
+)
 from support.tls import self_signed
 
 KEY = "sk-test-5f1c9a0e7b"
@@ -117,7 +126,10 @@ def test_every_route_but_health_needs_the_key(server: LiveServer) -> None:
         r = client.post("/v1/completions", json=_completion(), headers=AUTH)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 8
     after = server.metrics()
-    # The refused requests reached no route: nothing counted, nothing generated but the one.
+    # The refused requests reached no route: counted as refused only, nothing generated but
+    # the one.
+    assert refused_total(after, "unauthorized") - refused_total(before, "unauthorized") == len(routes) * len(WRONG)
+    assert refused_total(after, "too_large") == refused_total(before, "too_large")
     assert requests_total(after, "length") - requests_total(before, "length") == 1
     assert requests_total(after, "invalid") == requests_total(before, "invalid")
     assert (counter(after, "blockdraft_generated_tokens_total")
@@ -171,6 +183,8 @@ def test_a_body_past_the_limit_is_a_413_before_parsing(server: LiveServer) -> No
     after = server.metrics()
     assert requests_total(after, "invalid") == requests_total(before, "invalid")
     assert requests_total(after, "length") - requests_total(before, "length") == 2
+    assert refused_total(after, "too_large") - refused_total(before, "too_large") == 3
+    assert refused_total(after, "unauthorized") - refused_total(before, "unauthorized") == 1
 
 
 def test_error_answers_carry_no_traceback_or_path(server: LiveServer, monkeypatch: pytest.MonkeyPatch,
@@ -271,7 +285,8 @@ def test_the_guard_alone() -> None:
     body within the limit reaches the app whole."""
 
     async def scenario() -> None:
-        guard = AccessGuard(_echo, api_key=KEY, max_body_bytes=100, open_paths=("/health", "/metrics"))
+        guard = AccessGuard(_echo, api_key=KEY, max_body_bytes=100, open_paths=("/health", "/metrics"),
+                            on_refused=refused.append)
         transport = httpx.ASGITransport(app=guard)
         async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
             assert (await client.get("/metrics")).status_code == 200
@@ -288,7 +303,9 @@ def test_the_guard_alone() -> None:
             assert (await client.post("/v1/x", content=stream(4), headers=AUTH)).status_code == 413
             assert (await client.post("/health", content=b"x" * 101)).status_code == 413
 
+    refused: list[str] = []
     asyncio.run(scenario())
+    assert refused == ["unauthorized", "too_large", "too_large"]
     with pytest.raises(ValueError, match="api_key"):
         AccessGuard(_echo, api_key="", max_body_bytes=1)
     with pytest.raises(ValueError, match="max_body_bytes"):

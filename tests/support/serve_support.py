@@ -215,6 +215,10 @@ def counter(m: dict[tuple[str, tuple[tuple[str, str], ...]], float], name: str) 
     return m[(name, ())]
 
 
+def refused_total(m: dict[tuple[str, tuple[tuple[str, str], ...]], float], reason: str) -> float:
+    return m[("blockdraft_refused_requests_total", (("reason", reason),))]
+
+
 @contextmanager
 def live_server(pair: Pair, *, max_seq_len: int = 2048, max_active: int = 16, max_queue: int = 64,
                 builtin_chat: bool = True, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,

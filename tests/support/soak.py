@@ -21,7 +21,8 @@ computed once per distinct prompt before the server starts, so no armed fault re
 After every round (a checkpoint) the soak waits for the server to be idle and checks: pages
 used back to 0 in both pools, ``/health`` ok and the engine loop alive, every request the app
 saw counted once in ``blockdraft_requests_total`` (the 400/404s as ``invalid``, the 429s as
-``rejected``), and records the process's resident memory (the server runs in this process).
+``rejected``) and each 413 once in ``blockdraft_refused_requests_total``, and records the
+process's resident memory (the server runs in this process).
 Anything that breaks a rule is one line of :attr:`SoakFigures.problems`.
 
 The CI test runs a fixed number of rounds; its long profile runs rounds for a given time
@@ -47,7 +48,7 @@ from blockdraft.serve.chat import ChatFormat
 from blockdraft.serve.metrics import STATUSES
 
 from support.scorecard import score
-from support.serve_support import MODEL, LiveServer, Pair, live_server, requests_total, wait_until
+from support.serve_support import MODEL, LiveServer, Pair, live_server, refused_total, requests_total, wait_until
 from support.words import random_words
 
 FAULT_STATUS: dict[str, tuple[int, str]] = {
@@ -493,8 +494,13 @@ class Soak:
             fig.problems.append(f"after round {fig.rounds}: counted {total} (want {reached}), invalid "
                                 f"{delta('invalid')} (want {invalid}), rejected {delta('rejected')} "
                                 f"(clients saw {rejected}, {left} left early)")
-        fig.checks += 4
-        score.invariant_checks += 4
+        # ... and each 413 once as refused.
+        too_large = len(plan) - reached
+        refused = refused_total(after, "too_large") - refused_total(before, "too_large")
+        if refused != too_large:
+            fig.problems.append(f"after round {fig.rounds}: refused as too large {refused} (want {too_large})")
+        fig.checks += 5
+        score.invariant_checks += 5
         rss = rss_mib()
         if rss is not None:
             fig.rss_mib.append(rss)

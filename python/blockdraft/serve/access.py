@@ -12,6 +12,9 @@
   the moment it passes the limit. Only a body within the limit reaches the app, which then
   reads it from memory. Nothing is parsed before this check.
 
+Each refusal is reported to ``on_refused`` (the server counts them in
+``blockdraft_refused_requests_total{reason}``).
+
 It is pure ASGI (no Starlette ``BaseHTTPMiddleware``), so streamed answers and the
 disconnect messages the routes listen for pass through untouched.
 """
@@ -20,7 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -40,13 +43,15 @@ class AccessGuard:
         api_key: the key clients must send (``None``: no key needed).
         max_body_bytes: the largest request body read (>= 1).
         open_paths: paths served without a key.
+        on_refused: called with ``"unauthorized"`` or ``"too_large"`` for each refused request.
 
     Raises:
         ValueError: an empty key or ``max_body_bytes < 1``.
     """
 
     def __init__(self, app: ASGIApp, *, api_key: str | None, max_body_bytes: int,
-                 open_paths: Collection[str] = ("/health",)) -> None:
+                 open_paths: Collection[str] = ("/health",),
+                 on_refused: Callable[[str], None] | None = None) -> None:
         if api_key is not None and not api_key:
             raise ValueError("api_key must not be empty (None: no key)")
         if max_body_bytes < 1:
@@ -55,6 +60,7 @@ class AccessGuard:
         self._digest = _digest(api_key.encode()) if api_key is not None else None
         self.max_body_bytes = max_body_bytes
         self.open_paths = frozenset(open_paths)
+        self.on_refused = on_refused
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -64,17 +70,22 @@ class AccessGuard:
         if self._digest is not None and scope["path"] not in self.open_paths:
             given = _bearer(headers.get(b"authorization"))
             if given is None or not hmac.compare_digest(_digest(given), self._digest):
-                await _answer(scope, receive, send, unauthorized(given is not None))
+                await self._refuse(scope, receive, send, "unauthorized", unauthorized(given is not None))
                 return
         declared = headers.get(b"content-length")
         if declared is not None and declared.strip().isdigit() and int(declared) > self.max_body_bytes:
-            await _answer(scope, receive, send, too_large(self.max_body_bytes))
+            await self._refuse(scope, receive, send, "too_large", too_large(self.max_body_bytes))
             return
         body = await self._read(receive)
         if body is None:
-            await _answer(scope, receive, send, too_large(self.max_body_bytes))
+            await self._refuse(scope, receive, send, "too_large", too_large(self.max_body_bytes))
             return
         await self.app(scope, _replay(body, receive), send)
+
+    async def _refuse(self, scope: Scope, receive: Receive, send: Send, reason: str, err: APIError) -> None:
+        if self.on_refused is not None:
+            self.on_refused(reason)
+        await JSONResponse(err.body(), status_code=err.status, headers=err.headers)(scope, receive, send)
 
     async def _read(self, receive: Receive) -> list[Message] | None:
         """The body's messages, counted as they arrive; ``None`` once they pass the limit
@@ -123,9 +134,6 @@ def _replay(messages: list[Message], receive: Receive) -> Receive:
 
     return replayed
 
-
-async def _answer(scope: Scope, receive: Receive, send: Send, err: APIError) -> None:
-    await JSONResponse(err.body(), status_code=err.status, headers=err.headers)(scope, receive, send)
 
 
 __all__ = ["DEFAULT_MAX_BODY_BYTES", "AccessGuard"]

@@ -113,7 +113,8 @@ def create_app(engine: SpeculativeEngine, tokenizer: Any, config: ServeConfig) -
     app.state.metrics = metrics
     app.state.config = config
     app.add_middleware(AccessGuard, api_key=config.api_key, max_body_bytes=config.max_body_bytes,
-                       open_paths=("/health", "/metrics") if config.public_metrics else ("/health",))
+                       open_paths=("/health", "/metrics") if config.public_metrics else ("/health",),
+                       on_refused=metrics.refuse)
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError) -> Response:

@@ -4,6 +4,7 @@ can live in one process, as tests start them).
 | metric | kind | meaning |
 | --- | --- | --- |
 | ``blockdraft_requests_total{status}`` | counter | answered requests by outcome (see :data:`STATUSES`) |
+| ``blockdraft_refused_requests_total{reason}`` | counter | requests refused before any route (see :data:`REFUSALS`) |
 | ``blockdraft_requests_running`` / ``_waiting`` | gauge | requests in the batch / queued for pages |
 | ``blockdraft_pool_pages_used{pool}`` / ``_total{pool}`` | gauge | pages of the ``target`` and ``drafter`` pools |
 | ``blockdraft_kv_cache_usage_ratio{pool}`` | gauge | used / total pages of each pool, in [0, 1] (for routers) |
@@ -31,6 +32,10 @@ STATUSES = ("stop", "length", "cancelled", "error", "invalid", "rejected", "unav
 the server shut down first; ``error``: generation failed (500); ``invalid``: refused input
 (400/404); ``rejected``: the queue was full (429); ``unavailable``: shutting down (503)."""
 
+REFUSALS = ("unauthorized", "too_large")
+"""Why a request was refused before any route saw it: ``unauthorized``: no or a wrong API key
+(401); ``too_large``: its body was past the size limit (413)."""
+
 POOLS = ("target", "drafter")
 
 _TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -48,6 +53,11 @@ class ServeMetrics:
                                 ["status"], registry=reg)
         for status in STATUSES:
             self.requests.labels(status)
+        self.refused = Counter("blockdraft_refused_requests",
+                               "Requests refused before any route ran, by reason.", ["reason"],
+                               registry=reg)
+        for reason in REFUSALS:
+            self.refused.labels(reason)
         self.running = Gauge("blockdraft_requests_running", "Requests in the running batch.",
                              registry=reg)
         self.waiting = Gauge("blockdraft_requests_waiting", "Requests waiting for pages or a slot.",
@@ -90,6 +100,10 @@ class ServeMetrics:
     def count(self, status: str) -> None:
         self.requests.labels(status).inc()
 
+    def refuse(self, reason: str) -> None:
+        """Count a request refused before any route ran (``reason`` one of :data:`REFUSALS`)."""
+        self.refused.labels(reason).inc()
+
     def set_pools(self, used: dict[str, int], total: dict[str, int]) -> None:
         for pool in POOLS:
             self.pages_used.labels(pool).set(used.get(pool, 0))
@@ -111,4 +125,4 @@ class ServeMetrics:
         return generate_latest(self.registry)
 
 
-__all__ = ["POOLS", "STATUSES", "ServeMetrics"]
+__all__ = ["POOLS", "REFUSALS", "STATUSES", "ServeMetrics"]
