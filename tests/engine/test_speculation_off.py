@@ -98,3 +98,18 @@ def test_cancel_gives_every_page_back() -> None:
         list(eng.stream([b]))
         assert eng.request(b).out == hf_greedy(PROMPTS[0], NEW)
         assert eng.pages_used() == {"target": 0, "drafter": 0}
+
+
+def test_the_drafter_pool_is_one_page_unless_asked() -> None:
+    """Off, the proposer the engine builds holds one page (the memory goes to the target's
+    pool); on, a pool sized for drafting; a pool size given is kept."""
+    kw: dict[str, Any] = {"runtime": "blockdraft", "max_seq_len": 64, "max_active": 4, "page_size": 4}
+    with SpeculativeEngine(TARGET, DRAFTER, speculate=False, **kw) as off:
+        assert off.pages_total()["drafter"] == off.proposer.pool.num_pages == 1
+        off.warmup()
+        got = off.generate(PROMPTS, max_new_tokens=NEW)
+    with SpeculativeEngine(TARGET, DRAFTER, **kw) as on:
+        assert on.pages_total()["drafter"] > 1
+        assert [list(t) for t in on.generate(PROMPTS, max_new_tokens=NEW).tokens] == [list(t) for t in got.tokens]
+    with SpeculativeEngine(TARGET, DRAFTER, speculate=False, num_pages=40, **kw) as given:
+        assert given.pages_total()["drafter"] == 40

@@ -98,7 +98,9 @@ class SpeculativeEngine:
             rank builds the engine with the same arguments and then submits, steps and
             cancels in the same order; the target runs on the runtime split over the ranks
             (``runtime`` must not be ``"hf"``) and the drafter runs whole on every rank.
-        speculate: ``False``: target-only decoding, a token per request per step (no drafter work or pages).
+        speculate: ``False``: target-only decoding, a token per request per step (no drafter
+            work or pages; a proposer built here gets a one-page pool unless
+            ``proposer_kwargs`` give ``num_pages`` or ``pool``).
         draft_length: drafts verified per request and step: ``"adaptive"`` (from the batch's
             size and each request's recent acceptance; see
             :mod:`blockdraft.engine.draft_length`), a fixed count (clipped to ``B - 1``), or
@@ -143,6 +145,11 @@ class SpeculativeEngine:
         self.max_active = max_active
         self.target_model = target
         self.drafter = drafter
+        if proposer is None and not speculate and "pool" not in proposer_kwargs:
+            # Target-only decoding never drafts: the proposer stays for the pair's checks and
+            # facts, with a one-page K/V pool, so the target's pool (sized from the memory left
+            # after it) is the one a server of the target alone would have.
+            proposer_kwargs.setdefault("num_pages", 1)
         self.proposer = proposer or DFlashProposer(
             drafter, target, max_seq_len=max_seq_len, graphs=graphs, tp=tp, **proposer_kwargs
         )
