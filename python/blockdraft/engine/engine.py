@@ -147,8 +147,9 @@ class SpeculativeEngine:
         self.drafter = drafter
         if proposer is None and not speculate and "pool" not in proposer_kwargs:
             # Target-only decoding never drafts: the proposer stays for the pair's checks and
-            # facts, with a one-page K/V pool, so the target's pool (sized from the memory left
-            # after it) is the one a server of the target alone would have.
+            # facts, with a one-page K/V pool, so the target's pool (where memory bounds it, a
+            # share of what is left after the drafter's) is the one a server of the target
+            # alone would have.
             proposer_kwargs.setdefault("num_pages", 1)
         self.proposer = proposer or DFlashProposer(
             drafter, target, max_seq_len=max_seq_len, graphs=graphs, tp=tp, **proposer_kwargs
