@@ -11,13 +11,15 @@ verify forward) runs once per graph shape and is then replaced by its first answ
 timed is Python, the Rust core and the small tensor ops around the forwards. The host's speed
 is printed first as a yardstick (:func:`yardstick_us`). ``--compute``
 runs the forwards every step instead (the tiny model's CPU compute is then most of the step).
+``--ops`` counts the torch operators a step dispatches outside the two forwards (what the
+host launches around the graph replays on CUDA) and prints them per step by name.
 ``--profile`` profiles the steps once more with cProfile and prints the top entries by
 cumulative and by own time, and the step's own time split into torch's operators (builtins of
 torch), the Rust core's calls and the rest (Python):
 
     PYTHONPATH=python python benchmarks/host_engine_step.py [--batches 1,32] [--steps 200]
-        [--warmup 20] [--repeats 3] [--threads 1] [--max-seq-len 1024] [--compute] [--profile]
-        [--top 30]
+        [--warmup 20] [--repeats 3] [--threads 1] [--max-seq-len 1024] [--compute] [--ops]
+        [--profile] [--top 30]
 """
 
 from __future__ import annotations
@@ -28,9 +30,11 @@ import logging
 import pstats
 import statistics
 import time
+from collections import Counter
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from blockdraft import pair
 from blockdraft.engine import SpeculativeEngine
@@ -58,9 +62,25 @@ def build(target: object, drafter: object, n: int, max_seq_len: int = MAX_SEQ_LE
     return engine
 
 
-def stub_forwards(engine: SpeculativeEngine) -> None:
+class OpCounter(TorchDispatchMode):
+    """Counts the torch operators dispatched while it is on, except inside the stubbed
+    forwards (graph replays on CUDA: no operator of their own reaches the host there)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: Counter[str] = Counter()
+        self.paused = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if not self.paused:
+            self.counts[str(func.overloadpacket.__name__)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def stub_forwards(engine: SpeculativeEngine, counter: OpCounter | None = None) -> None:
     """The graph paths' device work answers what it answered the first time for the same
-    buffers (a replay that does nothing leaves a graph's outputs as they were)."""
+    buffers (a replay that does nothing leaves a graph's outputs as they were); ``counter``
+    is paused inside them."""
     runner = engine.proposer.graph_runner
     graphs = engine.runtime.graphs if engine.runtime is not None else None
     if runner is None or graphs is None:
@@ -70,11 +90,17 @@ def stub_forwards(engine: SpeculativeEngine) -> None:
 
     def launch(bucket: Any, n: int, cap: int) -> torch.Tensor | None:
         key = (id(bucket), cap)
-        if key not in drafts:
-            out = real_launch(bucket, bucket.size, cap)
-            assert out is not None
-            drafts[key] = out.clone()
-        return drafts[key][:n]
+        if counter is not None:
+            counter.paused += 1
+        try:
+            if key not in drafts:
+                out = real_launch(bucket, bucket.size, cap)
+                assert out is not None
+                drafts[key] = out.clone()
+            return drafts[key][:n]
+        finally:
+            if counter is not None:
+                counter.paused -= 1
 
     runner.launch = launch  # type: ignore[method-assign]
     forward = graphs.forward
@@ -82,13 +108,19 @@ def stub_forwards(engine: SpeculativeEngine) -> None:
     real_run = forward.run
 
     def run(batch: Any, capture: torch.Tensor | None) -> torch.Tensor:
-        if id(batch) not in logits:
-            logits[id(batch)] = (real_run(batch, capture).clone(),
-                                 None if capture is None else capture.clone())
-        out, cap = logits[id(batch)]
-        if cap is not None and capture is not None:
-            capture.copy_(cap)
-        return out
+        if counter is not None:
+            counter.paused += 1
+        try:
+            if id(batch) not in logits:
+                logits[id(batch)] = (real_run(batch, capture).clone(),
+                                     None if capture is None else capture.clone())
+            out, cap = logits[id(batch)]
+            if cap is not None and capture is not None:
+                capture.copy_(cap)
+            return out
+        finally:
+            if counter is not None:
+                counter.paused -= 1
 
     forward.run = run  # type: ignore[method-assign]
 
@@ -144,6 +176,8 @@ def main() -> None:
                     help="torch's intra-op threads (1: the small ops are not spread over busy cores)")
     ap.add_argument("--max-seq-len", type=int, default=MAX_SEQ_LEN,
                     help="the engine's max_seq_len (the page tables' width follows it)")
+    ap.add_argument("--ops", action="store_true",
+                    help="count the torch operators a step dispatches outside the forwards")
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--top", type=int, default=30)
     args = ap.parse_args()
@@ -155,14 +189,21 @@ def main() -> None:
     print(f"host yardstick: {yardstick_us():.2f} us (one torch.tensor of 64 ints + one add_)")
     for n in (int(b) for b in args.batches.split(",")):
         engine = build(target, drafter, n, args.max_seq_len)
+        counter = OpCounter() if args.ops else None
         if not args.compute:
-            stub_forwards(engine)
+            stub_forwards(engine, counter)
         with torch.inference_mode():
             timed(engine, n, args.warmup)
             medians = [statistics.median(timed(engine, n, args.steps)) for _ in range(args.repeats)]
             tau = statistics.mean(s for rid in engine.request_ids() for s in engine.request(rid).steps)
             print(f"n={n}: {min(medians):.0f} us/step (medians of {args.repeats} x {args.steps} steps: "
                   f"{', '.join(f'{m:.0f}' for m in medians)}), tau {tau:.2f}")
+            if counter is not None:
+                with counter:
+                    timed(engine, n, args.steps)
+                per_step = {k: v / args.steps for k, v in counter.counts.most_common()}
+                print(f"n={n}: {sum(per_step.values()):.1f} torch operators per step outside the "
+                      "forwards: " + ", ".join(f"{k} {v:.1f}" for k, v in list(per_step.items())[:args.top]))
             if args.profile:
                 prof = cProfile.Profile()
                 prof.enable()
