@@ -13,6 +13,7 @@
 mod convert;
 mod errors;
 mod pages;
+mod shared;
 mod step;
 
 use std::sync::{Arc, Mutex};
@@ -21,6 +22,8 @@ use blockdraft_core as core;
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::PyInt;
+
+use shared::Shared;
 
 use convert::{
     cap_arg, i64_arg, i64_list_arg, optional, owner_arg, positive, py_bool, saturating_size_arg,
@@ -260,30 +263,7 @@ impl PyBlockPool {
 }
 
 /// A state and the pool it draws from; shared by the Python state and its plans.
-struct StateShared {
-    state: Mutex<core::ContextState>,
-    pool: SharedPool,
-}
-
-impl StateShared {
-    /// Run `f` on the locked state and pool (state first, then pool).
-    fn with<T>(
-        &self,
-        f: impl FnOnce(&mut core::ContextState, &mut core::BlockPool) -> core::Result<T>,
-    ) -> CoreResult<T> {
-        let mut state = lock(&self.state, "state")?;
-        let mut pool = lock(&self.pool, "pool")?;
-        Ok(f(&mut state, &mut pool)?)
-    }
-}
-
-impl Drop for StateShared {
-    /// A state dropped without `free` still returns its pages, so forgetting to free cannot
-    /// leak pool capacity. Errors cannot be reported from a destructor and are ignored.
-    fn drop(&mut self) {
-        let _ = self.with(core::ContextState::free);
-    }
-}
+type StateShared = Shared<core::ContextState>;
 
 /// What an append must do to the accumulator before writing new rows: move rows
 /// `[src_start, src_start + keep)` to the front.
@@ -400,7 +380,7 @@ impl PyPrecomputePlan {
 
     #[getter]
     fn resolved(&self) -> PyResult<bool> {
-        Ok(!lock(&self.owner.state, "state")?.is_pending(&self.inner))
+        Ok(!self.owner.lock()?.is_pending(&self.inner))
     }
 
     fn __repr__(&self) -> PyResult<String> {
@@ -423,7 +403,7 @@ struct PyContextState {
 
 impl PyContextState {
     fn read<T>(&self, f: impl FnOnce(&core::ContextState) -> T) -> PyResult<T> {
-        let guard = lock(&self.shared.state, "state")?;
+        let guard = self.shared.lock()?;
         Ok(f(&guard))
     }
 
@@ -468,10 +448,7 @@ impl PyContextState {
                 .map_err(CoreError)?
         };
         Ok(Self {
-            shared: Arc::new(StateShared {
-                state: Mutex::new(state),
-                pool,
-            }),
+            shared: Arc::new(StateShared::new(state, pool)),
         })
     }
 
@@ -552,7 +529,8 @@ impl PyContextState {
     fn plan_append(&self, py: Python<'_>, positions: &Bound<'_, PyAny>) -> PyResult<PyAppendPlan> {
         let positions = i64_list_arg(positions, "positions")?;
         let inner = py.detach(|| {
-            lock(&self.shared.state, "state")?
+            self.shared
+                .lock()?
                 .plan_append(&positions)
                 .map_err(CoreError)
         })?;
@@ -607,7 +585,9 @@ impl PyContextState {
     ) -> PyResult<()> {
         let position = size_arg(position, "position")?;
         let num_drafted = size_arg(num_drafted, "num_drafted")?;
-        Ok(lock(&self.shared.state, "state")?
+        Ok(self
+            .shared
+            .lock()?
             .note_propose(position, num_drafted)
             .map_err(CoreError)?)
     }
@@ -615,7 +595,9 @@ impl PyContextState {
     #[pyo3(signature = (num_accepted))]
     fn after_verify(&self, num_accepted: &Bound<'_, PyAny>) -> PyResult<()> {
         let num_accepted = size_arg(num_accepted, "num_accepted")?;
-        Ok(lock(&self.shared.state, "state")?
+        Ok(self
+            .shared
+            .lock()?
             .after_verify(num_accepted)
             .map_err(CoreError)?)
     }

@@ -9,7 +9,7 @@
 //! order as every single-sequence call. The locks are held with the GIL released.
 
 use std::collections::HashSet;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, MutexGuard};
 
 use blockdraft_core as core;
 use pyo3::exceptions::{PyTypeError, PyValueError};
@@ -18,34 +18,12 @@ use pyo3::types::{PyBool, PyString};
 
 use crate::convert::{is_repeat, optional, owner_arg, positive, py_bool, size_arg};
 use crate::errors::{lock, CoreError, CoreResult, InvalidStateError};
+use crate::shared::Shared;
 use crate::step::{prefixed, strict_i64};
-use crate::{PyBlockPool, SharedPool};
+use crate::PyBlockPool;
 
 /// A sequence and the pool it draws from.
-struct PagesShared {
-    seq: Mutex<core::SeqPages>,
-    pool: SharedPool,
-}
-
-impl PagesShared {
-    /// Run `f` on the locked sequence and pool (sequence first, then pool).
-    fn with<T>(
-        &self,
-        f: impl FnOnce(&mut core::SeqPages, &mut core::BlockPool) -> core::Result<T>,
-    ) -> CoreResult<T> {
-        let mut seq = lock(&self.seq, "sequence")?;
-        let mut pool = lock(&self.pool, "pool")?;
-        Ok(f(&mut seq, &mut pool)?)
-    }
-}
-
-impl Drop for PagesShared {
-    /// A sequence dropped without `free` still returns its pages, so forgetting to free cannot
-    /// leak pool capacity. Errors cannot be reported from a destructor and are ignored.
-    fn drop(&mut self) {
-        let _ = self.with(core::SeqPages::free);
-    }
-}
+type PagesShared = Shared<core::SeqPages>;
 
 /// One target sequence's K/V pages (all taken at creation) and its committed and pending
 /// token counts. See `blockdraft/_core.pyi`.
@@ -56,7 +34,7 @@ pub(crate) struct PySeqPages {
 
 impl PySeqPages {
     fn read<T>(&self, f: impl FnOnce(&core::SeqPages) -> T) -> PyResult<T> {
-        let guard = lock(&self.shared.seq, "sequence")?;
+        let guard = self.shared.lock()?;
         Ok(f(&guard))
     }
 }
@@ -81,10 +59,7 @@ impl PySeqPages {
             core::SeqPages::new(&mut guard, capacity, owner).map_err(CoreError)
         })?;
         Ok(Self {
-            shared: Arc::new(PagesShared {
-                seq: Mutex::new(seq),
-                pool,
-            }),
+            shared: Arc::new(PagesShared::new(seq, pool)),
         })
     }
 
@@ -130,7 +105,8 @@ impl PySeqPages {
     #[pyo3(signature = (k))]
     fn accept(&self, k: &Bound<'_, PyAny>) -> PyResult<()> {
         let k = size_arg(k, "k")?;
-        lock(&self.shared.seq, "sequence")?
+        self.shared
+            .lock()?
             .accept(k)
             .map_err(|e| prefixed(e, "accept"))
     }
@@ -226,7 +202,7 @@ fn with_all<T>(
     let mut guards: Vec<Option<MutexGuard<'_, core::SeqPages>>> =
         std::iter::repeat_with(|| None).take(shared.len()).collect();
     for i in order {
-        guards[i] = Some(lock(&shared[i].seq, "sequence")?);
+        guards[i] = Some(shared[i].lock()?);
     }
     let mut seqs: Vec<&mut core::SeqPages> =
         guards.iter_mut().flatten().map(|g| &mut **g).collect();
@@ -410,7 +386,7 @@ fn free_all(
 ) -> PyResult<usize> {
     let owner = owner_arg(owner)?;
     let shared = seqs_arg(seqs, what)?;
-    let pool_for = |i: usize| lock(&shared[i].pool, "pool").map_err(|CoreError(e)| e);
+    let pool_for = |i: usize| shared[i].lock_pool().map_err(|CoreError(e)| e);
     py.detach(|| with_all(&shared, |s| core::free_all(s, owner, pool_for)))
         .map_err(|CoreError(e)| prefixed(e, what))
 }

@@ -46,7 +46,8 @@ fn states_arg(
             )));
         };
         let shared = Arc::clone(&ctx.get().shared);
-        lock(&shared.state, "state")?
+        shared
+            .lock()?
             .ensure_owner(owner)
             .map_err(|e| map_err(e, what))?;
         if is_repeat(&out, &mut seen, &shared) {
@@ -154,7 +155,7 @@ fn plan_all(
     for (i, st) in shared.iter().enumerate() {
         let token = strict_i64(&tokens.get_item(i)?, "last_token")?;
         let position = strict_i64(&positions.get_item(i)?, "position")?;
-        let guard = lock(&st.state, "state")?;
+        let guard = st.lock()?;
         core::check_proposal(&guard, token, position, vocab).map_err(|e| map_err(e, what))?;
     }
     // Dropping an unresolved plan aborts it: an error here gives back every earlier plan.
@@ -234,7 +235,7 @@ fn verify_all(
         let count = usize::try_from(count).map_err(|_| {
             PyValueError::new_err(format!("num_accepted must be >= 0, got {count}"))
         })?;
-        lock(&st.state, "state")?
+        st.lock()?
             .after_verify(count)
             .map_err(|e| map_err(e, what))?;
     }
@@ -349,12 +350,13 @@ fn plan_appends(
             }
         })?;
         if pos.is_empty() {
-            if lock(&st.state, "state")?.freed() {
+            if st.lock()?.freed() {
                 return Err(freed_err(what));
             }
             continue;
         }
-        let (plan, skip) = lock(&st.state, "state")?
+        let (plan, skip) = st
+            .lock()?
             .plan_append_newest(&pos)
             .map_err(|e| map_err(e, what))?;
         batch.appends.push(Append {
@@ -496,7 +498,7 @@ impl PyGraphMeta {
         for (i, plan) in plans.iter().enumerate() {
             let plan = plan.cast_into::<PyPrecomputePlan>()?;
             let plan = plan.get();
-            let state = lock(&plan.owner.state, "state")?;
+            let state = plan.owner.lock()?;
             if meta
                 .row(
                     buf,
