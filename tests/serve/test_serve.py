@@ -6,7 +6,6 @@ pair on the CPU in fp32; after every test every page is back."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -16,31 +15,12 @@ from support.serve_support import (
     MODEL,
     LiveServer,
     Pair,
-    builtin_pair,
     counter,
-    live_server,
     requests_total,
     wait_until,
 )
 
 PROMPT = "def fibonacci(n):"
-
-
-@pytest.fixture(scope="module")
-def pair() -> Pair:
-    return builtin_pair()
-
-
-@pytest.fixture(scope="module")
-def server(pair: Pair) -> Iterator[LiveServer]:
-    with live_server(pair) as srv:
-        yield srv
-
-
-@pytest.fixture(autouse=True)
-def pages_back(server: LiveServer) -> Iterator[None]:
-    yield
-    server.wait_idle()
 
 
 def test_completion_equals_generate(server: LiveServer, pair: Pair) -> None:

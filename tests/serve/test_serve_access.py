@@ -37,7 +37,6 @@ from support.serve_support import (
     MODEL,
     LiveServer,
     Pair,
-    builtin_pair,
     counter,
     refused_total,
     requests_total,
@@ -50,11 +49,6 @@ LIMIT = 64 * 1024
 DRAFTER_POSITIONS = 64
 PROMPT = "def fibonacci(n):"
 N = 100  # past the drafter's positions: its last ~50 tokens come from the target alone
-
-
-@pytest.fixture(scope="module")
-def pair() -> Pair:
-    return builtin_pair()
 
 
 @pytest.fixture(scope="module")
@@ -80,13 +74,6 @@ def server(pair: Pair, solo: str) -> Iterator[LiveServer]:
     finally:
         srv.stop()
     assert srv.loop.final is not None and srv.loop.final.all_back, srv.loop.final
-
-
-@pytest.fixture(autouse=True)
-def pages_back(request: pytest.FixtureRequest) -> Iterator[None]:
-    yield
-    if "server" in request.fixturenames:
-        request.getfixturevalue("server").wait_idle()
 
 
 def _completion(**fields: Any) -> dict[str, Any]:

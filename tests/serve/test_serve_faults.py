@@ -20,7 +20,6 @@ from support.serve_support import (
     MODEL,
     LiveServer,
     Pair,
-    builtin_pair,
     counter,
     live_server,
     requests_total,
@@ -30,23 +29,7 @@ from support.serve_support import (
 )
 
 PROMPT = "def fibonacci(n):"
-
-
-@pytest.fixture(scope="module")
-def pair() -> Pair:
-    return builtin_pair()
-
-
-@pytest.fixture(scope="module")
-def server(pair: Pair) -> Iterator[LiveServer]:
-    with live_server(pair, max_seq_len=1024) as srv:
-        yield srv
-
-
-@pytest.fixture(autouse=True)
-def pages_back(server: LiveServer) -> Iterator[None]:
-    yield
-    server.wait_idle()
+SERVER_KW = {"max_seq_len": 1024}
 
 
 def _completion(**fields: Any) -> dict[str, Any]:

@@ -6,7 +6,6 @@ one-choice request with its derived seed), several prompts per request, penaltie
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -16,30 +15,14 @@ import torch
 import blockdraft
 from blockdraft.sampling import SamplingParams
 
-from support.serve_support import MODEL, LiveServer, Pair, builtin_pair, live_server, sse_chunks
+from support.serve_support import MODEL, LiveServer, Pair, live_server, sse_chunks
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 PROMPT = "def fibonacci(n):"
+SERVER_KW = {"max_active": 8}
 OTHER = "import numpy as np\n\n\ndef"
 EOF_PROMPT = 'if __name__ == "__main__":\n    main()\n'  # the pair ends the file here (EOS)
-
-
-@pytest.fixture(scope="module")
-def pair() -> Pair:
-    return builtin_pair()
-
-
-@pytest.fixture(scope="module")
-def server(pair: Pair) -> Iterator[LiveServer]:
-    with live_server(pair, max_active=8) as srv:
-        yield srv
-
-
-@pytest.fixture(autouse=True)
-def pages_back(server: LiveServer) -> Iterator[None]:
-    yield
-    server.wait_idle()
 
 
 def post(server: LiveServer, route: str, body: dict[str, Any]) -> httpx.Response:

@@ -19,7 +19,7 @@ import pytest
 
 from blockdraft.parallel import free_port
 
-from support.serve_support import HOST, MODEL, Pair, builtin_pair, sse_chunks_async, wait_until
+from support.serve_support import HOST, MODEL, Pair, sse_chunks_async, wait_until
 
 ray = pytest.importorskip("ray")
 serve = pytest.importorskip("ray.serve")
@@ -59,11 +59,6 @@ class Cluster:
         return len(names) == 2 and all(
             st["alive"] and st["running"] == st["waiting"] == 0 and not any(st["pages_used"].values())
             for st in self.statuses(names).values())
-
-
-@pytest.fixture(scope="module")
-def pair() -> Pair:
-    return builtin_pair()
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,6 @@ bad grammars are 400s naming the field."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -19,7 +18,7 @@ from blockdraft.grammar import GrammarSpec
 from blockdraft.serve.errors import APIError
 from blockdraft.serve.protocol import parse_request
 
-from support.serve_support import MODEL, LiveServer, Pair, builtin_pair, live_server
+from support.serve_support import MODEL, LiveServer, Pair
 
 PROMPT = "def load(path):\n    return "
 SCHEMA = {
@@ -35,23 +34,6 @@ SCHEMA = {
     "additionalProperties": False,
 }
 RESPONSE_FORMAT = {"type": "json_schema", "json_schema": {"name": "entry", "schema": SCHEMA, "strict": True}}
-
-
-@pytest.fixture(scope="module")
-def pair() -> Pair:
-    return builtin_pair()
-
-
-@pytest.fixture(scope="module")
-def server(pair: Pair) -> Iterator[LiveServer]:
-    with live_server(pair) as srv:
-        yield srv
-
-
-@pytest.fixture(autouse=True)
-def pages_back(server: LiveServer) -> Iterator[None]:
-    yield
-    server.wait_idle()
 
 
 def solo(pair: Pair, spec: GrammarSpec, prompt: list[int], n: int = 96) -> str:

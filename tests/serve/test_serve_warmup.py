@@ -12,12 +12,7 @@ import pytest
 from blockdraft.cli.app import build_parser
 from blockdraft.serve import ServeConfig, build_engine, create_app
 
-from support.serve_support import MODEL, LiveServer, Pair, builtin_pair, counter, wait_until
-
-
-@pytest.fixture(scope="module")
-def pair() -> Pair:
-    return builtin_pair()
+from support.serve_support import MODEL, LiveServer, Pair, counter, wait_until
 
 
 def test_health_is_not_ready_until_warmup_ends(pair: Pair, monkeypatch: pytest.MonkeyPatch) -> None:
