@@ -64,15 +64,23 @@ PARAMS = [SamplingParams(), SamplingParams(temperature=0.7), SamplingParams(temp
           SamplingParams(temperature=1.0, top_p=0.8), SamplingParams(temperature=0.9, top_k=12, top_p=0.9)]
 
 
+# Which settings a batch's requests draw from: greedy and sampled mixed (the sampled rows are
+# then decided apart from the rest), sampled only, greedy only.
+MIXES = {"mixed": PARAMS, "sampled": PARAMS[1:], "greedy": PARAMS[:1]}
+
+
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("mix", list(MIXES))
 @pytest.mark.parametrize("seed", range(6))
-def test_a_ragged_mixed_batch_matches_the_row_by_row_reference(seed: int, device: str) -> None:
+def test_a_ragged_mixed_batch_matches_the_row_by_row_reference(seed: int, mix: str, device: str) -> None:
     rng = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
-    vocab, n = 40, 9
+    vocab, n = 40, 12
     reqs, drafts, qs = [], [], []
     for i in range(n):
-        reqs.append(request(rng.choice(PARAMS), 100 * seed + i))
+        # a mixed batch has a greedy and a sampled request at least
+        params = PARAMS[i] if mix == "mixed" and i < 2 else rng.choice(MIXES[mix])
+        reqs.append(request(params, 100 * seed + i))
         k = rng.choice([0, 1, 3, 7])
         sampled_drafts = not reqs[-1].params.greedy and rng.random() < 0.5
         q = torch.softmax(torch.randn(k, vocab, generator=gen) * 2, -1) if sampled_drafts else None

@@ -70,6 +70,10 @@ def decide_on_device(
             from, ``None`` for greedy drafts.
         uniforms: per request ``None`` when greedy, else ``2·len(drafts[i]) + 1`` uniforms in
             ``[0, 1)``: one per draft for acceptance, then one per row for a draw.
+
+    Every row is first decided greedily (its argmax against its draft); the sampled
+    requests' rows alone are then decided by rejection sampling, so the ``[rows, V]``
+    temporaries of sampling are as large as the sampled requests' rows, not the batch's.
     """
     dev = logits.device
     n = len(requests)
@@ -80,14 +84,41 @@ def decide_on_device(
     last = torch.tensor([x - 1 for x in lengths], dtype=torch.int64).to(dev, non_blocking=True)
     # Row j's draft (the draft it verifies); a request's last row has none (-1).
     row_draft = torch.tensor([t for d in drafts for t in (*d, -1)], dtype=torch.int64).to(dev, non_blocking=True)
+    choice = torch.argmax(logits, dim=-1)
+    ok = (row_draft >= 0) & (choice == row_draft)
+    token = choice
+    sampled = [i for i in range(n) if not requests[i].params.greedy]
+    if len(sampled) == n:
+        ok, token = _decide_sampled(requests, drafts, logits, row_draft, draft_q, uniforms)
+    elif sampled:
+        rows = _rows(sampled, offsets, dev)
+        s_ok, s_token = _decide_sampled(
+            [requests[i] for i in sampled], [drafts[i] for i in sampled], logits.index_select(0, rows),
+            row_draft.index_select(0, rows), [draft_q[i] for i in sampled], [uniforms[i] for i in sampled])
+        ok = ok.index_copy(0, rows, s_ok)
+        token = token.index_copy(0, rows, s_token)
+    accepted = _first_rejected(ok, owner, rank, n, last)
+    return torch.stack([accepted, token[starts + accepted]], dim=1)
+
+
+def _decide_sampled(
+    requests: Sequence[Request],
+    drafts: Sequence[Sequence[int]],
+    logits: Tensor,
+    row_draft: Tensor,
+    draft_q: Sequence[Tensor | None],
+    uniforms: Sequence[Tensor | None],
+) -> tuple[Tensor, Tensor]:
+    """Rejection sampling over the rows of sampled requests only (``logits`` and
+    ``row_draft``, each row's draft or -1, are theirs, back to back): per row whether its
+    draft is accepted and the token drawn there ``([R] bool, [R] int64)``."""
+    dev = logits.device
+    offsets = list(accumulate((len(d) + 1 for d in drafts), initial=0))
+    everyone = range(len(requests))
     has_draft = row_draft >= 0
     safe_draft = row_draft.clamp_min(0)
-
-    greedy = [r.params.greedy for r in requests]
-    choice = torch.argmax(logits, dim=-1)
-    sampled = [i for i in range(n) if not greedy[i]]
-    probs = _target_probs(requests, sampled, offsets, logits)
-    u_accept, u_draw = _row_uniforms(sampled, drafts, uniforms, offsets, logits.shape[0], dev)
+    probs = _target_probs(requests, everyone, offsets, logits)
+    u_accept, u_draw = _row_uniforms(everyone, drafts, uniforms, offsets, logits.shape[0], dev)
 
     # Each row's residual max(0, p - q) and q at its draft: a greedy draft's q is one-hot (the
     # residual is p without the draft), a sampled draft's is its row of draft_q; the last row
@@ -95,7 +126,7 @@ def decide_on_device(
     p_at_draft = probs.gather(1, safe_draft[:, None])[:, 0]
     residual = probs.scatter(1, safe_draft[:, None], torch.where(has_draft, 0.0, p_at_draft)[:, None])
     q_at_draft = has_draft.to(torch.float32)
-    with_q = [i for i in sampled if draft_q[i] is not None]
+    with_q = [i for i in everyone if draft_q[i] is not None]
     if with_q:
         q_all = torch.cat([draft_q[i] for i in with_q]).to(dev, torch.float32)  # type: ignore[misc]
         index = _rows(with_q, offsets, dev, drafts_only=True)
@@ -105,11 +136,7 @@ def decide_on_device(
     empty = residual.sum(-1) <= 0.0  # p no more than q anywhere: a rejection had probability ~0
     ok = has_draft & (((q_at_draft > 0) & (u_accept * q_at_draft < p_at_draft)) | empty)
     drawn = inverse_cdf(torch.where(empty[:, None], probs, residual), u_draw)
-    greedy_row = torch.repeat_interleave(torch.tensor(greedy), torch.tensor(lengths)).to(dev, non_blocking=True)
-    ok = torch.where(greedy_row, has_draft & (choice == row_draft), ok)
-    token = torch.where(greedy_row, choice, drawn)
-    accepted = _first_rejected(ok, owner, rank, n, last)
-    return torch.stack([accepted, token[starts + accepted]], dim=1)
+    return ok, drawn
 
 
 def _rows(which: Sequence[int], offsets: Sequence[int], device: torch.device, *,
@@ -120,15 +147,20 @@ def _rows(which: Sequence[int], offsets: Sequence[int], device: torch.device, *,
                         dtype=torch.int64).to(device, non_blocking=True)
 
 
-def _target_probs(requests: Sequence[Request], sampled: Sequence[int], offsets: Sequence[int],
+def _target_probs(requests: Sequence[Request], which: Sequence[int], offsets: Sequence[int],
                   logits: Tensor) -> Tensor:
-    """``[R, V]`` fp32: the sampled requests' rows as :func:`~blockdraft.sampling.target_probs`
-    gives them (one call per distinct temperature, top-p and top-k), zeros elsewhere."""
-    probs = torch.zeros(logits.shape, dtype=torch.float32, device=logits.device)
+    """``[R, V]`` fp32: the rows of the requests ``which`` as
+    :func:`~blockdraft.sampling.target_probs` gives them (one call per distinct temperature,
+    top-p and top-k), zeros elsewhere."""
     groups: dict[tuple[float, float, int], list[int]] = {}
-    for i in sampled:
+    for i in which:
         p = requests[i].params
         groups.setdefault((p.temperature, p.top_p, p.top_k), []).append(i)
+    if len(groups) == 1 and len(which) == len(requests):
+        # One setting for every row: no zeros to fill in, no rows to pick.
+        ((temperature, top_p, top_k),) = groups
+        return target_probs(logits, temperature, top_p, top_k)
+    probs = torch.zeros(logits.shape, dtype=torch.float32, device=logits.device)
     for (temperature, top_p, top_k), members in groups.items():
         rows = _rows(members, offsets, logits.device)
         probs.index_copy_(0, rows, target_probs(logits.index_select(0, rows), temperature, top_p, top_k))
