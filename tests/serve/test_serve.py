@@ -6,6 +6,7 @@ pair on the CPU in fp32; after every test every page is back."""
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 
 import httpx
@@ -147,9 +148,19 @@ def test_models_health_and_metrics(server: LiveServer, pair: Pair) -> None:
     assert server.engine.request_ids() == []  # answered requests are forgotten
 
 
-def test_kv_cache_usage_is_pages_used_over_total(server: LiveServer) -> None:
+def test_kv_cache_usage_is_pages_used_over_total(server: LiveServer, monkeypatch: pytest.MonkeyPatch) -> None:
     """``blockdraft_kv_cache_usage_ratio{pool}``: a fraction in [0, 1] equal to the pool's pages
     used / total, while a request runs and once it has ended."""
+    # Each engine step waits a little first, with the GIL released: the request below then
+    # runs for seconds whatever the host's speed, and the metrics route answers meanwhile.
+    engine = server.engine
+    step = engine.step
+
+    def slow_step() -> Any:
+        time.sleep(0.02)
+        return step()
+
+    monkeypatch.setattr(engine, "step", slow_step)
 
     def ratios() -> dict[str, tuple[float, float, float]]:
         m = server.metrics()
@@ -171,7 +182,10 @@ def test_kv_cache_usage_is_pages_used_over_total(server: LiveServer) -> None:
             return all(0 < used <= total and ratio == pytest.approx(used / total)
                        for ratio, used, total in seen[-1].values())
 
-        wait_until(running_and_consistent, "the gauges of a running request")
+        try:
+            wait_until(running_and_consistent, "the gauges of a running request")
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}; last read (ratio, used, total) by pool: {seen[-1:]}") from None
     assert all(0 < ratio <= 1 for ratio, _, _ in seen[-1].values())
     server.wait_idle()
     assert all(ratio == used == 0 for ratio, used, _ in ratios().values())
