@@ -137,7 +137,9 @@ class DraftLengthPolicy:
 
     def acceptance(self, request_id: int) -> float:
         """The request's estimated chance that a draft is accepted given the one before was."""
-        c = self._counts.get(request_id) or _Counts()
+        return self._rate(self._counts.get(request_id) or _Counts())
+
+    def _rate(self, c: _Counts) -> float:
         a, r = c.accepted + self.prior[0], c.rejected + self.prior[1]
         return a / (a + r)
 
@@ -184,8 +186,7 @@ class DraftLengthPolicy:
             c.pause = 0
         # A probe that took nothing lengthens the pause even when the faded history is back
         # above the threshold: that history is the prior's, not the request's.
-        a, r = c.accepted + self.prior[0], c.rejected + self.prior[1]
-        if c.pause > 0 or a / (a + r) < self.min_accept:
+        if c.pause > 0 or self._rate(c) < self.min_accept:
             c.pause = min(max(1, 2 * c.pause), self.max_wait)
             c.wait = c.pause
 

@@ -19,8 +19,8 @@ def draft_requests(proposer: DFlashProposer, running: Sequence[Request], counts:
     got = proposer.draft(
         [r.state for r in running],  # type: ignore[misc]
         [r.out[-1] for r in running],
-        [len(r.prompt) + len(r.out) - 1 for r in running],  # each one's anchor_position
-        [min(k, r.max_new_tokens - len(r.out) - 1) for k, r in zip(counts, running)],
+        [r.anchor_position for r in running],
+        [min(k, r.remaining - 1) for k, r in zip(counts, running)],
         sampling=[(r.params, r.generator) for r in running] if sampled else None,
     )
     if any(r.mask_fn is not None for r in running):

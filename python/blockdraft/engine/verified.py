@@ -8,6 +8,7 @@ one gather (one view when every block and every count is the same), not cut out 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import accumulate
 
 import torch
 from torch import Tensor
@@ -31,7 +32,7 @@ def push_verified(
     going: list[int] = []
     positions: list[range] = []
     for i, (r, new, k, lp) in enumerate(zip(live, news, offered, logprobs)):
-        start = len(r.prompt) + len(r.out) - 1  # the anchor's position, before the push
+        start = r.anchor_position  # before the push
         lengths.observe(r.id, k, len(new) - 1)
         r.steps.append(len(new))
         r.push(new, lp)
@@ -52,11 +53,7 @@ def kept_rows(rows: Tensor, block_lens: Sequence[int], counts: Sequence[int], wh
     if len(which) == n and block_lens.count(first) == n and [counts[i] for i in which].count(count) == n:
         # The steady state: one shape for every request, a strided view of the rows.
         return rows.view(n, first, rows.shape[-1])[:, :count].reshape(-1, rows.shape[-1])
-    starts = [0] * n
-    at = 0
-    for i, length in enumerate(block_lens):
-        starts[i] = at
-        at += length
+    starts = list(accumulate(block_lens, initial=0))
     index = [j for i in which for j in range(starts[i], starts[i] + counts[i])]
     return rows.index_select(0, torch.tensor(index, dtype=torch.int64).to(rows.device, non_blocking=True))
 

@@ -83,8 +83,7 @@ def draft_many(
     plain: list[int] = []
     if masks is None and sampling is None:
         # Greedy drafts without masks (a serving step's common case): one pass, no sorting.
-        limit = prop.max_positions - prop.block_gamma  # can_draft(p) is p <= limit
-        plain = [i for i in range(n) if want[i] > 0 and positions[i] <= limit]
+        plain = [i for i in range(n) if want[i] > 0 and prop.can_draft(positions[i])]
     else:
         for i in range(n):
             if want[i] <= 0 or not prop.can_draft(positions[i]):
