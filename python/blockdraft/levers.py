@@ -12,6 +12,7 @@ forward) is built, so a bad value fails loudly at construction (a
 | ``BLOCKDRAFT_DFLASH_BATCHED_PRECOMPUTE`` | on | one ctx K/V precompute for a whole batch |
 | ``BLOCKDRAFT_DFLASH_DRAFT_CAP`` | unset (all B-1) | at most this many drafts per sequence |
 | ``BLOCKDRAFT_SKINNY_GEMM`` | on (CUDA) | target runtime: weight-streaming GEMMs for forwards of <= 16 rows |
+| ``BLOCKDRAFT_DEVICE_DRAFTS`` | on | engine: greedy drafts stay on the device into the verify |
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ ENV_BATCH_PROPOSE = "BLOCKDRAFT_DFLASH_BATCH_PROPOSE"
 ENV_BATCHED_PRECOMPUTE = "BLOCKDRAFT_DFLASH_BATCHED_PRECOMPUTE"
 ENV_DRAFT_CAP = "BLOCKDRAFT_DFLASH_DRAFT_CAP"
 ENV_SKINNY_GEMM = "BLOCKDRAFT_SKINNY_GEMM"
+ENV_DEVICE_DRAFTS = "BLOCKDRAFT_DEVICE_DRAFTS"
 
 DEFAULT_BATCH_PROPOSE = 16
 
@@ -122,3 +124,15 @@ def read_skinny_gemm(env: Mapping[str, str] | None = None) -> bool | None:
     if raw is None or raw.strip() == "":
         return None
     return _bool_var(source, ENV_SKINNY_GEMM, True)
+
+
+def read_device_drafts(env: Mapping[str, str] | None = None) -> bool:
+    """:data:`ENV_DEVICE_DRAFTS` (default on): whether the engine leaves a step's greedy drafts
+    on the device, for its target runtime's verify graph to take them there (one read from the
+    device per step, after the verify, instead of one after the drafter and one after the
+    verify). Off is the A/B baseline; the tokens are the same either way.
+
+    Raises:
+        ConfigError: a value that is not a boolean word; the message names the variable.
+    """
+    return _bool_var(os.environ if env is None else env, ENV_DEVICE_DRAFTS, True)

@@ -20,7 +20,7 @@ from blockdraft.engine.request import Request
 from blockdraft.sampling import Penalties, accept_draft, allowed_ids, draw, target_probs
 
 
-def _device_greedy(r: Request) -> bool:
+def argmax_only(r: Request) -> bool:
     """Greedy with nothing to apply to the target's logits: a plain argmax, taken on the
     device."""
     return r.params.greedy and on_device(r)
@@ -62,7 +62,7 @@ def _penalties(r: Request, vocab: int) -> Penalties | None:
 
 def first_tokens(requests: Sequence[Request], logits: Tensor) -> list[int]:
     """Each request's token after its prompt from its last prompt row ``logits[i]`` ``[n, V]``."""
-    if all(_device_greedy(r) for r in requests):
+    if all(argmax_only(r) for r in requests):
         picked: list[int] = torch.argmax(logits, dim=-1).tolist()
         return picked
     rows = logits.cpu()  # the target's dtype; rows become fp32 only when looked at
@@ -124,6 +124,19 @@ def accept_blocks(
     return [x for x in out if x is not None]
 
 
+def accept_drafted(drafts: Tensor, logits: Tensor) -> tuple[list[list[int]], list[tuple[int, int]]]:
+    """Greedy acceptance (for requests :func:`argmax_only` covers) of drafts still on the
+    device, ``drafts [n, k]``, against their verify logits ``[n * (k + 1), V]``: the drafts and
+    every row's argmax come back in one read. Returns the drafts as lists and per request
+    ``(accepted drafts, next token)``."""
+    n, k = drafts.shape
+    flat: list[int] = torch.cat((drafts.reshape(-1), torch.argmax(logits, dim=-1))).tolist()
+    tokens = [flat[i * k : (i + 1) * k] for i in range(n)]
+    at = n * k
+    decided = [_greedy_accept(d, flat[at + i * (k + 1) : at + (i + 1) * (k + 1)]) for i, d in enumerate(tokens)]
+    return tokens, decided
+
+
 def _row_index(which: Sequence[int], drafts: Sequence[list[int]], starts: Sequence[int],
                device: torch.device) -> Tensor:
     """The verify rows of the requests ``which``, in order."""
@@ -155,4 +168,4 @@ def _host_accept(r: Request, drafts: Sequence[int], rows: Tensor, q: Tensor | No
     raise AssertionError("unreachable")
 
 
-__all__ = ["accept_blocks", "first_tokens"]
+__all__ = ["accept_blocks", "accept_drafted", "argmax_only", "first_tokens"]

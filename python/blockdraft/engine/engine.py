@@ -43,7 +43,7 @@ import blockdraft._core as _core
 from blockdraft import faults
 from blockdraft.cuda_graphs import GraphMode
 from blockdraft.engine import warmup as _warmup
-from blockdraft.engine.accept import accept_blocks, first_tokens
+from blockdraft.engine.accept import accept_blocks, accept_drafted, argmax_only, first_tokens
 from blockdraft.engine.admission import num_admissible
 from blockdraft.engine.collect import generate_all
 from blockdraft.engine.compiles import CompileWatch, graph_captures, triton_compiles
@@ -53,8 +53,9 @@ from blockdraft.engine.logprobs import emitted_logprobs
 from blockdraft.engine.request import MaskFn, Request, Status, StepEvent, new_request
 from blockdraft.engine.target_only import decode_step
 from blockdraft.engine.verified import kept_rows, push_verified
+from blockdraft.levers import read_device_drafts
 from blockdraft.parallel import TPGroup
-from blockdraft.proposer import DFlashProposer, agreed_pool_size
+from blockdraft.proposer import DFlashProposer, Drafts, agreed_pool_size
 from blockdraft.results import GenerationResult
 from blockdraft.sampling import SamplingParams
 from blockdraft.target import (
@@ -183,6 +184,11 @@ class SpeculativeEngine:
         self._seed_base: int | None = None
         if tp is not None and tp.size > 1:
             self._seed_base = int(tp.broadcast(secrets.randbits(62)))
+        # Greedy drafts go from the drafter to the verify on the device where the verify has
+        # graphs that take them there (the runtime's); else they are read between the two.
+        rt = self.runtime
+        self.device_drafts = bool(self.speculate and rt is not None and rt.graphs is not None
+                                  and read_device_drafts())
         self._watch = CompileWatch(self.graph_captures)
         self.warmup_report: _warmup.WarmupReport | None = None
 
@@ -524,19 +530,26 @@ class SpeculativeEngine:
             events.append(r.event())
 
     def _speculate(self, running: list[Request], events: list[StepEvent]) -> None:
-        drafts, draft_q = self._draft(running)
-        if any(r.status is not Status.RUNNING for r in running):
+        got = self._draft(running)
+        live = [r for r in running if r.status is Status.RUNNING]
+        if len(live) < len(running):
             events.extend(r.event() for r in running if r.status is Status.FAILED)
-            keep = [i for i, r in enumerate(running) if r.status is Status.RUNNING]
-            running, drafts, draft_q = [running[i] for i in keep], [drafts[i] for i in keep], [draft_q[i] for i in keep]
-            if not running:
+            if not live:
                 return
-        live, seqs = running, [r.target_seq for r in running]
-        blocks = [[r.out[-1], *d] for r, d in zip(live, drafts)]
-        logits, rows = self.target.verify(seqs, blocks)
-        decided = accept_blocks(live, drafts, logits, draft_q)
+        seqs = [r.target_seq for r in live]
+        if got.pending is not None:
+            # Every request is live (no proposal failed) and greedy: the verify takes the
+            # drafts on the device and they come back with its argmax, in one read.
+            assert isinstance(self.target, RuntimeTarget)
+            logits, rows = self.target.verify_drafted(seqs, [r.out[-1] for r in live], got.pending)
+            drafts, decided = accept_drafted(got.pending, logits)
+        else:
+            keep = [i for i, r in enumerate(running) if r.status is Status.RUNNING]
+            drafts, draft_q = [got.tokens[i] for i in keep], [got.q[i] for i in keep]
+            logits, rows = self.target.verify(seqs, [[r.out[-1], *d] for r, d in zip(live, drafts)])
+            decided = accept_blocks(live, drafts, logits, draft_q)
         news = [[*d[:a], nxt] if a else [nxt] for d, (a, nxt) in zip(drafts, decided)]
-        lens = [len(b) for b in blocks]
+        lens = [len(d) + 1 for d in drafts]
         lps = emitted_logprobs(live, logits, lens, news)
         counts = [a + 1 for a, _ in decided]
         self.target.accept(seqs, counts)
@@ -547,18 +560,20 @@ class SpeculativeEngine:
                                            kept_rows(rows, lens, counts, going), positions)
         self._settle(live, events)
 
-    def _draft(self, running: list[Request]) -> tuple[list[list[int]], list[Tensor | None]]:
+    def _draft(self, running: list[Request]) -> Drafts:
         """Drafts per request (as many as the draft-length policy chooses; see
-        :func:`~blockdraft.engine.drafting.draft_requests`) and, for sampled drafts, their
-        distribution ``[drafts, V]`` (on the device); a request whose proposal fails is failed."""
+        :func:`~blockdraft.engine.drafting.draft_requests`), left on the device when every
+        request's acceptance is a plain argmax (:attr:`device_drafts`); a request whose
+        proposal fails is failed."""
         got = draft_requests(self.proposer, running, self._lengths.choose([r.id for r in running]),
-                             self.sampled_drafts)
+                             self.sampled_drafts,
+                             on_device=self.device_drafts and all(argmax_only(r) for r in running))
         self.batched_proposals += got.batched
         self.single_proposals += got.single
         for r, exc in zip(running, got.errors):
             if exc is not None:
                 self._fail(r, exc)
-        return got.tokens, got.q
+        return got
 
     def _end(self, req: Request, status: Status, reason: str, *, error: str | None = None) -> None:
         """Give back what ``req`` holds and mark it ended (idempotent)."""

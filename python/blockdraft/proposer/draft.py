@@ -8,6 +8,13 @@ batched forwards of at most :meth:`~blockdraft.DFlashProposer.propose_batch_max`
 sequences, and :meth:`~blockdraft.DFlashProposer.propose` per sequence for a sequence under a grammar mask
 or in a batch the proposer declines. A sequence whose proposal raises gets the error in its
 slot; the others go on.
+
+With ``on_device``, when every sequence wants the same number of greedy drafts without a mask,
+the drafts stay on the device (:meth:`~blockdraft.DFlashProposer.propose_on_device` per
+group of at most :meth:`~blockdraft.DFlashProposer.propose_batch_max` sequences): the host
+launches the drafter's work and goes on, and a consumer on the device (the target's verify)
+takes them without the host waiting for the drafter. The drafts come back to the host later,
+with whatever is read then (``Drafts.pending``).
 """
 
 from __future__ import annotations
@@ -45,6 +52,10 @@ class Drafts:
         errors: the exception a sequence's proposal raised, or ``None``.
         batched: batched forwards that drafted.
         single: proposals of one sequence.
+        pending: with ``on_device``, every sequence's drafts ``[n, k]`` int64 on the device,
+            not read yet: ``tokens`` holds ``[]`` for each, and whoever consumes them reads
+            them back with its own results (the engine: with its verify's choices). ``None``
+            when the drafts are in ``tokens``.
     """
 
     tokens: list[list[int]]
@@ -52,6 +63,7 @@ class Drafts:
     errors: list[BaseException | None]
     batched: int = 0
     single: int = 0
+    pending: Tensor | None = None
 
 
 def draft_many(
@@ -62,6 +74,7 @@ def draft_many(
     want: Sequence[int],
     masks: Sequence[Mask | None] | None = None,
     sampling: Sequence[SampledDraft | None] | None = None,
+    on_device: bool = False,
 ) -> Drafts:
     """Up to ``want[i]`` drafts after ``anchors[i]`` at ``positions[i]`` for each state (none
     when ``want[i] <= 0`` or the block would pass the drafter's positions): see
@@ -84,6 +97,8 @@ def draft_many(
     if masks is None and sampling is None:
         # Greedy drafts without masks (a serving step's common case): one pass, no sorting.
         plain = [i for i in range(n) if want[i] > 0 and prop.can_draft(positions[i])]
+        if on_device and len(plain) == n and want.count(want[0]) == n:
+            plain = _draft_on_device(prop, states, anchors, positions, want[0], out)
     else:
         for i in range(n):
             if want[i] <= 0 or not prop.can_draft(positions[i]):
@@ -150,6 +165,40 @@ def draft_many(
         except Exception as exc:  # noqa: BLE001 - this sequence fails, the others go on
             out.errors[i] = exc
     return out
+
+
+def _draft_on_device(
+    prop: DFlashProposer,
+    states: Sequence[DFlashState],
+    anchors: Sequence[int],
+    positions: Sequence[int],
+    want: int,
+    out: Drafts,
+) -> list[int]:
+    """Every sequence's ``want`` greedy drafts left on the device (``out.pending``), in groups
+    of at most :meth:`~blockdraft.DFlashProposer.propose_batch_max`. Returns the sequences
+    still to draft: none, or those from the first group the proposer declined (the groups
+    before it are then read back into ``out.tokens``)."""
+    n = len(states)
+    width = max(1, prop.propose_batch_max())
+    parts: list[Tensor] = []
+    for c in range(0, n, width):
+        idx = range(c, min(n, c + width))
+        got = prop.propose_on_device([states[i] for i in idx], [anchors[i] for i in idx],
+                                     [positions[i] for i in idx], want)
+        if got is None:
+            if parts:
+                flat = torch.cat(parts).tolist()
+                out.tokens[:c] = flat
+            return list(range(c, n))
+        if len(idx) > 1:
+            out.batched += 1
+        else:
+            out.single += 1
+        # A later group of the same size replays the same graph, whose output this may view.
+        parts.append(got.clone() if idx.stop < n else got)
+    out.pending = parts[0] if len(parts) == 1 else torch.cat(parts)
+    return []
 
 
 def _sampled_groups(

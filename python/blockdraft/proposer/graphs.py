@@ -89,6 +89,21 @@ class _Bucket:
         # Per staging capacity (see GraphRunner.stage_caps): the captured graph and its output.
         self.graphs: dict[int, Any] = {}
         self.outs: dict[int, Tensor] = {}
+        # Marks the last copy of `host` to `dev` (CUDA): the pinned buffer is written again
+        # only once that copy ran, as two calls may come without the host reading a result
+        # between them (drafts left on the device).
+        self.copied: Any = torch.cuda.Event() if pin else None  # type: ignore[no-untyped-call]
+
+    def staged(self) -> None:
+        """``dev`` holds what ``host`` held (its copy launched)."""
+        self.dev.copy_(self.host, non_blocking=True)
+        if self.copied is not None:
+            self.copied.record()
+
+    def writable(self) -> None:
+        """Wait until the last copy of ``host`` ran (at once when a result was read since)."""
+        if self.copied is not None:
+            self.copied.synchronize()
 
 
 class GraphRunner:
@@ -176,13 +191,14 @@ class GraphRunner:
                 fwd.device, self.mode == "capture", fwd.spec.mask_token_id,
             )
             self._slots[size] = bucket
+        bucket.writable()
         staged = self._fill(bucket, proposal)
         if staged is None:
             return None
         if faults.active():
             # The graph replaces the eager forward: the same fault site covers it.
             faults.hit("forward")
-        bucket.dev.copy_(bucket.host, non_blocking=True)
+        bucket.staged()
         return self.launch(bucket, n, self.stage_cap(bucket.size, staged))
 
     def stage_caps(self, size: int) -> list[int]:
@@ -204,7 +220,13 @@ class GraphRunner:
         K/V: replay (capturing on first use) or, in static mode, the eager forward. ``None``:
         capture failed, graphs are off."""
         if self.mode == "static":
-            return self._forward(bucket.dev, bucket.stage, cap)[:n]
+            got = self._forward(bucket.dev, bucket.stage, cap)
+            # A replay's aliasing: the drafts are the bucket's buffer, which its next call
+            # overwrites.
+            out = bucket.outs.setdefault(cap, got)
+            if out is not got:
+                out.copy_(got)
+            return out[:n]
         graph = bucket.graphs.get(cap)
         if graph is None:
             try:

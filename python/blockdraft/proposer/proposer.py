@@ -485,33 +485,63 @@ class DFlashProposer:
         Returns:
             ``n`` lists of at most ``min(num_drafts, draft_cap)`` drafts, or ``None``.
         """
+        got = self._propose_many("propose_batch", states, last_tokens, positions, num_drafts, False)
+        assert got is None or isinstance(got, list)
+        return got
+
+    def propose_on_device(
+        self,
+        states: Sequence[DFlashState],
+        last_tokens: Sequence[int],
+        positions: Sequence[int],
+        num_drafts: int,
+    ) -> Tensor | None:
+        """:meth:`propose_batch` (for ``n >= 1`` sequences) with the drafts left on the
+        device, for a consumer there (the target's verify) to read without the host waiting
+        for the drafter: ``[n, min(num_drafts, draft_cap)]`` int64 on :attr:`device`. The
+        tensor may be a view of a CUDA graph's output, valid until this proposer's next
+        proposal of as many sequences. ``None`` declines, as :meth:`propose_batch` does."""
+        got = self._propose_many("propose_on_device", states, last_tokens, positions, num_drafts, True)
+        assert got is None or isinstance(got, Tensor)
+        return got
+
+    def _propose_many(
+        self,
+        what: str,
+        states: Sequence[DFlashState],
+        last_tokens: Sequence[int],
+        positions: Sequence[int],
+        num_drafts: int,
+        on_device: bool,
+    ) -> list[list[int]] | Tensor | None:
         try:
             n = len(last_tokens)
-            reason = _core.batch_decline_reason(
-                n,
-                self.max_batch,
-                self._batched_path and self.levers.batch_propose >= 2,
-                len(positions),
-                len(states),
-            )
+            batched = self._batched_path and self.levers.batch_propose >= 2
+            if on_device and n == 1 and len(positions) == len(states) == 1:
+                # One sequence takes the single-sequence path: no batching needed.
+                reason = None
+            else:
+                reason = _core.batch_decline_reason(n, self.max_batch, batched, len(positions), len(states))
         except Exception as exc:  # noqa: BLE001 - declining is the contract
             reason = f"bad arguments: {exc}"
         if reason is not None:
-            log.debug("DFlash propose_batch declined: %s", reason)
+            log.debug("DFlash %s declined: %s", what, reason)
             return None
         proposal: Proposal | None = None
         try:
             take = run.num_take(num_drafts, self.block_gamma, self.levers.draft_cap)
-            ctxs = self._ctxs(states, "propose_batch")
-            if not self.levers.batched_precompute:
-                run.precompute_each(self.forward, self._plan(
-                    "propose_batch", list(states), ctxs, last_tokens, positions))
-            proposal = self._plan("propose_batch", list(states), ctxs, last_tokens, positions)
+            ctxs = self._ctxs(states, what)
+            if n > 1 and not self.levers.batched_precompute:
+                run.precompute_each(self.forward, self._plan(what, list(states), ctxs, last_tokens, positions))
+            proposal = self._plan(what, list(states), ctxs, last_tokens, positions)
+            if on_device:
+                return run.run_on_device(self.forward, None if self._graphs_paused else self._graphs,
+                                         proposal, take)
             return self._draft(proposal, take, None)
         except Exception as exc:  # noqa: BLE001 - declining is the contract
             if proposal is not None:
                 proposal.abort()
-            log.warning("DFlash batched propose: %s - per-sequence path", exc)
+            log.warning("DFlash %s: %s - per-sequence path", what, exc)
             return None
         except BaseException:
             if proposal is not None:
@@ -526,6 +556,8 @@ class DFlashProposer:
         want: Sequence[int],
         masks: Sequence[Mask | None] | None = None,
         sampling: Sequence[SampledDraft | None] | None = None,
+        *,
+        on_device: bool = False,
     ) -> Drafts:
         """Up to ``want[i]`` drafts after ``anchors[i]`` at ``positions[i]`` for each state
         (none when ``want[i] <= 0``, or when the block would pass the drafter's positions:
@@ -533,6 +565,8 @@ class DFlashProposer:
         ``sampling[i]`` (settings, random source) at ``temperature > 0`` drafts by sampling;
         ``masks[i]`` drafts greedily under that grammar mask; the rest draft greedily, batched
         where :meth:`propose_batch` takes them. Batched drafts equal per-sequence ones.
+        ``on_device``: when every state wants the same number of greedy drafts without a mask,
+        they stay on the device (``Drafts.pending``; :meth:`propose_on_device`).
 
         Returns:
             :class:`~blockdraft.proposer.draft.Drafts`: a proposal that raised leaves its
@@ -541,7 +575,7 @@ class DFlashProposer:
         Raises:
             ValueError: the arguments are not one per state.
         """
-        return draft_many(self, states, anchors, positions, want, masks, sampling)
+        return draft_many(self, states, anchors, positions, want, masks, sampling, on_device)
 
     def _plan(
         self, what: str, states: list[DFlashState], ctxs: list[ContextState],

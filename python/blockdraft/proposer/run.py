@@ -85,6 +85,45 @@ def run(
     return _run(forward, runner, proposal, take, mask)
 
 
+def run_on_device(forward: DraftForward, runner: GraphRunner | None, proposal: Proposal, take: int) -> Tensor:
+    """:func:`run` without a mask, its drafts left where the drafter made them: ``[n, take]``
+    int64 on the device, every entry a token (nothing is masked out). The plans are confirmed
+    once the work is launched; nothing waits for it."""
+    if torch.is_grad_enabled():
+        with torch.no_grad():
+            return run_on_device(forward, runner, proposal, take)
+    got = _graphed(runner, proposal, take)
+    if got is not None:
+        return got
+    picked = forward.run(proposal, take, None)
+    if tuple(picked.shape) != (len(proposal.plans), take):
+        raise RuntimeError(f"the drafter forward returned drafts of shape {tuple(picked.shape)}, "
+                           f"not {(len(proposal.plans), take)}")
+    proposal.confirm(take)
+    return picked
+
+
+def _graphed(runner: GraphRunner | None, proposal: Proposal, take: int) -> Tensor | None:
+    """The graph path's drafts ``[n, take]`` (a view of the replay's output) with the plans
+    confirmed, or ``None`` when it does not take the call (nothing stored then)."""
+    n = len(proposal.plans)
+    if runner is None or not runner.accepts(n):
+        return None
+    # The graph path stores the outstanding ctx K/V itself; None: it stored nothing.
+    got = runner.draft(proposal)
+    if got is None:
+        return None
+    if got.shape[0] != n:
+        raise RuntimeError(f"the graph path returned {got.shape[0]} rows for {n} sequences")
+    # Confirmed while the replay runs, before anything waits for it: the K/V is stored by
+    # work already launched, and every host-side failure point lies before the launch. (A
+    # CUDA error surfacing at a later wait leaves the plans confirmed; the device context is
+    # unusable after one anyway, and aborting a confirmed plan is a no-op.) At n = 32 this
+    # takes the confirms off the call's critical path.
+    proposal.confirm(take)
+    return got if take == got.shape[1] else got[:, :take]
+
+
 def _run(
     forward: DraftForward,
     runner: GraphRunner | None,
@@ -93,21 +132,10 @@ def _run(
     mask: Tensor | None,
 ) -> list[list[int]]:
     n = len(proposal.plans)
-    if runner is not None and runner.accepts(n):
-        # The graph path stores the outstanding ctx K/V itself; None: it stored nothing.
-        got = runner.draft(proposal)
-        if got is not None:
-            if got.shape[0] != n:
-                raise RuntimeError(f"the graph path returned {got.shape[0]} rows for {n} sequences")
-            # Confirmed while the replay runs, before `tolist` waits for it: the K/V is
-            # stored by work already launched, and every host-side failure point lies
-            # before the launch. (A CUDA error surfacing at the wait leaves the plans
-            # confirmed; the device context is unusable after one anyway, and aborting a
-            # confirmed plan is a no-op.) At n = 32 this takes the confirms off the call's
-            # critical path.
-            proposal.confirm(take)
-            rows: list[list[int]] = (got if take == got.shape[1] else got[:, :take]).tolist()
-            return rows
+    got = _graphed(runner, proposal, take)
+    if got is not None:
+        rows: list[list[int]] = got.tolist()
+        return rows
     picked = forward.run(proposal, take, mask)  # [n, take]
     anchors = torch.tensor(proposal.tokens, dtype=torch.int64, device=picked.device)
     # Row 0 (the anchor) is never a draft; the core's band split drops it.
@@ -159,4 +187,4 @@ def bitmask(mask: Tensor | Sequence[int], rows: int, vocab_size: int, device: to
     return t[:rows].to(device).contiguous()
 
 
-__all__ = ["bitmask", "num_take", "plan", "precompute_each", "run"]
+__all__ = ["bitmask", "num_take", "plan", "precompute_each", "run", "run_on_device"]

@@ -104,6 +104,18 @@ class RuntimeTarget:
                             dtype=torch.int64, device=out.logits.device)
         return out.logits.index_select(0, keep), out.ctx_rows.index_select(0, keep)
 
+    def verify_drafted(self, seqs: Sequence[Any], anchors: Sequence[int], drafts: Tensor) -> tuple[Tensor, Tensor]:
+        """:meth:`verify` of the blocks ``[anchors[i], *drafts[i]]`` whose drafts ``[n, k]``
+        are still on the device: where a graph takes ``k + 1`` rows they go into its ids on
+        the device (:meth:`~blockdraft.TargetRuntime.forward_drafted`); elsewhere they are
+        read and padded as :meth:`verify` pads."""
+        graphs = self.runtime.graphs
+        if graphs is not None and graphs.accepts(len(seqs), drafts.shape[1] + 1):
+            out = self.runtime.forward_drafted(seqs, anchors, drafts)
+            assert out.ctx_rows is not None
+            return out.logits, out.ctx_rows
+        return self.verify(seqs, [[a, *d] for a, d in zip(anchors, drafts.tolist())])
+
     def _graph_rows(self, seqs: Sequence[Any], blocks: Sequence[Sequence[int]]) -> int | None:
         """The graph row count these blocks pad to, or ``None`` (no graph takes them)."""
         graphs = self.runtime.graphs

@@ -102,11 +102,15 @@ class RuntimeGraphs:
         """Whether ``n`` sequences of ``rows`` rows each can take this path."""
         return (self.disabled is None and rows in self.rows and n <= self.buckets[-1])
 
-    def run(self, plan: ForwardPlan, flat: list[int], n: int, rows: int) -> tuple[Tensor, Tensor | None] | None:
+    def run(self, plan: ForwardPlan, flat: list[int], n: int, rows: int,
+            drafts: Tensor | None = None) -> tuple[Tensor, Tensor | None] | None:
         """The forward of ``n`` sequences of ``rows`` new rows each (``plan`` from the core,
         ``flat`` their tokens): ``(logits [n * rows, V], captured rows [n * rows, k*H] or
         None)`` as views of the bucket's static outputs (valid until the next call of this
-        bucket), or ``None`` when capture failed (graphs are then off for good)."""
+        bucket), or ``None`` when capture failed (graphs are then off for good).
+
+        ``drafts`` ``[n, rows - 1]`` int64 on the device: each sequence's tokens after its
+        first, copied into the ids on the device (``flat``'s entries there are ignored)."""
         size = next(b for b in self.buckets if b >= n)
         bucket = self._slots.get((size, rows))
         if bucket is None:
@@ -129,6 +133,8 @@ class RuntimeGraphs:
         plan.fill(bucket.host_table[:n], self.width, pad=False)
         bucket.dev64.copy_(bucket.host64, non_blocking=True)
         bucket.dev32.copy_(bucket.host32, non_blocking=True)
+        if drafts is not None:
+            bucket.dev64[0, :m].view(n, rows)[:, 1:].copy_(drafts)
         if self.mode == "static":
             logits = self.forward.run(bucket.batch, bucket.capture)
         else:

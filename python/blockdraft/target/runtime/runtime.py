@@ -310,17 +310,49 @@ class TargetRuntime:
             _core.accept_rows("forward", list(seqs), [0] * len(counts), self._owner)
             raise
 
+    def forward_drafted(self, seqs: Sequence[SeqPages], anchors: Sequence[int], drafts: Tensor) -> ForwardOutput:
+        """:meth:`forward` of each sequence's block ``[anchors[i], *drafts[i]]`` (every row's
+        logits, the captured rows), with the drafts ``[n, k]`` int64 still on the device (a
+        drafter's output): on the graph path they go into the forward's ids on the device, so
+        the host launches the verify without waiting for the drafter; elsewhere they are read
+        first. The drafts are not range-checked (a drafter picks tokens of the vocabulary the
+        target shares); the anchors are.
+
+        Raises:
+            as :meth:`forward`.
+        """
+        if drafts.dim() != 2 or drafts.shape[0] != len(seqs) or len(anchors) != len(seqs):
+            raise ValueError(f"{len(seqs)} sequences, {len(anchors)} anchors and drafts of shape "
+                             f"{tuple(drafts.shape)} (one row of drafts per sequence)")
+        n, rows = len(seqs), drafts.shape[1] + 1
+        graphs = self.graphs
+        if graphs is None or not graphs.accepts(n, rows):
+            return self.forward(seqs, [[a, *d] for a, d in zip(anchors, drafts.tolist())])
+        firsts = self._tokens([anchors])
+        flat = [t for a in firsts for t in (a, *([0] * (rows - 1)))]
+        counts = [rows] * n
+        plan = _core.plan_forward("forward", list(seqs), counts, self._owner)
+        try:
+            return self._run(plan, flat, counts, "all", True, drafts)
+        except BaseException:
+            _core.accept_rows("forward", list(seqs), [0] * n, self._owner)
+            raise
+
     def _run(self, plan: ForwardPlan, flat: list[int], counts: list[int], logits: str,
-             capture: bool) -> ForwardOutput:
+             capture: bool, drafts: Tensor | None = None) -> ForwardOutput:
         rows_each = counts[0] if counts else 0
         graphs = self.graphs
         if (graphs is not None and all(c == rows_each for c in counts)
                 and (logits == "all" or rows_each == 1) and graphs.accepts(len(counts), rows_each)):
             if faults.active():
                 faults.hit("target_forward")
-            got = graphs.run(plan, flat, len(counts), rows_each)
+            got = graphs.run(plan, flat, len(counts), rows_each, drafts)
             if got is not None:
                 return ForwardOutput(got[0], got[1] if capture else None, counts)
+        if drafts is not None:
+            # Off the graph path (capture failed): the ids are the host's, drafts read in.
+            ids = drafts.tolist()
+            flat = [t for i, first in enumerate(flat[::rows_each]) for t in (first, *ids[i])]
         batch = self._batch(plan, flat, logits)
         width = self.forward_pass.ctx_row_width
         rows = None
