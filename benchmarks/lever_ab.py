@@ -10,7 +10,7 @@ directory (or ``$OUT``).
 
     python benchmarks/lever_ab.py [OUT_DIR] --lever BLOCKDRAFT_DEVICE_DRAFTS=off,on
         [--contexts 4096,16384] [--batches 1,32] [--rounds 2] [--reps 10] [--warmup 3]
-        [--shape qwen3-8b]
+        [--shape qwen3-8b] [--max-seq-len N]
 
 Other environment variables (``BLOCKDRAFT_DRAFT_LENGTH=15``, say) apply to every setting.
 """
@@ -47,6 +47,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--max-seq-len", type=int, default=None,
+                    help="the engines' longest sequence (default: each cell's context and steps)")
     args = ap.parse_args()
     name, _, values = args.lever.partition("=")
     settings = [v.strip() for v in values.split(",") if v.strip()]
@@ -60,7 +62,8 @@ def main() -> None:
     with torch.inference_mode():
         target, drafter = pair.random_pair(shape, device, dtype)
         cfg = BenchConfig(shape=args.shape, contexts=args.contexts, batches=args.batches,
-                          reps=args.reps, warmup=args.warmup, sections=["spec"])
+                          reps=args.reps, warmup=args.warmup, sections=["spec"],
+                          max_seq_len=args.max_seq_len)
         runs: list[dict[str, Any]] = []
         for rnd in range(args.rounds):
             for value in settings:

@@ -116,6 +116,19 @@ def test_causal_attention_gpu(new: list[int], ctx: list[int], heads: int, kv_hea
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("new", "ctx"), [([16], [4000]), ([1, 16], [4095, 700])])
+def test_causal_attention_in_a_wide_table_gpu(new: list[int], ctx: list[int], dtype: torch.dtype) -> None:
+    # Tables sized for 40960 tokens, as a runtime's for a target of that many positions.
+    causal.case_causal(GPU, dtype, new, ctx, 32, 8, 128, 16, spare=2560 - 250)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_attention_in_a_wide_table_gpu(dtype: torch.dtype) -> None:
+    # The graph path's tables: as wide as the window's 16384-token ceiling.
+    att.case_attention(GPU, dtype, [4000, 60], 16, 32, 8, 128, 16, 2100, spare=1024 - 250)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_causal_attention_sliding_gpu(dtype: torch.dtype) -> None:
     causal.case_causal(GPU, dtype, [16, 1], [300, 4000], 32, 8, 128, 16, window=128, splits=4)
 

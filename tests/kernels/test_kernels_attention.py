@@ -18,15 +18,17 @@ def make_attention_case(
     kv_heads: int, dim: int, page: int, num_pages: int, seed: int = 0,
     caches: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     page_offset: int = 0,
+    spare: int = 1,
 ) -> dict[str, torch.Tensor]:
-    """Random queries/keys; each sequence gets distinct random pages ``>= page_offset``.
+    """Random queries/keys; each sequence gets distinct random pages ``>= page_offset``, in
+    tables of ``spare`` columns past the longest sequence's pages.
 
     ``caches`` (k_cache, v_cache, slot_pos) may be given (e.g. sparse-file backed); only the
     pages in the tables are written.
     """
     gen = torch.Generator().manual_seed(seed)
     n = len(ctx_lens)
-    width = max(1, max((c + page - 1) // page for c in ctx_lens)) + 1  # one spare column
+    width = max(1, max((c + page - 1) // page for c in ctx_lens)) + spare
     chosen = torch.randperm(num_pages - page_offset, generator=gen)[: n * width] + page_offset
     tables = chosen.view(n, width).to(torch.int32)
     if caches is None:
@@ -76,9 +78,10 @@ def run_attention(x: dict[str, torch.Tensor], backend: str, **kw: object) -> tor
 def case_attention(device: torch.device, dtype: torch.dtype, ctx_lens: list[int], num_q: int,
                    heads: int, kv_heads: int, dim: int, page: int, num_pages: int,
                    sliding_window: int | None = None, causal_block: bool = False,
-                   num_splits: int | None = None, seed: int = 0) -> None:
+                   num_splits: int | None = None, seed: int = 0, split_len: int | None = None,
+                   spare: int = 1) -> None:
     x = make_attention_case(device, dtype, ctx_lens, num_q, heads, kv_heads, dim, page,
-                            num_pages, seed)
+                            num_pages, seed, spare=spare)
     kw = dict(sliding_window=sliding_window, causal_block=causal_block)
     want = run_attention(x, "torch", **kw)
     if num_splits is None:
@@ -88,7 +91,8 @@ def case_attention(device: torch.device, dtype: torch.dtype, ctx_lens: list[int]
         got = ba.block_attention(
             x["q"], x["k_blk"], x["v_blk"], x["k_cache"], x["v_cache"], x["page_tables"],
             x["ctx_lens"], x["q_pos"], x["slot_pos"], scale=dim**-0.5,
-            out=nan_like(list(x["q"].shape), dtype, device), num_splits=num_splits, **kw)
+            out=nan_like(list(x["q"].shape), dtype, device), num_splits=num_splits,
+            split_len=split_len, **kw)
     assert not got.isnan().any(), "an output element was not written"
     assert_close(got, want, "attention output")
 
@@ -110,6 +114,15 @@ def test_attention_matches_reference(ctx_lens: list[int], num_q: int, heads: int
     need_triton(CPU)
     case_attention(CPU, dtype, ctx_lens, num_q, heads, kv_heads, dim, page, 96,
                    num_splits=splits)
+
+
+@pytest.mark.parametrize(("splits", "split_len"), [(4, None), (7, None), (2, 1024), (3, 512)])
+def test_attention_splits_in_a_wide_table(splits: int, split_len: int | None) -> None:
+    """Tables far wider than the contexts (as the graph path's, sized for the window's
+    ceiling): the splits share each sequence's own context by default, or a fixed span."""
+    need_triton(CPU)
+    case_attention(CPU, torch.float32, [0, 9, 150], 4, 4, 2, 64, 4, 400, num_splits=splits,
+                   split_len=split_len, spare=60)
 
 
 @pytest.mark.parametrize(("window", "causal"), [(None, True), (7, True), (3, False), (50, False)])

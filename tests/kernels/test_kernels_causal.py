@@ -15,15 +15,17 @@ CPU = torch.device("cpu")
 
 def make_causal_case(
     device: torch.device, dtype: torch.dtype, new: list[int], ctx: list[int], heads: int,
-    kv_heads: int, dim: int, page: int, seed: int = 0,
+    kv_heads: int, dim: int, page: int, seed: int = 0, spare: int = 1,
 ) -> dict[str, torch.Tensor]:
     """Sequence ``i`` has ``ctx[i]`` earlier tokens and ``new[i]`` new rows (their K/V in the
-    pages too), in distinct random pages; unused slots hold NaN, which must never be read."""
+    pages too), in distinct random pages; unused slots hold NaN, which must never be read.
+    The tables have ``spare`` columns past the longest sequence's pages (a runtime's tables
+    are as wide as its longest possible sequence)."""
     gen = torch.Generator().manual_seed(seed)
     n = len(new)
     kv = [a + b for a, b in zip(new, ctx)]
     need = [math.ceil(k / page) for k in kv]
-    width = max(need) + 1  # one spare column
+    width = max(need) + spare
     num_pages = sum(need) + 5
     order = torch.randperm(num_pages, generator=gen).tolist()
     tables = torch.zeros(n, width, dtype=torch.int32)
@@ -52,13 +54,14 @@ def make_causal_case(
 
 def case_causal(device: torch.device, dtype: torch.dtype, new: list[int], ctx: list[int],
                 heads: int, kv_heads: int, dim: int, page: int, window: int | None = None,
-                splits: int | None = None, seed: int = 0) -> None:
-    x = make_causal_case(device, dtype, new, ctx, heads, kv_heads, dim, page, seed)
+                splits: int | None = None, seed: int = 0, spare: int = 1,
+                split_len: int | None = None) -> None:
+    x = make_causal_case(device, dtype, new, ctx, heads, kv_heads, dim, page, seed, spare)
     args = [x[k] for k in ("q", "k_cache", "v_cache", "page_tables", "q_starts", "kv_lens", "positions")]
     kw = dict(scale=dim**-0.5, sliding_window=window)
     want = K.reference.causal_attention(*[a.cpu() for a in args], **kw)  # type: ignore[arg-type]
     out = nan_like(list(x["q"].shape), dtype, device)
-    got = K.ops("triton").causal_attention(*args, **kw, num_splits=splits, out=out)
+    got = K.ops("triton").causal_attention(*args, **kw, num_splits=splits, split_len=split_len, out=out)
     assert got is out
     assert not torch.isnan(got).any(), "an output row was not written"
     assert_close(got.cpu(), want, f"causal_attention {new}/{ctx} window {window} splits {splits}")
@@ -82,6 +85,26 @@ def test_causal_attention(new: list[int], ctx: list[int], heads: int, kv_heads: 
 def test_causal_attention_sliding_window_and_splits(window: int, splits: int | None) -> None:
     need_triton(CPU)
     case_causal(CPU, torch.float32, [6, 1, 30], [50, 9, 2], 4, 2, 16, 8, window, splits)
+
+
+@pytest.mark.parametrize(("splits", "split_len"), [(None, None), (4, None), (7, None), (2, 512), (5, 256)])
+def test_causal_attention_splits_in_a_wide_table(splits: int | None, split_len: int | None) -> None:
+    """Tables far wider than the sequences (as a runtime's, sized for its longest sequence):
+    the splits share each sequence's own keys by default, or a fixed span of the width."""
+    need_triton(CPU)
+    case_causal(CPU, torch.float32, [4, 1, 16], [70, 5, 130], 4, 2, 16, 4, splits=splits,
+                spare=200, split_len=split_len)
+
+
+def test_causal_attention_rejects_a_split_len_that_misses_keys() -> None:
+    need_triton(CPU)
+    x = make_causal_case(CPU, torch.float32, [2], [30], 4, 2, 16, 4, spare=20)
+    args = [x[k] for k in ("q", "k_cache", "v_cache", "page_tables", "q_starts", "kv_lens", "positions")]
+    # The table holds 28 pages of 4 tokens (112); key tiles are 64 wide: 0 and 48 are not a
+    # tile multiple, and one split of 64 would leave keys 64..111 unread.
+    for bad in (0, 48, 64):
+        with pytest.raises(ValueError, match="split_len"):
+            K.ops("triton").causal_attention(*args, scale=0.25, num_splits=1, split_len=bad)
 
 
 def test_causal_attention_fp16_odd_head_dim_and_page() -> None:

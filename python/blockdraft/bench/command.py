@@ -93,6 +93,10 @@ def add_arguments(parser: Any) -> None:
                         help="comma-separated drafter window caps the spec section runs each "
                              "cell under: 'env' (BLOCKDRAFT_DFLASH_CTX_CAP, default 16384) or "
                              "a number of tokens (0 = uncapped); e.g. env,0")
+    parser.add_argument("--max-seq-len", type=int, default=None,
+                        help="the spec section's engines take sequences this long, as a server's "
+                             "runtime (its page tables as wide); default: each cell's context "
+                             "and steps")
     parser.add_argument("--public-tau", type=float, default=PUBLIC_TAU,
                         help="tokens per step of a trained pair at which the side-by-side table "
                              f"derives tokens/s from the measured steps (default {PUBLIC_TAU})")
@@ -118,6 +122,7 @@ def config_from_args(args: Any) -> BenchConfig:
         sections=[s for s in args.sections.split(",") if s.strip()],
         seed=args.seed,
         spec_caps=_caps(args.spec_caps),
+        max_seq_len=args.max_seq_len,
         public_tau=args.public_tau,
     )
 

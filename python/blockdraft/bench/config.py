@@ -30,6 +30,9 @@ class BenchConfig:
             under, in order (``None``: the environment's ``BLOCKDRAFT_DFLASH_CTX_CAP``, by
             default 16384; ``0``: uncapped), so a capped and an uncapped step are measured on
             the same pair in one run.
+        max_seq_len: the longest sequence the ``spec`` section's engines take (``None``: each
+            cell's context plus its steps). A server's runtime is sized for its longest
+            sequence, and its page tables (and the attention's splits over them) with it.
         public_tau: the tokens per step of a trained pair at which the side-by-side table
             derives tokens/s from the measured steps
             (:data:`~blockdraft.bench.side_by_side.PUBLIC_TAU`).
@@ -53,6 +56,7 @@ class BenchConfig:
     profile_context: int | None = None
     profile_batches: list[int] = field(default_factory=lambda: [1, 32])
     spec_caps: list[int | None] = field(default_factory=lambda: [None])
+    max_seq_len: int | None = None
     public_tau: float = PUBLIC_TAU
 
     def wide_context(self) -> int:

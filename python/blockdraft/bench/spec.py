@@ -73,7 +73,8 @@ def bench_spec(
         new_tokens = (steps + 4) * block
         with window_cap(cap):
             engine = SpeculativeEngine(
-                target, drafter, runtime="blockdraft", max_seq_len=ctx + new_tokens + block,
+                target, drafter, runtime="blockdraft",
+                max_seq_len=max(cfg.max_seq_len or 0, ctx + new_tokens + block),
                 max_active=n, max_batch=min(n, 32),
             )
         window = engine.proposer.ceiling
@@ -101,6 +102,7 @@ def bench_spec(
             produced += sum(len(e.tokens) for e in events)
         rec: dict[str, Any] = {
             "context": ctx, "batch": n, "block": block, "ctx_cap": cap, "window": window,
+            "max_seq_len": engine.max_seq_len,
             "draft_length": engine.draft_length, "step_ms": summarize(times),
             "tau": produced / (cfg.reps * n), "warmup_ms": warm,
         }

@@ -13,8 +13,10 @@ context split) handles the tile's rows times the ``Hq / Hkv`` query heads that s
 head, so each K/V byte is read once per tile and split. Tiles past a sequence's rows exit at
 once; the grid and the split count are functions of shapes only (the batch, the most rows of a
 sequence, the page-table width), never of per-step lengths, so a launch can be captured in a
-CUDA graph. The splits' partial softmax states are combined by the block-attention combine
-kernel.
+CUDA graph. Each program reads its sequence's length on the device and takes its split's
+share of that sequence's keys, so a table far wider than the sequences (a runtime's, sized for
+its longest) leaves no split idle. The splits' partial softmax states are combined by the
+block-attention combine kernel.
 """
 
 from __future__ import annotations
@@ -84,7 +86,7 @@ def causal_attention_kernel(
     part_ml_ptr,  # [R * Hq, NUM_SPLITS, 2] fp32: running max (log2 domain), sum
     sq0, sq1,
     spt0,
-    split_len,  # key positions per split, a multiple of BLOCK_N
+    split_len,  # key positions per split, a multiple of BLOCK_N; 0: each sequence's keys / NUM_SPLITS
     window,  # sliding window (used when SLIDING)
     qk_scale,  # softmax scale * log2(e)
     GROUP: tl.constexpr,
@@ -128,11 +130,15 @@ def causal_attention_kernel(
         kv_len = tl.load(kvl_ptr + seq).to(tl.int64)
         # the keys any row of the tile can see: up to its last row, from its first row's window
         hi = tl.minimum(tl.max(tl.where(row_mask, qp, -1), axis=0) + 1, kv_len)
-        lo = split * split_len
+        # split_len 0: splits of this sequence's own keys, so every split has work whatever
+        # the table's width (a runtime's tables are as wide as its longest sequence could be).
+        own = tl.cdiv(tl.cdiv(kv_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+        span = tl.where(split_len == 0, own, split_len)
+        lo = split * span
         if SLIDING:
             first = tl.min(tl.where(row_mask, qp, 1 << 62), axis=0)
             lo = tl.maximum(lo, (tl.maximum(first - window + 1, 0) // BLOCK_N) * BLOCK_N)
-        end = tl.minimum((split + 1) * split_len, hi)
+        end = tl.minimum((split + 1) * span, hi)
         if INTERPRET:
             # The CPU interpreter cannot take tensor loop bounds in range(); a while loop is the
             # same iteration (but is not software-pipelined on the GPU, hence two spellings).
@@ -207,14 +213,17 @@ def causal_attention(
     sliding_window: int | None = None,
     max_rows: int | None = None,
     num_splits: int | None = None,
+    split_len: int | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Triton causal attention; same contract as ``reference.causal_attention``.
 
     Extra keywords: ``max_rows`` bounds any sequence's new rows (default: all ``R`` rows; a
     caller that knows it, e.g. a verify of B rows per sequence, gives it so the grid is
-    small and fixed); ``num_splits`` overrides the shape-derived split count; ``out``
-    ``[R, Hq, D]`` contiguous receives the result. Lengths live on the device and are not
+    small and fixed); ``num_splits`` overrides the shape-derived split count; ``split_len``
+    fixes the keys per split (default: each sequence's keys over the splits, read on the
+    device; a fixed span over the table's width leaves the splits past a short sequence
+    empty); ``out`` ``[R, Hq, D]`` contiguous receives the result. Lengths live on the device and are not
     checked: ``kv_lens[i] <= W * page_size`` and each row's position below its ``kv_lens``.
     """
     check("q", q, shape=[None, None, None], dtypes=FLOAT_DTYPES, last_dim_contiguous=True)
@@ -253,7 +262,11 @@ def causal_attention(
         num_splits = splits
     if num_splits < 1:
         raise ValueError(f"num_splits: must be >= 1, got {num_splits}")
-    split_len = max(1, math.ceil(max(max_ctx, 1) / num_splits / block_n)) * block_n
+    if split_len is None:
+        split_len = 0
+    elif split_len < 1 or split_len % block_n or split_len * num_splits < max_ctx:
+        raise ValueError(f"split_len: must be a positive multiple of {block_n} whose "
+                         f"{num_splits} splits cover the table's {max_ctx} tokens, got {split_len}")
     one = num_splits == 1
     rows = num_rows * num_heads
     # Every (row, split) partial is written by the one tile holding the row (an empty split

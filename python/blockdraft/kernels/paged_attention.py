@@ -101,7 +101,7 @@ def block_attention_kernel(
     skb0, skb1, skb2,
     svb0, svb1, svb2,
     spt0,
-    split_len,  # context tokens per split, a multiple of BLOCK_N
+    split_len,  # context tokens per split, a multiple of BLOCK_N; 0: each sequence's context / NUM_SPLITS
     window,  # sliding window (used when SLIDING)
     qk_scale,  # softmax scale * log2(e)
     NUM_Q: tl.constexpr,
@@ -143,8 +143,12 @@ def block_attention_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
 
     ctx_len = tl.load(ctx_ptr + seq).to(tl.int64)
-    start = split * split_len
-    end = tl.minimum(start + split_len, ctx_len)
+    # split_len 0: splits of this sequence's own context, so every split has work whatever
+    # the table's width (the graph path's tables are as wide as the window's ceiling).
+    own = tl.maximum(tl.cdiv(tl.cdiv(ctx_len, NUM_SPLITS), BLOCK_N) * BLOCK_N, BLOCK_N)
+    span = tl.where(split_len == 0, own, split_len)
+    start = split * span
+    end = tl.minimum(start + span, ctx_len)
     if INTERPRET:
         # The CPU interpreter cannot take tensor loop bounds in range(); a while loop is the
         # same iteration (but is not software-pipelined on the GPU, hence two spellings).
@@ -246,12 +250,15 @@ def block_attention(
     sliding_window: int | None = None,
     causal_block: bool = False,
     num_splits: int | None = None,
+    split_len: int | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Triton block attention; same contract as ``reference.block_attention``.
 
     Extra keywords: ``num_splits`` overrides the shape-derived split count (tests use it to
-    exercise the combine); ``out`` [n, B, Hq, D] contiguous receives the result. ``ctx_lens``
+    exercise the combine); ``split_len`` fixes the context tokens per split (default: each
+    sequence's context over the splits, read on the device); ``out`` [n, B, Hq, D]
+    contiguous receives the result. ``ctx_lens``
     must not exceed ``max_pages * page_size`` (not checked: it lives on the device).
     """
     check("q", q, shape=[None, None, None, None], dtypes=FLOAT_DTYPES, last_dim_contiguous=True)
@@ -294,7 +301,11 @@ def block_attention(
         num_splits = default_num_splits(n, kv_heads, max_ctx, dev, block_n)
     if num_splits < 1:
         raise ValueError(f"num_splits: must be >= 1, got {num_splits}")
-    split_len = max(1, math.ceil(max(max_ctx, 1) / num_splits / block_n)) * block_n
+    if split_len is None:
+        split_len = 0
+    elif split_len < 1 or split_len % block_n or split_len * num_splits < max_ctx:
+        raise ValueError(f"split_len: must be a positive multiple of {block_n} whose "
+                         f"{num_splits} splits cover the table's {max_ctx} tokens, got {split_len}")
     one = num_splits == 1
     rows = n * num_q * num_heads
     part_o = torch.empty((1,) if one else (rows, num_splits, head_dim), dtype=torch.float32,
