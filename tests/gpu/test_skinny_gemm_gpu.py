@@ -68,3 +68,30 @@ def test_split_k_is_deterministic_and_graph_safe() -> None:
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, lin(x2, w, b))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_drafter_fused_view_streams_its_block(dtype: torch.dtype) -> None:
+    """The drafter's fused view of one sequence's block (16 rows) on the streaming GEMMs gives
+    its ``F.linear`` result within the dtype's rounding."""
+    from blockdraft import kernels
+    from blockdraft import pair as bd_pair
+    from blockdraft.kernels.projections import Projections
+    from blockdraft.proposer.fast import FastDrafter
+
+    shape = bd_pair.SHAPES["qwen3-8b"]
+    drafter = bd_pair.random_drafter(shape, GPU, dtype)
+    ops = kernels.ops("triton")
+    views = [FastDrafter.from_drafter(drafter, ops, Projections(ops, on)) for on in (True, False)]
+    gen = torch.Generator(device=GPU).manual_seed(0)
+    embeds = torch.randn(1, shape.block_size, shape.hidden, generator=gen, device=GPU, dtype=dtype)
+    pos = torch.arange(100, 100 + shape.block_size, device=GPU)[None]
+
+    def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        # Each block row attends to the block's rows only: enough to compare two projections.
+        return torch.nn.functional.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), enable_gqa=True).transpose(1, 2)
+
+    got, want = (view.forward_block(embeds, pos, attend) for view in views if view is not None)
+    assert views[0] is not None and views[0].proj.streams(embeds.view(-1, shape.hidden), views[0].qkv_weight[0])
+    torch.testing.assert_close(got.float(), want.float(), atol=0.1, rtol=0.05)

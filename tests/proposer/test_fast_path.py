@@ -47,6 +47,47 @@ def test_fast_forward_equals_the_reference_forward_in_fp32(backend: str) -> None
     assert fast.gate_up_weight[1].shape == (2 * 48, 32)
 
 
+@pytest.mark.skipif(not triton_available(), reason="Triton is not importable here")
+@pytest.mark.parametrize("blocks", [1, 2, 3])
+def test_fast_forward_on_the_streaming_gemms_equals_the_reference(blocks: int) -> None:
+    """With the weight-streaming GEMMs on (fp32 under the interpreter), a block of at most 16
+    rows (one sequence) runs its projections on them and computes the reference forward; more
+    rows take ``F.linear``."""
+    import dataclasses
+
+    from blockdraft.kernels.projections import Projections
+
+    calls = {"linear": 0, "linear_silu_mul": 0}
+    ops = kernels.ops("triton")
+
+    def counted(name: str) -> Any:
+        real = getattr(ops, name)
+
+        def call(*a: Any, **k: Any) -> Any:
+            calls[name] += 1
+            return real(*a, **k)
+
+        return call
+
+    ops = dataclasses.replace(ops, linear=counted("linear"), linear_silu_mul=counted("linear_silu_mul"))
+    drafter = tiny_drafter(drafter_config(block=8, layers=2))
+    fast = FastDrafter.from_drafter(drafter, ops, Projections(ops, True))
+    assert fast is not None
+    gen = torch.Generator().manual_seed(blocks)
+    ctx = torch.randn(blocks, 7, 64, generator=gen)
+    ctx_pos = [torch.arange(7) for _ in range(blocks)]
+    kv = [drafter.context_kv(drafter.fuse_context(ctx[i]), ctx_pos[i]) for i in range(blocks)]
+    embeds = torch.randn(blocks, 8, 32, generator=gen)
+    block_pos = torch.stack([torch.arange(7, 15) for _ in range(blocks)])
+    attend = ReferenceAttend(drafter.config, kv, ctx_pos, block_pos)
+    want = drafter.forward_block(embeds, block_pos, attend)
+    got = fast.forward_block(embeds, block_pos, attend)
+    torch.testing.assert_close(got, want, atol=5e-6, rtol=1e-5)
+    # 8 rows per sequence: two sequences stream (3 projections and the gate/up per layer).
+    streamed = blocks * 8 <= 16
+    assert calls == ({"linear": 3 * 2, "linear_silu_mul": 2} if streamed else {"linear": 0, "linear_silu_mul": 0})
+
+
 @pytest.mark.parametrize("backend", BACKENDS[1:])
 @pytest.mark.parametrize(("heads", "kv_heads", "rows"), [(6, 3, 5), (8, 1, 1), (4, 4, 3)])
 def test_qk_norm_rope_head_groups(backend: str, heads: int, kv_heads: int, rows: int) -> None:

@@ -92,14 +92,14 @@ def test_unset_streams_unless_interpreted(monkeypatch: pytest.MonkeyPatch) -> No
     """Unset, the lever is on where Triton compiles (CUDA) and off under the CPU interpreter;
     set, it is what it says either way."""
     need_triton(torch.device("cpu"))
-    from blockdraft.target.runtime import linear
+    from blockdraft.kernels import projections
 
     monkeypatch.delenv(ENV_SKINNY_GEMM, raising=False)
     ops = TargetRuntime(make_target("qwen3"), num_pages=8, page_size=4, backend="triton").forward_pass.ops
     for interpreted, setting, want in [(True, None, False), (False, None, True), (True, True, True),
                                        (False, False, False)]:
-        monkeypatch.setattr(linear, "interpreting", lambda v=interpreted: v)
-        assert linear.Projections(ops, setting).streaming is want, (interpreted, setting)
+        monkeypatch.setattr(projections, "interpreting", lambda v=interpreted: v)
+        assert projections.Projections(ops, setting).streaming is want, (interpreted, setting)
 
 
 def test_the_torch_backend_never_streams(monkeypatch: pytest.MonkeyPatch) -> None:

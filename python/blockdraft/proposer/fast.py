@@ -6,7 +6,10 @@ instead of seven — ``q/k/v`` stacked into one weight ``[(Hq+2Hkv)*D, H]``, ``g
 one ``[2I, H]``, then ``o`` and ``down`` — and three fused elementwise steps instead of ~40 small
 kernels: q/k RMSNorm + RoPE (+ the v split) in one launch, residual add + RMSNorm in one launch
 (the next sub-block's input norm, or the final norm, fused into the previous residual add), and
-SwiGLU's ``silu(gate) * up`` in one launch.
+SwiGLU's ``silu(gate) * up`` in one launch. Its projections go through a
+:class:`~blockdraft.kernels.projections.Projections` (the proposer's: the weight-streaming GEMMs
+for a block of at most 16 rows, a batch-1 proposal, with ``BLOCKDRAFT_SKINNY_GEMM`` on, as the
+target runtime's; ``F.linear`` otherwise).
 
 The fused steps are the ``add_rms_norm``, ``qk_norm_rope`` and ``silu_mul`` ops of the
 :class:`~blockdraft.kernels.KernelOps` it is given (Triton kernels, or their torch references:
@@ -27,6 +30,7 @@ from torch import Tensor
 from torch.nn import functional as F
 
 from blockdraft.kernels import KernelOps
+from blockdraft.kernels.projections import Projections
 from blockdraft.models import AttendFn, DFlashDrafter, GroupedDynamicConv
 
 _Conv = tuple[Tensor, Tensor]
@@ -45,11 +49,12 @@ class FastDrafter:
         gate_up_weight: per layer ``[2I, H]`` (gate rows, then up).
     """
 
-    def __init__(self, drafter: DFlashDrafter, ops: KernelOps) -> None:
+    def __init__(self, drafter: DFlashDrafter, ops: KernelOps, proj: Projections | None = None) -> None:
         c = drafter.config
         self.drafter = drafter
         self.config = c
         self.ops = ops
+        self.proj = proj if proj is not None else Projections(ops, False)
         self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
         self.qkv_weight: list[Tensor] = []
         self.qkv_bias: list[Tensor | None] = []
@@ -94,11 +99,11 @@ class FastDrafter:
         self.rope_scale = float(drafter.rope.attention_scaling)
 
     @classmethod
-    def from_drafter(cls, drafter: object, ops: KernelOps) -> FastDrafter | None:
+    def from_drafter(cls, drafter: object, ops: KernelOps, proj: Projections | None = None) -> FastDrafter | None:
         """The fused view, or ``None`` for a drafter that is not a :class:`DFlashDrafter`."""
         if not isinstance(drafter, DFlashDrafter):
             return None
-        return cls(drafter, ops)
+        return cls(drafter, ops, proj)
 
     def conv_in(self, conv: _Conv, x: Tensor, block: int) -> tuple[Tensor, Tensor]:
         """DFlash2: a sub-block's input ``x [M, H]`` (blocks of ``block`` rows) -> its
@@ -145,17 +150,17 @@ class FastDrafter:
             attn_conv, mlp_conv = self.convs[i]
             if attn_conv is not None:
                 x, taps = self.conv_in(attn_conv, x, b)
-            qkv = F.linear(x, self.qkv_weight[i], self.qkv_bias[i])
+            qkv = self.proj.linear(x, self.qkv_weight[i], self.qkv_bias[i])
             q, k, v = self.qk_norm_rope(qkv, flat_pos, i)
             o = attend(i, q.view(n, b, hq, d), k.view(n, b, hkv, d), v.view(n, b, hkv, d))
             w_o, b_o = self.o_proj[i]
-            y = F.linear(o.reshape(m, hq * d), w_o, b_o)
+            y = self.proj.linear(o.reshape(m, hq * d), w_o, b_o)
             if attn_conv is not None:
                 y = self.conv_out(attn_conv, y, taps, b)
             h, x = self.add_rms_norm(h, y, self.post_norm[i])
             if mlp_conv is not None:
                 x, taps = self.conv_in(mlp_conv, x, b)
-            y = F.linear(self.ops.silu_mul(F.linear(x, self.gate_up_weight[i])), self.down_weight[i])
+            y = self.proj.linear(self.proj.silu_mul(x, self.gate_up_weight[i]), self.down_weight[i])
             if mlp_conv is not None:
                 y = self.conv_out(mlp_conv, y, taps, b)
             nxt = self.in_norm[i + 1] if i + 1 < c.num_layers else self.final_norm

@@ -28,7 +28,9 @@ from torch.nn import functional as F
 from blockdraft import faults
 from blockdraft._core import PAD_SLOT, PrecomputePlan
 from blockdraft.kernels import KernelOps
+from blockdraft.kernels.projections import Projections
 from blockdraft.kv_cache import PagedKVCache
+from blockdraft.levers import read_skinny_gemm
 from blockdraft.models.drafter import AttendFn, DFlashDrafter
 from blockdraft.models.layers import CandidateSelector, embed_blocks
 from blockdraft.proposer.fast import FastDrafter
@@ -119,6 +121,9 @@ class DraftForward:
         self.slot_pos: Tensor = cache.slot_pos
         """The cache's ``slot_pos``."""
         self.ops = ops
+        # The fused view's projections: the weight-streaming GEMMs where the lever allows
+        # (read here, so a bad value fails when the proposer is built).
+        self.proj = Projections(ops, read_skinny_gemm())
         self.dtype = dtype
         self.device = device
         self._kv_weight = drafter.ctx_kv_weight()
@@ -261,7 +266,7 @@ class DraftForward:
         """The drafter's fused view (stacked weights, fused elementwise kernels), made on first
         use; ``None`` for drafters without one (not a :class:`DFlashDrafter`)."""
         if not self._fused_made:
-            self._fused = FastDrafter.from_drafter(self.drafter, self.ops)
+            self._fused = FastDrafter.from_drafter(self.drafter, self.ops, self.proj)
             self._fused_made = True
         return self._fused
 

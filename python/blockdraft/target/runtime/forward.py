@@ -24,10 +24,10 @@ from torch import Tensor
 from torch.nn import functional as F
 
 from blockdraft.kernels import KernelOps
+from blockdraft.kernels.projections import Projections
 from blockdraft.kv_cache import PagedKVCache
 from blockdraft.levers import read_skinny_gemm
 from blockdraft.parallel.group import TPGroup
-from blockdraft.target.runtime.linear import Projections
 from blockdraft.target.runtime.spec import TargetSpec
 from blockdraft.target.runtime.weights import fuse_linears
 
