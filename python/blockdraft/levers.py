@@ -11,7 +11,7 @@ forward) is built, so a bad value fails loudly at construction (a
 | ``BLOCKDRAFT_DFLASH_BATCH_PROPOSE`` | 16 | ``propose_batch`` width; below 2 turns batching off |
 | ``BLOCKDRAFT_DFLASH_BATCHED_PRECOMPUTE`` | on | one ctx K/V precompute for a whole batch |
 | ``BLOCKDRAFT_DFLASH_DRAFT_CAP`` | unset (all B-1) | at most this many drafts per sequence |
-| ``BLOCKDRAFT_SKINNY_GEMM`` | on (CUDA) | target runtime and drafter: weight-streaming GEMMs for forwards of <= 16 rows |
+| ``BLOCKDRAFT_SKINNY_GEMM`` | on (CUDA) | target and drafter: weight-streaming GEMMs for forwards of <= 16 rows |
 | ``BLOCKDRAFT_DEVICE_DRAFTS`` | on | engine: greedy drafts stay on the device into the verify |
 """
 
@@ -108,8 +108,9 @@ def read_levers() -> Levers:
 
 def read_skinny_gemm(env: Mapping[str, str] | None = None) -> bool | None:
     """:data:`ENV_SKINNY_GEMM`: whether the target runtime's forward (and the drafter's fused
-    view) runs its projections of at most 16 rows (fp16/bf16, Triton backend) on the weight-streaming kernels of
-    :mod:`blockdraft.kernels.skinny_gemm` instead of ``torch.nn.functional.linear``.
+    view) runs its projections of at most 16 rows (fp16/bf16, Triton backend) on the
+    weight-streaming kernels of :mod:`blockdraft.kernels.skinny_gemm` instead of
+    ``torch.nn.functional.linear``.
 
     Returns:
         ``True`` or ``False`` as set; ``None`` when unset, which the runtime reads as on where
