@@ -109,9 +109,10 @@ def test_only_dflash_drafters_have_a_fused_view() -> None:
     assert FastDrafter.from_drafter(object(), kernels.ops("torch")) is None
 
 
-def _steps(prop: DFlashProposer, eager_calls: list[int]) -> list[list[list[int]]]:
+def _steps(prop: DFlashProposer, eager_calls: list[int], on_device: bool = False) -> list[list[list[int]]]:
     """3 sequences: a long first commit (stored before the forward: ``store_plans`` on the
-    plain path, ``store_long_plans`` on the graph path), then 1..4 rows per step (staged)."""
+    plain path, ``store_long_plans`` on the graph path), then 1..4 rows per step (staged).
+    ``on_device``: every proposal through ``propose_on_device``, its tensor read back."""
     fwd = prop.forward
     plain_store, long_store = fwd.store_plans, fwd.store_long_plans
 
@@ -134,7 +135,12 @@ def _steps(prop: DFlashProposer, eager_calls: list[int]) -> list[list[list[int]]
     for step in range(8):
         idx = [0, 1, 2] if step % 2 else [step % 3]
         toks = [(step * 5 + i) % 60 for i in idx]
-        if len(idx) == 1:
+        if on_device:
+            drafts = prop.propose_on_device([states[i] for i in idx], toks, [pos[i] for i in idx], 3)
+            assert drafts is not None and drafts.dtype == torch.int64
+            assert tuple(drafts.shape) == (len(idx), 3)
+            out.append(drafts.tolist())
+        elif len(idx) == 1:
             out.append([prop.propose(states[idx[0]], toks[0], pos[idx[0]], 3)])
         else:
             got = prop.propose_batch([states[i] for i in idx], toks, [pos[i] for i in idx], 3)
@@ -148,6 +154,34 @@ def _steps(prop: DFlashProposer, eager_calls: list[int]) -> list[list[list[int]]
     for st in states:
         prop.free_state(st)
     return out
+
+
+@pytest.mark.parametrize("graphs", ["off", "static"])
+def test_drafts_on_the_device_are_the_listed_drafts(graphs: str) -> None:
+    """``propose_on_device`` (one sequence or several, graph path or plain) drafts what
+    ``propose`` / ``propose_batch`` draft, as a tensor; it declines what ``propose_batch``
+    declines, leaving the states as they were."""
+    target = tiny_target()
+    drafter = tiny_drafter(drafter_config(block=4, layers=2))
+
+    def make(mode: str) -> DFlashProposer:
+        return DFlashProposer(drafter, target, max_seq_len=120, num_pages=90, page_size=4,
+                              max_batch=4, graphs=mode, backend="torch")  # type: ignore[arg-type]
+
+    assert _steps(make(graphs), [], on_device=True) == _steps(make("off"), [])
+    prop = make(graphs)
+    states = [prop.alloc_state_for(40) for _ in range(5)]
+    for st in states:
+        prop.commit_ctx(st, torch.randn(6, 64), range(6))
+    free = prop.pool.num_free
+    assert prop.propose_on_device(states, [1] * 5, [6] * 5, 3) is None  # past max_batch
+    assert prop.propose_on_device(states[:2], [1], [6, 6], 3) is None  # lengths differ
+    assert prop.propose_on_device(states[:2], [1, 2], [6, 6], 0) is None  # no drafts wanted
+    assert prop.pool.num_free == free
+    got = prop.propose_on_device(states[:1], [1], [6], 2)
+    assert got is not None and tuple(got.shape) == (1, 2)
+    for st in states:
+        prop.free_state(st)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
