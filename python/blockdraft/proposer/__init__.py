@@ -18,7 +18,8 @@ from __future__ import annotations
 from blockdraft.proposer.draft import Drafts
 from blockdraft.proposer.forward import DraftForward
 from blockdraft.proposer.graphs import GraphRunner
-from blockdraft.proposer.proposer import DFlashProposer, agreed_pool_size
+from blockdraft.proposer.pool import agreed_pool_size
+from blockdraft.proposer.proposer import DFlashProposer
 from blockdraft.proposer.state import DFlashState, Proposal
 
 __all__ = ["DFlashProposer", "DFlashState", "DraftForward", "Drafts", "GraphRunner", "Proposal", "agreed_pool_size"]

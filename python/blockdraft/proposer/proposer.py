@@ -21,9 +21,8 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
-import math
-from collections.abc import Iterable, Iterator, Sequence
-from typing import Any, Literal
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any, Literal, TypeVar
 
 import torch
 from torch import Tensor
@@ -40,6 +39,7 @@ from blockdraft.proposer.commit import ContextWriter, as_positions, check_rows
 from blockdraft.proposer.draft import Drafts, Mask, SampledDraft, draft_many
 from blockdraft.proposer.forward import DraftForward, Generators
 from blockdraft.proposer.graphs import GraphRunner
+from blockdraft.proposer.pool import pool_pages
 from blockdraft.proposer.spec import DraftSpec
 from blockdraft.proposer.state import DFlashState, Proposal
 from blockdraft.sampling import SamplingParams
@@ -48,6 +48,7 @@ from blockdraft.target import TargetHead
 log = logging.getLogger(__name__)
 
 BackendName = Literal["auto", "torch", "triton"]
+_Drafted = TypeVar("_Drafted")
 
 _owner_ids = itertools.count(1)
 # The window-cap notice is once per process: it is about the server's sizing, not about any
@@ -147,21 +148,9 @@ class DFlashProposer:
         elem = torch.empty((), dtype=self.dtype).element_size()
         self.ctx_slot_bytes = spec.ctx_row_width * elem
         if pool is None:
-            sized = num_pages is None
-            if num_pages is None:
-                # Enough pages for max_batch full windows, if the memory fraction holds them.
-                num_pages = PagedKVCache.pages_for_memory(
-                    max_batch * math.ceil(self.ceiling / page_size),
-                    PagedKVCache.page_bytes(
-                        page_size, num_layers=spec.num_layers, num_kv_heads=spec.num_kv_heads,
-                        head_dim=spec.head_dim, dtype=self.dtype, slot_pos=True,
-                    ),
-                    fraction=pool_memory_fraction, device=self.device,
-                    lever="pool_memory_fraction",
-                )
-            if tp is not None and tp.size > 1:
-                num_pages = agreed_pool_size(tp, num_pages, sized=sized)
-            pool = BlockPool(num_pages, page_size)
+            pool = BlockPool(pool_pages(spec, num_pages, page_size=page_size, max_batch=max_batch,
+                                        ceiling=self.ceiling, dtype=self.dtype, device=self.device,
+                                        fraction=pool_memory_fraction, tp=tp), page_size)
         self.pool = pool
         self.cache = PagedKVCache(
             pool, num_layers=spec.num_layers, num_kv_heads=spec.num_kv_heads,
@@ -450,19 +439,10 @@ class DFlashProposer:
         take = run.num_take(num_drafts, self.block_gamma, self.levers.draft_cap)
         proposal = self._plan("propose_sampled", list(states), ctxs, last_tokens, positions)
         try:
-            if torch.is_grad_enabled():
-                with torch.no_grad():
-                    picked = self.forward.run(proposal, take, None, (params, generator))
-            else:
-                picked = self.forward.run(proposal, take, None, (params, generator))
-            q = self.forward.last_q
-            assert q is not None
-            drafts: list[list[int]] = picked.tolist()
-            proposal.confirm(take)
+            return run.run_sampled(self.forward, proposal, take, (params, generator))
         except BaseException:
             proposal.abort()
             raise
-        return drafts, q
 
     def propose_batch_max(self) -> int:
         """1 without the batched path or with ``BLOCKDRAFT_DFLASH_BATCH_PROPOSE`` < 2, else that
@@ -485,9 +465,8 @@ class DFlashProposer:
         Returns:
             ``n`` lists of at most ``min(num_drafts, draft_cap)`` drafts, or ``None``.
         """
-        got = self._propose_many("propose_batch", states, last_tokens, positions, num_drafts, False)
-        assert got is None or isinstance(got, list)
-        return got
+        return self._propose_many("propose_batch", states, last_tokens, positions, num_drafts,
+                                  lambda proposal, take: self._draft(proposal, take, None))
 
     def propose_on_device(
         self,
@@ -501,9 +480,10 @@ class DFlashProposer:
         for the drafter: ``[n, min(num_drafts, draft_cap)]`` int64 on :attr:`device`. The
         tensor may be a view of a CUDA graph's output, valid until this proposer's next
         proposal of as many sequences. ``None`` declines, as :meth:`propose_batch` does."""
-        got = self._propose_many("propose_on_device", states, last_tokens, positions, num_drafts, True)
-        assert got is None or isinstance(got, Tensor)
-        return got
+        return self._propose_many("propose_on_device", states, last_tokens, positions, num_drafts,
+                                  lambda proposal, take: run.run_on_device(
+                                      self.forward, self._runner(None), proposal, take),
+                                  one=True)
 
     def _propose_many(
         self,
@@ -512,16 +492,20 @@ class DFlashProposer:
         last_tokens: Sequence[int],
         positions: Sequence[int],
         num_drafts: int,
-        on_device: bool,
-    ) -> list[list[int]] | Tensor | None:
+        finish: Callable[[Proposal, int], _Drafted],
+        *,
+        one: bool = False,
+    ) -> _Drafted | None:
+        """The batched proposal of :meth:`propose_batch`, its drafts made by ``finish(proposal,
+        take)``; ``one``: a single sequence is taken too (it needs no batched path)."""
         try:
             n = len(last_tokens)
-            batched = self._batched_path and self.levers.batch_propose >= 2
-            if on_device and n == 1 and len(positions) == len(states) == 1:
-                # One sequence takes the single-sequence path: no batching needed.
+            if one and n == 1 and len(positions) == len(states) == 1:
                 reason = None
             else:
-                reason = _core.batch_decline_reason(n, self.max_batch, batched, len(positions), len(states))
+                reason = _core.batch_decline_reason(
+                    n, self.max_batch, self._batched_path and self.levers.batch_propose >= 2,
+                    len(positions), len(states))
         except Exception as exc:  # noqa: BLE001 - declining is the contract
             reason = f"bad arguments: {exc}"
         if reason is not None:
@@ -534,10 +518,7 @@ class DFlashProposer:
             if n > 1 and not self.levers.batched_precompute:
                 run.precompute_each(self.forward, self._plan(what, list(states), ctxs, last_tokens, positions))
             proposal = self._plan(what, list(states), ctxs, last_tokens, positions)
-            if on_device:
-                return run.run_on_device(self.forward, None if self._graphs_paused else self._graphs,
-                                         proposal, take)
-            return self._draft(proposal, take, None)
+            return finish(proposal, take)
         except Exception as exc:  # noqa: BLE001 - declining is the contract
             if proposal is not None:
                 proposal.abort()
@@ -586,12 +567,12 @@ class DFlashProposer:
                         block_size=self.block_gamma)
 
     def _draft(self, proposal: Proposal, take: int, mask: Tensor | None) -> list[list[int]]:
-        """:func:`blockdraft.proposer.run.run`, through the graph path where it applies (not
-        paused, no mask)."""
-        runner = self._graphs
-        if self._graphs_paused or mask is not None:
-            runner = None
-        return run.run(self.forward, runner, proposal, take, mask)
+        """:func:`blockdraft.proposer.run.run`, through the graph path where it applies."""
+        return run.run(self.forward, self._runner(mask), proposal, take, mask)
+
+    def _runner(self, mask: Tensor | None) -> GraphRunner | None:
+        """The graph path for a proposal, or ``None``: paused, or a mask (which it lacks)."""
+        return None if self._graphs_paused or mask is not None else self._graphs
 
     def after_verify(self, st: DFlashState, num_accepted: int) -> None:
         """Record the verification of the last proposal (resets ``last_num_drafted``).
@@ -615,17 +596,4 @@ class DFlashProposer:
         )
 
 
-def agreed_pool_size(tp: TPGroup, num_pages: int, *, sized: bool) -> int:
-    """The drafter pool size of every rank of ``tp``: the smallest one found in free memory
-    (``sized``), or the given one when every rank was given the same.
-
-    Raises:
-        ConfigError: sizes that were given (not ``sized``) differ between ranks.
-    """
-    sizes = [int(n) for n in tp.gather(num_pages)]
-    if not sized and len(set(sizes)) > 1:
-        raise ConfigError(f"tensor-parallel ranks have drafter pools of different sizes: {sizes}")
-    return min(sizes)
-
-
-__all__ = ["DFlashProposer", "agreed_pool_size"]
+__all__ = ["DFlashProposer"]

@@ -12,9 +12,10 @@ from torch import Tensor
 import blockdraft._core as _core
 from blockdraft import faults
 from blockdraft._core import ContextState
-from blockdraft.proposer.forward import DraftForward
+from blockdraft.proposer.forward import DraftForward, Generators
 from blockdraft.proposer.graphs import GraphRunner
 from blockdraft.proposer.state import DFlashState, Proposal
+from blockdraft.sampling import SamplingParams
 
 
 def plan(
@@ -103,6 +104,23 @@ def run_on_device(forward: DraftForward, runner: GraphRunner | None, proposal: P
     return picked
 
 
+def run_sampled(forward: DraftForward, proposal: Proposal, take: int,
+                sampling: tuple[SamplingParams, Generators]) -> tuple[list[list[int]], Tensor]:
+    """The proposal's forward with its drafts sampled (``sampling``: the settings and one
+    random source, or one per sequence), on the plain path; its plans confirmed. Returns
+    ``take`` drafts per sequence and their distribution ``[n, take, V]``. Raises with every
+    plan still outstanding (the caller aborts them)."""
+    if torch.is_grad_enabled():
+        with torch.no_grad():
+            return run_sampled(forward, proposal, take, sampling)
+    picked = forward.run(proposal, take, None, sampling)
+    q = forward.last_q
+    assert q is not None
+    drafts: list[list[int]] = picked.tolist()
+    proposal.confirm(take)
+    return drafts, q
+
+
 def _graphed(runner: GraphRunner | None, proposal: Proposal, take: int) -> Tensor | None:
     """The graph path's drafts ``[n, take]`` (a view of the replay's output) with the plans
     confirmed, or ``None`` when it does not take the call (nothing stored then)."""
@@ -187,4 +205,4 @@ def bitmask(mask: Tensor | Sequence[int], rows: int, vocab_size: int, device: to
     return t[:rows].to(device).contiguous()
 
 
-__all__ = ["bitmask", "num_take", "plan", "precompute_each", "run", "run_on_device"]
+__all__ = ["bitmask", "num_take", "plan", "precompute_each", "run", "run_on_device", "run_sampled"]
