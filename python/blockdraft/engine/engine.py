@@ -43,7 +43,7 @@ import blockdraft._core as _core
 from blockdraft import faults
 from blockdraft.cuda_graphs import GraphMode
 from blockdraft.engine import warmup as _warmup
-from blockdraft.engine.accept import accept_blocks, accept_drafted, argmax_only, first_tokens
+from blockdraft.engine.accept import first_tokens
 from blockdraft.engine.admission import num_admissible
 from blockdraft.engine.collect import generate_all
 from blockdraft.engine.compiles import CompileWatch, graph_captures, triton_compiles
@@ -52,7 +52,7 @@ from blockdraft.engine.drafting import draft_requests
 from blockdraft.engine.logprobs import emitted_logprobs
 from blockdraft.engine.request import MaskFn, Request, Status, StepEvent, new_request
 from blockdraft.engine.target_only import decode_step
-from blockdraft.engine.verified import kept_rows, push_verified
+from blockdraft.engine.verified import kept_rows, push_verified, verify
 from blockdraft.levers import read_device_drafts
 from blockdraft.parallel import TPGroup
 from blockdraft.proposer import DFlashProposer, Drafts, agreed_pool_size
@@ -531,23 +531,14 @@ class SpeculativeEngine:
 
     def _speculate(self, running: list[Request], events: list[StepEvent]) -> None:
         got = self._draft(running)
-        live = [r for r in running if r.status is Status.RUNNING]
-        if len(live) < len(running):
+        keep = [i for i, r in enumerate(running) if r.status is Status.RUNNING]
+        if len(keep) < len(running):
             events.extend(r.event() for r in running if r.status is Status.FAILED)
-            if not live:
+            if not keep:
                 return
+        live = [running[i] for i in keep]
         seqs = [r.target_seq for r in live]
-        if got.pending is not None:
-            # Every request is live (no proposal failed) and greedy: the verify takes the
-            # drafts on the device and they come back with its argmax, in one read.
-            assert isinstance(self.target, RuntimeTarget)
-            logits, rows = self.target.verify_drafted(seqs, [r.out[-1] for r in live], got.pending)
-            drafts, decided = accept_drafted(got.pending, logits)
-        else:
-            keep = [i for i, r in enumerate(running) if r.status is Status.RUNNING]
-            drafts, draft_q = [got.tokens[i] for i in keep], [got.q[i] for i in keep]
-            logits, rows = self.target.verify(seqs, [[r.out[-1], *d] for r, d in zip(live, drafts)])
-            decided = accept_blocks(live, drafts, logits, draft_q)
+        drafts, decided, logits, rows = verify(self.target, live, seqs, got, keep)
         news = [[*d[:a], nxt] if a else [nxt] for d, (a, nxt) in zip(drafts, decided)]
         lens = [len(d) + 1 for d in drafts]
         lps = emitted_logprobs(live, logits, lens, news)
@@ -562,12 +553,10 @@ class SpeculativeEngine:
 
     def _draft(self, running: list[Request]) -> Drafts:
         """Drafts per request (as many as the draft-length policy chooses; see
-        :func:`~blockdraft.engine.drafting.draft_requests`), left on the device when every
-        request's acceptance is a plain argmax (:attr:`device_drafts`); a request whose
-        proposal fails is failed."""
+        :func:`~blockdraft.engine.drafting.draft_requests`), left on the device where they
+        may be (:attr:`device_drafts`); a request whose proposal fails is failed."""
         got = draft_requests(self.proposer, running, self._lengths.choose([r.id for r in running]),
-                             self.sampled_drafts,
-                             on_device=self.device_drafts and all(argmax_only(r) for r in running))
+                             self.sampled_drafts, on_device=self.device_drafts)
         self.batched_proposals += got.batched
         self.single_proposals += got.single
         for r, exc in zip(running, got.errors):
