@@ -58,6 +58,22 @@ def split_count(want: int, tiles: int) -> int:
     return min(prev_pow2(max(1, want)), next_pow2(max(1, tiles)))
 
 
+def split_span(split_len: int | None, num_splits: int, block_n: int, max_ctx: int) -> int:
+    """The attention kernels' ``split_len`` argument: ``0`` for ``None`` (each sequence's own
+    keys shared over the splits, read on the device), else ``split_len`` checked.
+
+    Raises:
+        ValueError: not a positive multiple of ``block_n`` whose ``num_splits`` splits cover
+            the table's ``max_ctx`` tokens.
+    """
+    if split_len is None:
+        return 0
+    if split_len < 1 or split_len % block_n or split_len * num_splits < max_ctx:
+        raise ValueError(f"split_len: must be a positive multiple of {block_n} whose "
+                         f"{num_splits} splits cover the table's {max_ctx} tokens, got {split_len}")
+    return split_len
+
+
 def interpreting() -> bool:
     """Whether Triton runs kernels in its CPU interpreter (``TRITON_INTERPRET=1``)."""
     return os.environ.get("TRITON_INTERPRET", "0") == "1"

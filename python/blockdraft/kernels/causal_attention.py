@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._validate import FLOAT_DTYPES, check, interpreting, next_pow2, sm_count, split_count
+from ._validate import FLOAT_DTYPES, check, interpreting, next_pow2, sm_count, split_count, split_span
 from .paged_attention import block_attention_combine_kernel
 
 _NEG_BIG = tl.constexpr(-1.0e30)  # finite "minus infinity" for running maxima: no inf - inf
@@ -223,8 +223,9 @@ def causal_attention(
     small and fixed); ``num_splits`` overrides the shape-derived split count; ``split_len``
     fixes the keys per split (default: each sequence's keys over the splits, read on the
     device; a fixed span over the table's width leaves the splits past a short sequence
-    empty); ``out`` ``[R, Hq, D]`` contiguous receives the result. Lengths live on the device and are not
-    checked: ``kv_lens[i] <= W * page_size`` and each row's position below its ``kv_lens``.
+    empty); ``out`` ``[R, Hq, D]`` contiguous receives the result. Lengths live on the device
+    and are not checked: ``kv_lens[i] <= W * page_size`` and each row's position below its
+    ``kv_lens``.
     """
     check("q", q, shape=[None, None, None], dtypes=FLOAT_DTYPES, last_dim_contiguous=True)
     num_rows, num_heads, head_dim = q.shape
@@ -262,11 +263,7 @@ def causal_attention(
         num_splits = splits
     if num_splits < 1:
         raise ValueError(f"num_splits: must be >= 1, got {num_splits}")
-    if split_len is None:
-        split_len = 0
-    elif split_len < 1 or split_len % block_n or split_len * num_splits < max_ctx:
-        raise ValueError(f"split_len: must be a positive multiple of {block_n} whose "
-                         f"{num_splits} splits cover the table's {max_ctx} tokens, got {split_len}")
+    split_len = split_span(split_len, num_splits, block_n, max_ctx)
     one = num_splits == 1
     rows = num_rows * num_heads
     # Every (row, split) partial is written by the one tile holding the row (an empty split

@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._validate import FLOAT_DTYPES, check, interpreting, next_pow2, sm_count, split_count
+from ._validate import FLOAT_DTYPES, check, interpreting, next_pow2, sm_count, split_count, split_span
 
 _NEG_BIG = tl.constexpr(-1.0e30)  # finite "minus infinity" for running maxima: no inf - inf
 _LOG2E = 1.4426950408889634
@@ -258,8 +258,8 @@ def block_attention(
     Extra keywords: ``num_splits`` overrides the shape-derived split count (tests use it to
     exercise the combine); ``split_len`` fixes the context tokens per split (default: each
     sequence's context over the splits, read on the device); ``out`` [n, B, Hq, D]
-    contiguous receives the result. ``ctx_lens``
-    must not exceed ``max_pages * page_size`` (not checked: it lives on the device).
+    contiguous receives the result. ``ctx_lens`` must not exceed ``max_pages * page_size``
+    (not checked: it lives on the device).
     """
     check("q", q, shape=[None, None, None, None], dtypes=FLOAT_DTYPES, last_dim_contiguous=True)
     n, num_q, num_heads, head_dim = q.shape
@@ -301,11 +301,7 @@ def block_attention(
         num_splits = default_num_splits(n, kv_heads, max_ctx, dev, block_n)
     if num_splits < 1:
         raise ValueError(f"num_splits: must be >= 1, got {num_splits}")
-    if split_len is None:
-        split_len = 0
-    elif split_len < 1 or split_len % block_n or split_len * num_splits < max_ctx:
-        raise ValueError(f"split_len: must be a positive multiple of {block_n} whose "
-                         f"{num_splits} splits cover the table's {max_ctx} tokens, got {split_len}")
+    split_len = split_span(split_len, num_splits, block_n, max_ctx)
     one = num_splits == 1
     rows = n * num_q * num_heads
     part_o = torch.empty((1,) if one else (rows, num_splits, head_dim), dtype=torch.float32,

@@ -4,9 +4,9 @@ and the drafter's fused view).
 
 A decode (one row per sequence), a verify (a block of rows) or a drafter's block of a small
 batch reads every weight once for a handful of rows: the GEMMs are bound by how fast the
-weights stream, which the streaming kernels are built for. They run when the ``BLOCKDRAFT_SKINNY_GEMM`` lever is on
-(:func:`~blockdraft.levers.read_skinny_gemm`; unset, it is on except under Triton's CPU
-interpreter), the backend is Triton, the rows are at most
+weights stream, which the streaming kernels are built for. They run when the
+``BLOCKDRAFT_SKINNY_GEMM`` lever is on (:func:`~blockdraft.levers.read_skinny_gemm`; unset, it
+is on except under Triton's CPU interpreter), the backend is Triton, the rows are at most
 :data:`~blockdraft.kernels.SKINNY_MAX_ROWS` and the activations fp16 or bf16 (fp32 too under
 Triton's CPU interpreter, where the tests run); every other call is ``F.linear`` as before.
 The choice depends only on shapes and dtypes, so a captured CUDA graph holds one of the two.

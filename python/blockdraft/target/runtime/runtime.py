@@ -300,15 +300,7 @@ class TargetRuntime:
             raise ValueError(f"logits must be 'all' or 'last', not {logits!r}")
         if len(tokens) != len(seqs):
             raise ValueError(f"{len(seqs)} sequences but {len(tokens)} token lists")
-        flat = self._tokens(tokens)
-        counts = [len(t) for t in tokens]
-        plan = _core.plan_forward("forward", list(seqs), counts, self._owner)
-        try:
-            return self._run(plan, flat, counts, logits, capture)
-        except BaseException:
-            # The rows were never (or only partly) written: none of them may be accepted.
-            _core.accept_rows("forward", list(seqs), [0] * len(counts), self._owner)
-            raise
+        return self._planned(seqs, self._tokens(tokens), [len(t) for t in tokens], logits, capture)
 
     def forward_drafted(self, seqs: Sequence[SeqPages], anchors: Sequence[int], drafts: Tensor) -> ForwardOutput:
         """:meth:`forward` of each sequence's block ``[anchors[i], *drafts[i]]`` (every row's
@@ -328,14 +320,18 @@ class TargetRuntime:
         graphs = self.graphs
         if graphs is None or not graphs.accepts(n, rows):
             return self.forward(seqs, [[a, *d] for a, d in zip(anchors, drafts.tolist())])
-        firsts = self._tokens([anchors])
-        flat = [t for a in firsts for t in (a, *([0] * (rows - 1)))]
-        counts = [rows] * n
+        flat = [t for a in self._tokens([anchors]) for t in (a, *([0] * (rows - 1)))]
+        return self._planned(seqs, flat, [rows] * n, "all", True, drafts)
+
+    def _planned(self, seqs: Sequence[SeqPages], flat: list[int], counts: list[int], logits: str,
+                 capture: bool, drafts: Tensor | None = None) -> ForwardOutput:
+        """The core's plan of ``counts[i]`` new rows per sequence, then the forward over it."""
         plan = _core.plan_forward("forward", list(seqs), counts, self._owner)
         try:
-            return self._run(plan, flat, counts, "all", True, drafts)
+            return self._run(plan, flat, counts, logits, capture, drafts)
         except BaseException:
-            _core.accept_rows("forward", list(seqs), [0] * n, self._owner)
+            # The rows were never (or only partly) written: none of them may be accepted.
+            _core.accept_rows("forward", list(seqs), [0] * len(counts), self._owner)
             raise
 
     def _run(self, plan: ForwardPlan, flat: list[int], counts: list[int], logits: str,
