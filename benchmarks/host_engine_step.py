@@ -13,13 +13,16 @@ is printed first as a yardstick (:func:`yardstick_us`). ``--compute``
 runs the forwards every step instead (the tiny model's CPU compute is then most of the step).
 ``--ops`` counts the torch operators a step dispatches outside the two forwards (what the
 host launches around the graph replays on CUDA) and prints them per step by name.
+``--critical`` times the part of each step the device waits on when the drafts stay on the
+device: from the host's one read of a step (the verify's choices with the drafts) to the launch
+of the next step's drafter, median µs over the steps.
 ``--profile`` profiles the steps once more with cProfile and prints the top entries by
 cumulative and by own time, and the step's own time split into torch's operators (builtins of
 torch), the Rust core's calls and the rest (Python):
 
     PYTHONPATH=python python benchmarks/host_engine_step.py [--batches 1,32] [--steps 200]
         [--warmup 20] [--repeats 3] [--threads 1] [--max-seq-len 1024] [--compute] [--ops]
-        [--profile] [--top 30]
+        [--critical] [--profile] [--top 30]
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from blockdraft import pair
-from blockdraft.engine import SpeculativeEngine
+from blockdraft.engine import SpeculativeEngine, accept
 
 PROMPT = 100
 DRAFTS = 7
@@ -77,7 +80,36 @@ class OpCounter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def stub_forwards(engine: SpeculativeEngine, counter: OpCounter | None = None) -> None:
+class Critical:
+    """Times from the end of each step's read from the device to the next drafter launch."""
+
+    def __init__(self) -> None:
+        self.read_at: float | None = None
+        self.gaps: list[float] = []
+
+    def read(self) -> None:
+        self.read_at = time.perf_counter()
+
+    def launched(self) -> None:
+        if self.read_at is not None:
+            self.gaps.append((time.perf_counter() - self.read_at) * 1e6)
+            self.read_at = None
+
+
+def watch_reads(clock: Critical) -> None:
+    """``clock.read()`` after each step's one read (the verify's choices with the drafts)."""
+    real = accept.read_drafted
+
+    def read_drafted(*args: Any, **kwargs: Any) -> Any:
+        out = real(*args, **kwargs)
+        clock.read()
+        return out
+
+    accept.read_drafted = read_drafted  # type: ignore[assignment]
+
+
+def stub_forwards(engine: SpeculativeEngine, counter: OpCounter | None = None,
+                  clock: Critical | None = None) -> None:
     """The graph paths' device work answers what it answered the first time for the same
     buffers (a replay that does nothing leaves a graph's outputs as they were); ``counter``
     is paused inside them."""
@@ -89,6 +121,8 @@ def stub_forwards(engine: SpeculativeEngine, counter: OpCounter | None = None) -
     real_launch = runner.launch
 
     def launch(bucket: Any, n: int, cap: int) -> torch.Tensor | None:
+        if clock is not None:
+            clock.launched()
         key = (id(bucket), cap)
         if counter is not None:
             counter.paused += 1
@@ -178,6 +212,8 @@ def main() -> None:
                     help="the engine's max_seq_len (the page tables' width follows it)")
     ap.add_argument("--ops", action="store_true",
                     help="count the torch operators a step dispatches outside the forwards")
+    ap.add_argument("--critical", action="store_true",
+                    help="time each step's read-to-next-draft gap (what the device waits on)")
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--top", type=int, default=30)
     args = ap.parse_args()
@@ -190,14 +226,29 @@ def main() -> None:
     for n in (int(b) for b in args.batches.split(",")):
         engine = build(target, drafter, n, args.max_seq_len)
         counter = OpCounter() if args.ops else None
+        clock = Critical() if args.critical else None
+        if clock is not None:
+            if args.compute:
+                raise SystemExit("--critical times the stubbed forwards (leave out --compute)")
+            watch_reads(clock)
         if not args.compute:
-            stub_forwards(engine, counter)
+            stub_forwards(engine, counter, clock)
         with torch.inference_mode():
             timed(engine, n, args.warmup)
             medians = [statistics.median(timed(engine, n, args.steps)) for _ in range(args.repeats)]
             tau = statistics.mean(s for rid in engine.request_ids() for s in engine.request(rid).steps)
             print(f"n={n}: {min(medians):.0f} us/step (medians of {args.repeats} x {args.steps} steps: "
                   f"{', '.join(f'{m:.0f}' for m in medians)}), tau {tau:.2f}")
+            if clock is not None:
+                runs = []
+                for _ in range(args.repeats):
+                    clock.gaps.clear()
+                    timed(engine, n, args.steps)
+                    if not clock.gaps:
+                        raise SystemExit("no read-to-draft gap seen: are the drafts left on the device?")
+                    runs.append(statistics.median(clock.gaps))
+                print(f"n={n}: {min(runs):.0f} us from a step's read to the next draft's launch "
+                      f"(medians of {args.repeats} x {args.steps} steps: {', '.join(f'{m:.0f}' for m in runs)})")
             if counter is not None:
                 with counter:
                     timed(engine, n, args.steps)

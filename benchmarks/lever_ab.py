@@ -2,8 +2,8 @@
 
 The random pair of ``--shape`` is built once; then for each round, each setting of the lever
 (an environment variable read when an engine is built) runs the ``spec`` section of
-``blockdraft bench`` (:func:`blockdraft.bench.spec.bench_spec`: ms per step, target-only
-decode, host work) over every (context, batch) cell. Settings alternate within a round, so a
+``blockdraft bench`` (:func:`blockdraft.bench.spec.bench_spec`: ms per step one by one and
+back to back, target-only decode, host work) over every (context, batch) cell. Settings alternate within a round, so a
 host or clock that drifts over the run moves both. Prints the medians over rounds per cell and
 setting, with the host yardstick beside them, and writes ``lever_ab.json`` under the given
 directory (or ``$OUT``).
@@ -72,18 +72,21 @@ def main() -> None:
                     runs.append({"round": rnd, "setting": value, **rec})
         core = bench.bench_core_bookkeeping(16, shape, calls=20000)
     rows = ["| context | batch | " + " | ".join(f"step ms, {v}" for v in settings)
+            + " | " + " | ".join(f"back to back ms, {v}" for v in settings)
             + " | " + " | ".join(f"host µs, {v}" for v in settings) + " | decode ms |",
-            "| --- | --- |" + " --- |" * (2 * len(settings) + 1)]
+            "| --- | --- |" + " --- |" * (3 * len(settings) + 1)]
     for ctx in args.contexts:
         for n in args.batches:
             cell = [r for r in runs if r["context"] == ctx and r["batch"] == n]
 
-            def med(value: str, key: str, scale: float = 1.0, cell: list[dict[str, Any]] = cell) -> str:
-                got = [r[key]["median"] for r in cell if r["setting"] == value]
-                return f"{statistics.median(got) * scale:.3f}" if got else "-"
+            def med(value: str, key: str, cell: list[dict[str, Any]] = cell) -> str:
+                got = [r[key]["median"] if isinstance(r[key], dict) else r[key]
+                       for r in cell if r["setting"] == value]
+                return f"{statistics.median(got):.3f}" if got else "-"
 
             decode = statistics.median(r["decode_ms"]["median"] for r in cell)
             rows.append(f"| {ctx} | {n} | " + " | ".join(med(v, "step_ms") for v in settings) + " | "
+                        + " | ".join(med(v, "run_ms") for v in settings) + " | "
                         + " | ".join(med(v, "host_us") for v in settings) + f" | {decode:.3f} |")
     table = "\n".join(rows) + (f"\n\n{name}; medians over {args.rounds} rounds; Rust core bookkeeping "
                                f"on this host: {core['us_per_seq_step']:.2f} µs per sequence-step\n")

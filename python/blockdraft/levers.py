@@ -13,6 +13,7 @@ forward) is built, so a bad value fails loudly at construction (a
 | ``BLOCKDRAFT_DFLASH_DRAFT_CAP`` | unset (all B-1) | at most this many drafts per sequence |
 | ``BLOCKDRAFT_SKINNY_GEMM`` | on (CUDA) | target and drafter: weight-streaming GEMMs for forwards of <= 16 rows |
 | ``BLOCKDRAFT_DEVICE_DRAFTS`` | on | engine: greedy drafts stay on the device into the verify |
+| ``BLOCKDRAFT_DRAFT_AHEAD`` | on | engine: the next step's drafts launched before a step's bookkeeping |
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ ENV_BATCHED_PRECOMPUTE = "BLOCKDRAFT_DFLASH_BATCHED_PRECOMPUTE"
 ENV_DRAFT_CAP = "BLOCKDRAFT_DFLASH_DRAFT_CAP"
 ENV_SKINNY_GEMM = "BLOCKDRAFT_SKINNY_GEMM"
 ENV_DEVICE_DRAFTS = "BLOCKDRAFT_DEVICE_DRAFTS"
+ENV_DRAFT_AHEAD = "BLOCKDRAFT_DRAFT_AHEAD"
 
 DEFAULT_BATCH_PROPOSE = 16
 
@@ -137,3 +139,17 @@ def read_device_drafts(env: Mapping[str, str] | None = None) -> bool:
         ConfigError: a value that is not a boolean word; the message names the variable.
     """
     return _bool_var(os.environ if env is None else env, ENV_DEVICE_DRAFTS, True)
+
+
+def read_draft_ahead(env: Mapping[str, str] | None = None) -> bool:
+    """:data:`ENV_DRAFT_AHEAD` (default on): whether the engine, where a step's drafts stay on
+    the device (:func:`read_device_drafts`), launches the next step's drafts as soon as a
+    step's context rows are committed, before the rest of its bookkeeping (the target's
+    records, the requests' events, the caller's work between steps, the next admission), so
+    the device runs the drafter while the host does that work. Off is the A/B baseline; the
+    tokens are the same either way.
+
+    Raises:
+        ConfigError: a value that is not a boolean word; the message names the variable.
+    """
+    return _bool_var(os.environ if env is None else env, ENV_DRAFT_AHEAD, True)

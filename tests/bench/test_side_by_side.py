@@ -87,11 +87,13 @@ def test_public_tau_below_one_is_refused(tau: float) -> None:
 
 def test_max_seq_len_sizes_the_spec_engines(tmp_path: Path) -> None:
     """``--max-seq-len``: the spec section's engines take sequences that long (a server's
-    tables); without it, each cell's context and steps."""
-    for extra, want in (([], 16 + (2 + 1 + 4) * 8 + 8), (["--max-seq-len", "400"], 400)):
+    tables); without it, each cell's context and steps (warm-up, then the reps one by one,
+    back to back and host work alone, and 4 more, each up to a block of 8 tokens)."""
+    for extra, want in (([], 16 + (1 + 3 * 2 + 4) * 8 + 8), (["--max-seq-len", "400"], 400)):
         out = tmp_path / f"b{len(extra)}"
         rc = cli_main(["bench", "--shape", "tiny", "--contexts", "16", "--batches", "1", "--reps", "2",
                        "--warmup", "1", "--sections", "spec", "--out", str(out), *extra])
         assert rc == 0
         (spec,) = json.loads((out / "bench.json").read_text())["sections"]["spec"]
         assert spec["max_seq_len"] == want
+        assert spec["run_ms"] > 0  # the steps back to back, timed as a run

@@ -130,11 +130,17 @@ def accept_drafted(drafts: Tensor, logits: Tensor) -> tuple[list[list[int]], lis
     every row's argmax come back in one read. Returns the drafts as lists and per request
     ``(accepted drafts, next token)``."""
     n, k = drafts.shape
-    flat: list[int] = torch.cat((drafts.reshape(-1), torch.argmax(logits, dim=-1))).tolist()
+    flat = read_drafted(drafts, logits)
     tokens = [flat[i * k : (i + 1) * k] for i in range(n)]
     at = n * k
     decided = [_greedy_accept(d, flat[at + i * (k + 1) : at + (i + 1) * (k + 1)]) for i, d in enumerate(tokens)]
     return tokens, decided
+
+
+def read_drafted(drafts: Tensor, logits: Tensor) -> list[int]:
+    """The step's one read from the device: ``drafts`` flattened, then every row's argmax."""
+    flat: list[int] = torch.cat((drafts.reshape(-1), torch.argmax(logits, dim=-1))).tolist()
+    return flat
 
 
 def _row_index(which: Sequence[int], drafts: Sequence[list[int]], starts: Sequence[int],
@@ -168,4 +174,4 @@ def _host_accept(r: Request, drafts: Sequence[int], rows: Tensor, q: Tensor | No
     raise AssertionError("unreachable")
 
 
-__all__ = ["accept_blocks", "accept_drafted", "argmax_only", "first_tokens"]
+__all__ = ["accept_blocks", "accept_drafted", "argmax_only", "first_tokens", "read_drafted"]

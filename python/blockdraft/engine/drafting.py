@@ -1,8 +1,13 @@
-"""A step's drafts for the engine's running requests: what each asks the proposer for."""
+"""A step's drafts for the engine's running requests: what each asks the proposer for, and
+the drafts launched a step ahead (:class:`Ahead`) joined with those of requests that came
+since."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
 
 from blockdraft.engine.accept import argmax_only
 from blockdraft.engine.request import Request
@@ -16,9 +21,8 @@ def draft_requests(proposer: DFlashProposer, running: Sequence[Request], counts:
     sampling settings when ``sampled``. How they are drafted is the proposer's
     (:meth:`~blockdraft.DFlashProposer.draft`); a failed proposal is in ``Drafts.errors``,
     not raised. A request's grammar applies after drafting (:meth:`Request.fit_drafts` on
-    greedy drafts), so requests under a grammar draft batched like any other. ``on_device``:
-    when every request's acceptance is a plain argmax (:func:`~blockdraft.engine.accept.argmax_only`:
-    greedy, no grammar, nothing else on its logits), the drafts may stay on the device
+    greedy drafts), so requests under a grammar draft batched like any other. ``on_device``
+    (the caller's :func:`plain_argmax` of ``running``): the drafts may stay on the device
     (``Drafts.pending``)."""
     got = proposer.draft(
         [r.state for r in running],  # type: ignore[misc]
@@ -26,11 +30,72 @@ def draft_requests(proposer: DFlashProposer, running: Sequence[Request], counts:
         [r.anchor_position for r in running],
         [min(k, r.remaining - 1) for k, r in zip(counts, running)],
         sampling=[(r.params, r.generator) for r in running] if sampled else None,
-        on_device=on_device and all(argmax_only(r) for r in running),
+        on_device=on_device,
     )
     if any(r.mask_fn is not None for r in running):
         got.tokens = [t if q is not None else r.fit_drafts(t) for r, t, q in zip(running, got.tokens, got.q)]
     return got
 
 
-__all__ = ["draft_requests"]
+def plain_argmax(reqs: Sequence[Request]) -> bool:
+    """Whether every request's acceptance is a plain argmax
+    (:func:`~blockdraft.engine.accept.argmax_only`: greedy, no grammar, nothing else on its
+    logits), so its drafts may stay on the device into the verify."""
+    return all(argmax_only(r) for r in reqs)
+
+
+@dataclass
+class Ahead:
+    """The next step's drafts, launched before a step's bookkeeping: ``drafts`` has one slot
+    per request of ``requests``, in order."""
+
+    requests: list[Request]
+    drafts: Drafts
+
+
+def drafts_for(running: Sequence[Request], ahead: Ahead,
+               fresh: Callable[[list[Request]], Drafts]) -> Drafts:
+    """Drafts for ``running`` (in order): the rows of ``ahead`` for the requests it drafted,
+    ``fresh(rest)`` for the others (requests admitted since). Rows of requests that ended
+    since are dropped."""
+    if len(ahead.requests) == len(running) and all(a is r for a, r in zip(ahead.requests, running)):
+        return ahead.drafts
+    row = {id(r): i for i, r in enumerate(ahead.requests)}
+    rest = [r for r in running if id(r) not in row]
+    got = ahead.drafts
+    new = got
+    if rest:
+        if got.pending is not None:
+            # The fresh proposal may replay the drafter's graph whose output this views.
+            got.pending = got.pending.clone()
+        new = fresh(rest)
+    at = {id(r): j for j, r in enumerate(rest)}
+    return joined([(got, row[id(r)]) if id(r) in row else (new, at[id(r)]) for r in running])
+
+
+def joined(rows: Sequence[tuple[Drafts, int]]) -> Drafts:
+    """One :class:`~blockdraft.proposer.Drafts` of the given slots (``(drafts, slot)`` each),
+    in order. The drafts stay on the device when every part has them there with one width;
+    else every part's are read into lists."""
+    parts: list[Drafts] = []
+    for d, _ in rows:
+        if not any(d is p for p in parts):
+            parts.append(d)
+    errors = [d.errors[j] for d, j in rows]
+    pending = [p.pending for p in parts]
+    if all(p is not None for p in pending) and len({p.shape[1] for p in pending if p is not None}) == 1:
+        offsets, base = {}, 0
+        for p in parts:
+            offsets[id(p)] = base
+            base += len(p.tokens)
+        whole = torch.cat([p for p in pending if p is not None]) if len(parts) > 1 else pending[0]
+        assert whole is not None
+        index = [offsets[id(d)] + j for d, j in rows]
+        if index != list(range(whole.shape[0])):
+            whole = whole.index_select(0, torch.tensor(index, dtype=torch.int64).to(whole.device, non_blocking=True))
+        return Drafts(tokens=[[] for _ in rows], q=[None] * len(rows), errors=errors, pending=whole)
+    tokens = {id(p): p.pending.tolist() if p.pending is not None else p.tokens for p in parts}
+    return Drafts(tokens=[tokens[id(d)][j] for d, j in rows], q=[d.q[j] for d, j in rows], errors=errors)
+
+
+__all__ = ["Ahead", "draft_requests", "drafts_for", "joined", "plain_argmax"]

@@ -15,6 +15,13 @@ go to the proposer chunk by chunk), then runs one speculative step for every run
    records the verify (``after_verify_batch``) and takes the accepted rows as context
    (``commit_ctx_batch``).
 
+Where a step's drafts stay on the device (:attr:`SpeculativeEngine.device_drafts`), the next
+step's drafts for the requests that go on are launched right after their context rows are
+committed (:attr:`SpeculativeEngine.draft_ahead`): the device runs the drafter while the host
+finishes the step (the target's records, the events), the caller handles the events and the
+next step admits; that step verifies those drafts, joined with drafts for the requests it
+admitted (:mod:`blockdraft.engine.drafting`).
+
 Greedy output equals the target's own greedy decoding, whatever else runs beside a request.
 The engine is not thread-safe: one thread steps it (a server queues submissions and
 cancellations for that thread).
@@ -48,12 +55,12 @@ from blockdraft.engine.admission import num_admissible
 from blockdraft.engine.collect import generate_all
 from blockdraft.engine.compiles import CompileWatch, graph_captures, triton_compiles
 from blockdraft.engine.draft_length import DraftLength, DraftLengthPolicy, row_classes
-from blockdraft.engine.drafting import draft_requests
+from blockdraft.engine.drafting import Ahead, draft_requests, drafts_for, plain_argmax
 from blockdraft.engine.logprobs import emitted_logprobs
 from blockdraft.engine.request import MaskFn, Request, Status, StepEvent, new_request
 from blockdraft.engine.target_only import decode_step
 from blockdraft.engine.verified import kept_rows, push_verified, verify
-from blockdraft.levers import read_device_drafts
+from blockdraft.levers import read_device_drafts, read_draft_ahead
 from blockdraft.parallel import TPGroup
 from blockdraft.proposer import DFlashProposer, Drafts, agreed_pool_size
 from blockdraft.results import GenerationResult
@@ -109,6 +116,13 @@ class SpeculativeEngine:
             ``None``: the ``BLOCKDRAFT_DRAFT_LENGTH`` variable, else adaptive. Greedy output
             is the same for every choice.
         proposer_kwargs: passed to :class:`~blockdraft.DFlashProposer` when one is built.
+
+    Attributes:
+        device_drafts: whether a step's greedy drafts may stay on the device into the verify
+            (the runtime's graph paths and ``BLOCKDRAFT_DEVICE_DRAFTS``).
+        draft_ahead: whether, with ``device_drafts``, the next step's drafts are launched
+            before a step's bookkeeping (``BLOCKDRAFT_DRAFT_AHEAD``). Their draft counts are
+            chosen for the requests that go on, before the next step admits any.
 
     Raises:
         ConfigError / TypeError / ValueError: bad settings.
@@ -189,6 +203,9 @@ class SpeculativeEngine:
         rt = self.runtime
         self.device_drafts = bool(self.speculate and rt is not None and rt.graphs is not None
                                   and read_device_drafts())
+        # Where they do, the next step's are launched before a step's bookkeeping.
+        self.draft_ahead = self.device_drafts and read_draft_ahead()
+        self._ahead: Ahead | None = None
         self._watch = CompileWatch(self.graph_captures)
         self.warmup_report: _warmup.WarmupReport | None = None
 
@@ -209,6 +226,7 @@ class SpeculativeEngine:
         """
         if self._waiting or self._running:
             raise RuntimeError("warmup needs an idle engine (no request waiting or running)")
+        self._ahead = None  # drafts of ended requests; warm-up replays the graphs they view
         rt = self.runtime
         full = (self.proposer.device.type == "cuda" or self.proposer.backend == "triton"
                 or (rt is not None and rt.backend == "triton"))
@@ -259,6 +277,7 @@ class SpeculativeEngine:
         for r in list(self._requests.values()):
             if not r.status.ended:
                 self.cancel(r.id)
+        self._ahead = None
         self.target.close()
 
     def __enter__(self) -> SpeculativeEngine:
@@ -380,7 +399,9 @@ class SpeculativeEngine:
         events: list[StepEvent] = []
         self._admit(events)
         running = [r for r in self._running if r.status is Status.RUNNING]
-        if running:
+        if not running:
+            self._ahead = None
+        else:
             self.steps += 1
             try:
                 if self.speculate:
@@ -389,6 +410,7 @@ class SpeculativeEngine:
                     decode_step(self.target, running)
                     self._settle(running, events)
             except BaseException as exc:
+                self._ahead = None
                 self._fail_all(running, exc, events)
                 raise
         self._watch.check()
@@ -543,25 +565,39 @@ class SpeculativeEngine:
         lens = [len(d) + 1 for d in drafts]
         lps = emitted_logprobs(live, logits, lens, news)
         counts = [a + 1 for a, _ in decided]
-        self.target.accept(seqs, counts)
         self.proposer.after_verify_batch([r.state for r in live], [a for a, _ in decided])  # type: ignore[misc]
         going, positions = push_verified(live, news, [len(d) for d in drafts], lps, self._lengths)
         if going:
-            self.proposer.commit_ctx_batch([live[i].state for i in going],  # type: ignore[misc]
+            nexts = [live[i] for i in going]
+            self.proposer.commit_ctx_batch([r.state for r in nexts],  # type: ignore[misc]
                                            kept_rows(rows, lens, counts, going), positions)
+            if self.draft_ahead and plain_argmax(nexts):
+                # Everything the next drafts need is recorded: the device drafts while the
+                # host finishes this step and the caller handles its events.
+                self._ahead = Ahead(nexts, self._propose(nexts, on_device=True))
+        self.target.accept(seqs, counts)
         self._settle(live, events)
 
     def _draft(self, running: list[Request]) -> Drafts:
         """Drafts per request (as many as the draft-length policy chooses; see
         :func:`~blockdraft.engine.drafting.draft_requests`), left on the device where they
-        may be (:attr:`device_drafts`); a request whose proposal fails is failed."""
-        got = draft_requests(self.proposer, running, self._lengths.choose([r.id for r in running]),
-                             self.sampled_drafts, on_device=self.device_drafts)
-        self.batched_proposals += got.batched
-        self.single_proposals += got.single
+        may be (:attr:`device_drafts`), those launched ahead taken where there are; a request
+        whose proposal fails is failed."""
+        ahead, self._ahead = self._ahead, None
+        got = self._propose(running) if ahead is None else drafts_for(running, ahead, self._propose)
         for r, exc in zip(running, got.errors):
             if exc is not None:
                 self._fail(r, exc)
+        return got
+
+    def _propose(self, reqs: list[Request], on_device: bool | None = None) -> Drafts:
+        """``on_device``: the caller has checked the requests (:func:`plain_argmax`)."""
+        if on_device is None:
+            on_device = self.device_drafts and plain_argmax(reqs)
+        got = draft_requests(self.proposer, reqs, self._lengths.choose([r.id for r in reqs]),
+                             self.sampled_drafts, on_device=on_device)
+        self.batched_proposals += got.batched
+        self.single_proposals += got.single
         return got
 
     def _end(self, req: Request, status: Status, reason: str, *, error: str | None = None) -> None:
