@@ -1,6 +1,7 @@
 """The next step's drafts launched before a step's bookkeeping (``BLOCKDRAFT_DRAFT_AHEAD``):
 the tokens equal target-only decoding's and every request takes the same steps as with the
-lever off, while requests arrive, finish and are cancelled between steps (the drafts launched
+lever off, while requests arrive, finish (at their length, or at a stop token inside an
+accepted block) and are cancelled between steps (the drafts launched
 ahead are then joined with fresh ones, or dropped). The static graph path returns a graph
 bucket's own output buffer, as a replay does, so a fresh proposal into the bucket the drafts
 ahead came from overwrites them unless they were kept apart."""
@@ -26,6 +27,7 @@ PROMPTS = [p[: 9 + 7 * i] for i, p in enumerate(blockdraft.pretrained.heldout_pr
 LONG = 120  # past a dozen steps at this pair's acceptance: it runs while the others come
 NEW = 24
 SHORT = 6
+STOP = 1305  # first at PROMPTS[0]'s 24th token under greedy decoding, inside an accepted block
 
 
 def engine(**kw: Any) -> SpeculativeEngine:
@@ -46,6 +48,7 @@ def scenario(eng: SpeculativeEngine) -> dict[str, tuple[list[int], list[int]]]:
     eng.step()
     ids["c"] = eng.submit(PROMPTS[2], max_new_tokens=LONG)
     ids["d"] = eng.submit(PROMPTS[3], max_new_tokens=NEW)  # ends while the others go on
+    ids["f"] = eng.submit(PROMPTS[0], max_new_tokens=LONG, stop_token_ids=[STOP])  # stops mid-block
     eng.step()
     eng.cancel(ids["c"])  # its drafts ahead are dropped, between those of b and d
     eng.step()
@@ -61,8 +64,9 @@ def scenario(eng: SpeculativeEngine) -> dict[str, tuple[list[int], list[int]]]:
 def reference() -> dict[str, list[int]]:
     """Target-only decoding's tokens for the greedy requests that run to their end."""
     with engine(speculate=False) as off:
-        toks = off.generate(PROMPTS[:4], max_new_tokens=LONG).tokens
-    return {"a": list(toks[0]), "b": list(toks[1])[:NEW], "d": list(toks[3])[:NEW]}
+        toks = [list(t) for t in off.generate(PROMPTS, max_new_tokens=LONG).tokens]
+    stop = toks[0].index(STOP)
+    return {"a": toks[0], "b": toks[1][:NEW], "d": toks[3][:NEW], "f": toks[0][: stop + 1]}
 
 
 @pytest.fixture(scope="module")
