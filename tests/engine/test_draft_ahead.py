@@ -1,8 +1,8 @@
 """The next step's drafts launched before a step's bookkeeping (``BLOCKDRAFT_DRAFT_AHEAD``):
 the tokens equal target-only decoding's and every request takes the same steps as with the
 lever off, while requests arrive, finish (at their length, or at a stop token inside an
-accepted block) and are cancelled between steps (the drafts launched
-ahead are then joined with fresh ones, or dropped). The static graph path returns a graph
+accepted block) and are cancelled between steps (:func:`support.arrivals.arrivals`; the drafts
+launched ahead are then joined with fresh ones, or dropped). The static graph path returns a graph
 bucket's own output buffer, as a replay does, so a fresh proposal into the bucket the drafts
 ahead came from overwrites them unless they were kept apart."""
 
@@ -19,15 +19,12 @@ from blockdraft.engine import SpeculativeEngine
 from blockdraft.engine.drafting import joined
 from blockdraft.levers import ENV_BATCH_PROPOSE, ENV_DEVICE_DRAFTS, ENV_DRAFT_AHEAD, read_draft_ahead
 from blockdraft.proposer import DFlashProposer, Drafts
-from blockdraft.sampling import SamplingParams
+
+from support.arrivals import LONG, arrivals, expected
 
 TARGET, DRAFTER, _TOKENIZER = blockdraft.pretrained.builtin_pair(device="cpu", dtype=torch.float32)
 # Held-out prompts the trained pair drafts well for, cut to ragged lengths.
 PROMPTS = [p[: 9 + 7 * i] for i, p in enumerate(blockdraft.pretrained.heldout_prompts()[:5])]
-LONG = 120  # past a dozen steps at this pair's acceptance: it runs while the others come
-NEW = 24
-SHORT = 6
-STOP = 1305  # first at PROMPTS[0]'s 24th token under greedy decoding, inside an accepted block
 
 
 def engine(**kw: Any) -> SpeculativeEngine:
@@ -36,47 +33,21 @@ def engine(**kw: Any) -> SpeculativeEngine:
     return SpeculativeEngine(TARGET, DRAFTER, **kw)
 
 
-def scenario(eng: SpeculativeEngine) -> dict[str, tuple[list[int], list[int]]]:
-    """Requests that arrive, finish and are cancelled between steps; per request its tokens
-    and the tokens of each of its steps."""
-    ids = {"a": eng.submit(PROMPTS[0], max_new_tokens=LONG)}
-    eng.step()
-    eng.step()
-    # Admitted next to a's drafts ahead, drafted fresh into the same graph bucket (one row).
-    ids["b"] = eng.submit(PROMPTS[1], max_new_tokens=NEW)
-    eng.step()
-    eng.step()
-    ids["c"] = eng.submit(PROMPTS[2], max_new_tokens=LONG)
-    ids["d"] = eng.submit(PROMPTS[3], max_new_tokens=NEW)  # ends while the others go on
-    ids["f"] = eng.submit(PROMPTS[0], max_new_tokens=LONG, stop_token_ids=[STOP])  # stops mid-block
-    eng.step()
-    eng.cancel(ids["c"])  # its drafts ahead are dropped, between those of b and d
-    eng.step()
-    # A sampled request: its step reads every request's drafts on the host.
-    ids["e"] = eng.submit(PROMPTS[4], max_new_tokens=SHORT, sampling=SamplingParams(temperature=0.8), seed=3)
-    list(eng.stream())
-    out = {k: (list(eng.request(i).out), list(eng.request(i).steps)) for k, i in ids.items()}
-    assert eng.pages_used() == {"target": 0, "drafter": 0}
-    return out
-
-
 @pytest.fixture(scope="module")
 def reference() -> dict[str, list[int]]:
     """Target-only decoding's tokens for the greedy requests that run to their end."""
     with engine(speculate=False) as off:
-        toks = [list(t) for t in off.generate(PROMPTS, max_new_tokens=LONG).tokens]
-    stop = toks[0].index(STOP)
-    return {"a": toks[0], "b": toks[1][:NEW], "d": toks[3][:NEW], "f": toks[0][: stop + 1]}
+        return expected(off.generate(PROMPTS, max_new_tokens=LONG).tokens)
 
 
 @pytest.fixture(scope="module")
 def behind() -> dict[str, tuple[list[int], list[int]]]:
-    """The scenario with every step drafting at its start (drafts still on the device)."""
+    """The requests' steps with every step drafting at its start (drafts still on the device)."""
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv(ENV_DRAFT_AHEAD, "off")
         with engine() as eng:
             assert eng.device_drafts and not eng.draft_ahead
-            return scenario(eng)
+            return arrivals(eng, PROMPTS)
 
 
 def test_the_lever_reads_a_boolean() -> None:
@@ -106,7 +77,7 @@ def test_the_steps_equal_those_drafted_at_each_step(
     monkeypatch.setenv(ENV_BATCH_PROPOSE, width)
     with engine() as eng:
         assert eng.draft_ahead
-        got = scenario(eng)
+        got = arrivals(eng, PROMPTS)
     for name, toks in reference.items():
         assert got[name][0] == toks, name
     # The same drafts give the same steps: no request verified another's drafts or stale ones.
