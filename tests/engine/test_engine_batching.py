@@ -63,9 +63,12 @@ class EngineMachine(RuleBasedStateMachine):
     """Submit / step / cancel in any order; every ended request's tokens are its solo greedy
     output (or a prefix of it when cancelled)."""
 
+    graphs = "auto"  # on the CPU: no graph path
+
     def __init__(self) -> None:
         super().__init__()
-        self.engine = small_engine()
+        self.engine = small_engine(graphs=self.graphs)
+        assert self.engine.draft_ahead == (self.graphs == "static")
         self.asked: dict[int, tuple[int, int]] = {}
         score.sequences += 1
 
@@ -111,9 +114,19 @@ class EngineMachine(RuleBasedStateMachine):
         self.engine.close()
 
 
+class GraphBufferEngineMachine(EngineMachine):
+    """The same on the graph paths' buffers (``graphs="static"``): a step's drafts stay on the
+    device and the next step's are launched before its bookkeeping, so submissions and
+    cancellations land between a draft's launch and its verify."""
+
+    graphs = "static"
+
+
 # Each step is a real forward of both models: shorter runs keep the example count.
 TestEngineMachine = EngineMachine.TestCase
 TestEngineMachine.settings = settings(settings.default, stateful_step_count=25)
+TestGraphBufferEngineMachine = GraphBufferEngineMachine.TestCase
+TestGraphBufferEngineMachine.settings = settings(settings.default, stateful_step_count=25)
 
 
 def test_a_request_that_never_fits_is_refused() -> None:
