@@ -125,22 +125,31 @@ class Request:
         """Whether its stop tokens are masked at the position ``ahead`` tokens past ``out``."""
         return bool(self.stops) and len(self.out) + ahead < self.min_tokens
 
+    def ends(self, tokens: Sequence[int]) -> tuple[int, str | None]:
+        """What :meth:`push` of ``tokens`` does, without doing it: how many it keeps (up to
+        the first stop token or the length limit) and the finish reason they give (``None``:
+        the request goes on)."""
+        room = self.max_new_tokens - len(self.out)
+        if self.stops.isdisjoint(tokens):  # the common case, without a loop in Python
+            n = len(tokens)
+            return (max(room, 1), "length") if 0 < n and room <= n else (n, None)
+        for i, tok in enumerate(tokens, 1):
+            if tok in self.stops:
+                return i, "stop"
+            if i >= room:
+                return i, "length"
+        return len(tokens), None
+
     def push(self, tokens: Sequence[int], logprobs: Sequence[TokenLogprob] | None = None) -> int:
         """Append ``tokens`` (with their ``logprobs``, when computed) up to the first stop
         token or the length limit; returns how many were kept (the request is then finished
         if it hit either)."""
-        kept = 0
-        for tok in tokens:
-            if logprobs is not None:
-                self.out_logprobs.append(logprobs[kept])
-            self.out.append(tok)
-            kept += 1
-            if tok in self.stops:
-                self.finish_reason = "stop"
-                break
-            if len(self.out) >= self.max_new_tokens:
-                self.finish_reason = "length"
-                break
+        kept, reason = self.ends(tokens)
+        self.out.extend(tokens[:kept])
+        if logprobs is not None:
+            self.out_logprobs.extend(logprobs[:kept])
+        if reason is not None:
+            self.finish_reason = reason
         return kept
 
     def event(self) -> StepEvent:
