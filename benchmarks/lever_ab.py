@@ -80,8 +80,7 @@ def main() -> None:
             cell = [r for r in runs if r["context"] == ctx and r["batch"] == n]
 
             def med(value: str, key: str, cell: list[dict[str, Any]] = cell) -> str:
-                got = [r[key]["median"] if isinstance(r[key], dict) else r[key]
-                       for r in cell if r["setting"] == value]
+                got = [r[key]["median"] for r in cell if r["setting"] == value]
                 return f"{statistics.median(got):.3f}" if got else "-"
 
             decode = statistics.median(r["decode_ms"]["median"] for r in cell)

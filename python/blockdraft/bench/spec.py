@@ -6,11 +6,12 @@ device drained after each): ms per step and tokens per step (tau: a random pair 
 nothing, so the step time is the system's cost). Beside it, on the same runtime and
 sequences' shapes, one target-only decode step (n rows through the captured decode graph).
 
-``run_ms`` is the mean step of ``reps`` steps run back to back, the device drained only after
-the last: what a server's loop sees, where one step's device work may overlap the host work
-around the next (the drafts launched ahead, ``BLOCKDRAFT_DRAFT_AHEAD``, run on the device
-while the host finishes a step). ``step_ms`` drains the device after each step, so no step's
-work overlaps the next's there.
+``run_ms`` times ``reps`` steps run back to back, the device drained only before the first:
+each step from the previous one's return to its own (a step returns after its read of the
+verify's choices, so this is the pace a server's loop sees, where one step's device work may
+overlap the host work around the next: the drafts launched ahead, ``BLOCKDRAFT_DRAFT_AHEAD``,
+run on the device while the host finishes a step). ``step_ms`` drains the device after each
+step, so no step's work overlaps the next's there.
 
 Each cell runs once per drafter window cap of ``cfg.spec_caps`` (the default cap, and e.g.
 uncapped), so a prompt as long as the cap is measured sliding its window and not, on the same
@@ -107,15 +108,18 @@ def bench_spec(
             times.append((time.perf_counter() - t0) * 1e3)
             produced += sum(len(e.tokens) for e in events)
         sync(device)
-        t0 = time.perf_counter()
+        paced, last = [], time.perf_counter()
         for _ in range(cfg.reps):
             engine.step()
+            now = time.perf_counter()
+            paced.append((now - last) * 1e3)
+            last = now
         sync(device)
-        run_ms = (time.perf_counter() - t0) * 1e3 / cfg.reps
         rec: dict[str, Any] = {
             "context": ctx, "batch": n, "block": block, "ctx_cap": cap, "window": window,
             "max_seq_len": engine.max_seq_len,
-            "draft_length": engine.draft_length, "step_ms": summarize(times), "run_ms": run_ms,
+            "draft_length": engine.draft_length, "step_ms": summarize(times),
+            "run_ms": summarize(paced),
             "tau": produced / (cfg.reps * n), "warmup_ms": warm,
         }
         seqs = [engine.request(rid).target_seq for rid in rids]
@@ -137,7 +141,8 @@ def bench_spec(
             "spec step at %d x %d, drafter window %d: %s ms (tau %s), target-only decode "
             "%s ms, host %s us, back to back %s ms",
             ctx, n, window, fmt(rec["step_ms"]["median"]), fmt(rec["tau"], 2),
-            fmt(rec["decode_ms"]["median"]), fmt(rec["host_us"]["median"], 1), fmt(rec["run_ms"]),
+            fmt(rec["decode_ms"]["median"]), fmt(rec["host_us"]["median"], 1),
+            fmt(rec["run_ms"]["median"]),
         )
         out.append(rec)
     return out
@@ -171,7 +176,7 @@ def spec_markdown(recs: list[dict[str, Any]]) -> list[str]:
         lines.append(
             f"| {r['context']} | {r['batch']} | {label} (window ceiling {r.get('window', '-')}) "
             f"| {r.get('draft_length', '-')} | {fmt(r['step_ms']['median'])} "
-            f"| {fmt(r['run_ms']) if 'run_ms' in r else '-'} | {fmt(r['tau'], 2)} "
+            f"| {fmt(r['run_ms']['median']) if 'run_ms' in r else '-'} | {fmt(r['tau'], 2)} "
             f"| {fmt(r['decode_ms']['median'])} | {fmt(r['host_us']['median'], 1)} "
             f"| {' / '.join(fmt(t) for t in r.get('warmup_ms', [])) or '-'} |"
         )
