@@ -16,7 +16,7 @@ import torch
 import blockdraft.pretrained
 from blockdraft._core import ConfigError
 from blockdraft.engine import SpeculativeEngine
-from blockdraft.engine.drafting import joined
+from blockdraft.engine.drafting import Ahead, drafts_for, joined
 from blockdraft.levers import ENV_BATCH_PROPOSE, ENV_DEVICE_DRAFTS, ENV_DRAFT_AHEAD, read_draft_ahead
 from blockdraft.proposer import DFlashProposer, Drafts
 
@@ -132,3 +132,19 @@ def test_joined_reads_parts_of_mixed_kinds_into_lists() -> None:
     assert got.errors[0] is None and isinstance(got.errors[2], RuntimeError)
     wide = _drafts(torch.tensor([[1, 2, 3]]), [])
     assert joined([(a, 0), (wide, 0)]).tokens == [[1, 2], [1, 2, 3]]
+
+
+def test_drafts_ahead_of_requests_that_all_ended_are_not_used() -> None:
+    ended, admitted = [object(), object()], [object()]
+    ahead_pending = torch.tensor([[1, 2], [3, 4]])
+    ahead = Ahead(ended, _drafts(ahead_pending, []))  # type: ignore[arg-type]
+    fresh = _drafts(torch.tensor([[5, 6]]), [])
+    asked: list[list[object]] = []
+
+    def propose(reqs: list[object]) -> Drafts:
+        asked.append(reqs)
+        return fresh
+
+    assert drafts_for(admitted, ahead, propose) is fresh  # type: ignore[arg-type]
+    assert asked == [admitted]
+    assert ahead.drafts.pending is ahead_pending  # not copied: nothing of it is read

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from itertools import accumulate
 
 import torch
 
@@ -57,13 +58,14 @@ def drafts_for(running: Sequence[Request], ahead: Ahead,
                fresh: Callable[[list[Request]], Drafts]) -> Drafts:
     """Drafts for ``running`` (in order): the rows of ``ahead`` for the requests it drafted,
     ``fresh(rest)`` for the others (requests admitted since). Rows of requests that ended
-    since are dropped."""
+    since are dropped; drafts ahead of requests that all ended are not used at all."""
     if len(ahead.requests) == len(running) and all(a is r for a, r in zip(ahead.requests, running)):
         return ahead.drafts
     row = {id(r): i for i, r in enumerate(ahead.requests)}
     rest = [r for r in running if id(r) not in row]
-    got = ahead.drafts
-    new = got
+    if len(rest) == len(running):
+        return fresh(rest)
+    got = new = ahead.drafts
     if rest:
         if got.pending is not None:
             # The fresh proposal may replay the drafter's graph whose output this views.
@@ -77,20 +79,13 @@ def joined(rows: Sequence[tuple[Drafts, int]]) -> Drafts:
     """One :class:`~blockdraft.proposer.Drafts` of the given slots (``(drafts, slot)`` each),
     in order. The drafts stay on the device when every part has them there with one width;
     else every part's are read into lists."""
-    parts: list[Drafts] = []
-    for d, _ in rows:
-        if not any(d is p for p in parts):
-            parts.append(d)
+    parts = list({id(d): d for d, _ in rows}.values())  # each part once, in order
     errors = [d.errors[j] for d, j in rows]
-    pending = [p.pending for p in parts]
-    if all(p is not None for p in pending) and len({p.shape[1] for p in pending if p is not None}) == 1:
-        offsets, base = {}, 0
-        for p in parts:
-            offsets[id(p)] = base
-            base += len(p.tokens)
-        whole = torch.cat([p for p in pending if p is not None]) if len(parts) > 1 else pending[0]
-        assert whole is not None
-        index = [offsets[id(d)] + j for d, j in rows]
+    pending = [p.pending for p in parts if p.pending is not None]
+    if len(pending) == len(parts) and len({t.shape[1] for t in pending}) == 1:
+        first = dict(zip(map(id, parts), accumulate((t.shape[0] for t in pending), initial=0)))
+        whole = torch.cat(pending) if len(pending) > 1 else pending[0]
+        index = [first[id(d)] + j for d, j in rows]
         if index != list(range(whole.shape[0])):
             whole = whole.index_select(0, torch.tensor(index, dtype=torch.int64).to(whole.device, non_blocking=True))
         return Drafts(tokens=[[] for _ in rows], q=[None] * len(rows), errors=errors, pending=whole)

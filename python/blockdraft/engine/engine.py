@@ -226,7 +226,6 @@ class SpeculativeEngine:
         """
         if self._waiting or self._running:
             raise RuntimeError("warmup needs an idle engine (no request waiting or running)")
-        self._ahead = None  # drafts of ended requests; warm-up replays the graphs they view
         rt = self.runtime
         full = (self.proposer.device.type == "cuda" or self.proposer.backend == "triton"
                 or (rt is not None and rt.backend == "triton"))
@@ -277,7 +276,6 @@ class SpeculativeEngine:
         for r in list(self._requests.values()):
             if not r.status.ended:
                 self.cancel(r.id)
-        self._ahead = None
         self.target.close()
 
     def __enter__(self) -> SpeculativeEngine:
@@ -399,9 +397,7 @@ class SpeculativeEngine:
         events: list[StepEvent] = []
         self._admit(events)
         running = [r for r in self._running if r.status is Status.RUNNING]
-        if not running:
-            self._ahead = None
-        else:
+        if running:
             self.steps += 1
             try:
                 if self.speculate:
@@ -410,7 +406,6 @@ class SpeculativeEngine:
                     decode_step(self.target, running)
                     self._settle(running, events)
             except BaseException as exc:
-                self._ahead = None
                 self._fail_all(running, exc, events)
                 raise
         self._watch.check()
