@@ -4,7 +4,9 @@ and the plans confirmed. Also the checks of a proposal's ``num_drafts`` and gram
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
+from typing import ParamSpec, TypeVar
 
 import torch
 from torch import Tensor
@@ -66,6 +68,23 @@ def precompute_each(forward: DraftForward, proposal: Proposal) -> None:
         raise
 
 
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def _without_grad(fn: Callable[_P, _R]) -> Callable[_P, _R]:
+    """``fn`` under ``no_grad``, entered only when gradients are on: callers such as the engine
+    already run under ``inference_mode``, and the context costs µs."""
+    @functools.wraps(fn)
+    def call(*args: _P.args, **kwargs: _P.kwargs) -> _R:
+        if torch.is_grad_enabled():
+            with torch.no_grad():
+                return fn(*args, **kwargs)
+        return fn(*args, **kwargs)
+    return call
+
+
+@_without_grad
 def run(
     forward: DraftForward,
     runner: GraphRunner | None,
@@ -76,23 +95,15 @@ def run(
     """Run the proposal's forward (through ``runner``, the graph path, where it takes the
     batch), pick drafts, confirm the plans. Returns ``take`` drafts per sequence, fewer where a
     draft had nothing allowed. Raises on any failure with every plan still outstanding (the
-    caller aborts them).
-
-    Enters ``no_grad`` only when gradients are on: callers such as the engine already run
-    under ``inference_mode``, and the context costs µs."""
-    if torch.is_grad_enabled():
-        with torch.no_grad():
-            return _run(forward, runner, proposal, take, mask)
+    caller aborts them)."""
     return _run(forward, runner, proposal, take, mask)
 
 
+@_without_grad
 def run_on_device(forward: DraftForward, runner: GraphRunner | None, proposal: Proposal, take: int) -> Tensor:
     """:func:`run` without a mask, its drafts left where the drafter made them: ``[n, take]``
     int64 on the device, every entry a token (nothing is masked out). The plans are confirmed
     once the work is launched; nothing waits for it."""
-    if torch.is_grad_enabled():
-        with torch.no_grad():
-            return run_on_device(forward, runner, proposal, take)
     got = _graphed(runner, proposal, take)
     if got is not None:
         return got
@@ -104,15 +115,13 @@ def run_on_device(forward: DraftForward, runner: GraphRunner | None, proposal: P
     return picked
 
 
+@_without_grad
 def run_sampled(forward: DraftForward, proposal: Proposal, take: int,
                 sampling: tuple[SamplingParams, Generators]) -> tuple[list[list[int]], Tensor]:
     """The proposal's forward with its drafts sampled (``sampling``: the settings and one
     random source, or one per sequence), on the plain path; its plans confirmed. Returns
     ``take`` drafts per sequence and their distribution ``[n, take, V]``. Raises with every
     plan still outstanding (the caller aborts them)."""
-    if torch.is_grad_enabled():
-        with torch.no_grad():
-            return run_sampled(forward, proposal, take, sampling)
     picked = forward.run(proposal, take, None, sampling)
     q = forward.last_q
     assert q is not None
