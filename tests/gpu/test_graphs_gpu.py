@@ -102,3 +102,48 @@ def test_batch_commit_on_the_gpu_equals_single_commits(dtype: torch.dtype) -> No
         assert prop.pool.num_free == prop.pool.num_pages
     assert runs[0][0] == runs[1][0]
     assert all(torch.equal(a, b) for a, b in zip(runs[0][1], runs[1][1]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_committing_on_the_gpu_equals_a_commit_then_a_proposal(dtype: torch.dtype) -> None:
+    """``committing`` with the proposal inside its block (the captured graph gathers the new
+    rows from the committed rows by address; the accumulator kernel runs after the replay)
+    gives the drafts and the accumulators of ``commit_ctx_batch`` followed by the proposal."""
+    shape = bd_pair.Shape("gpu-test", 6, 256, 8, 2, 32, 512, 4096, 2, (1, 4), 8, 4095)
+    dev = torch.device("cuda")
+    target = bd_pair.random_target(shape, dev, dtype)
+    drafter = bd_pair.random_drafter(shape, dev, dtype)
+    gen = torch.Generator(device=dev).manual_seed(11)
+    firsts = [40, 7, 130, 64]
+    steps = [[3, 1, 8, 2], [1, 1, 1, 1], [2, 0, 5, 8], [8, 8, 8, 8]]
+    batches = [torch.randn(sum(c), shape.ctx_row_width, generator=gen, device=dev, dtype=dtype)
+               for c in [firsts] + steps]
+    runs = []
+    for deferred in (False, True):
+        prop = DFlashProposer(drafter, target, max_seq_len=1024, num_pages=400,
+                              page_size=16, max_batch=4, graphs="capture")
+        assert prop.backend == "triton"
+        states = [prop.alloc_state_for(300) for _ in firsts]
+        pos = [0] * len(firsts)
+        out = []
+        for counts, rows in zip([firsts] + steps, batches):
+            positions = [list(range(p, p + c)) for p, c in zip(pos, counts)]
+            pos = [p + c for p, c in zip(pos, counts)]
+            if deferred:
+                with prop.committing(states, rows, positions):
+                    got = prop.propose_on_device(states, [5, 6, 7, 8], pos, shape.block_size - 1)
+            else:
+                prop.commit_ctx_batch(states, rows, positions)
+                got = prop.propose_on_device(states, [5, 6, 7, 8], pos, shape.block_size - 1)
+            assert got is not None
+            out.append(got.tolist())
+            for s in states:
+                prop.after_verify(s, 0)
+        runner = prop.graph_runner
+        assert runner is not None and runner.disabled is None and runner.replays >= len(steps)
+        runs.append((out, [s.acc[: s.ctx_len].clone() for s in states]))
+        for s in states:
+            prop.free_state(s)
+        assert prop.pool.num_free == prop.pool.num_pages
+    assert runs[0][0] == runs[1][0]
+    assert all(torch.equal(a, b) for a, b in zip(runs[0][1], runs[1][1]))

@@ -76,13 +76,40 @@ class ContextWriter:
         the graph path stages exactly those rows at the next proposal in the common case, and
         a view of ``acc`` by row range stays right for that range for as long as the
         accumulator lives."""
+        write = self._prepare(states, batch, hidden_rows)
+        if write is not None:
+            write.run()
+        batch.apply()
+
+    def deferred(self, states: Sequence[DFlashState], batch: AppendBatch, hidden_rows: Tensor) -> Deferred:
+        """:meth:`write` with the copies left to the end of a ``with`` block: every allocation
+        is made and the core records the batch at once; inside the block each state's new
+        rows are read from ``hidden_rows`` (``DFlashState.defer``: a proposal stages them
+        from there), and any other read of an accumulator writes them all first. A batch that
+        slides a window is written at once."""
+        if batch.slides:
+            self.write(states, batch, hidden_rows)
+            return Deferred(None)
+        # Rows read by address (the graph path's gather) must lie as the accumulators' do.
+        write = self._prepare(states, batch, hidden_rows, contiguous=True)
+        batch.apply()
+        if write is not None:
+            write.defer()
+        return Deferred(write)
+
+    def _prepare(self, states: Sequence[DFlashState], batch: AppendBatch, hidden_rows: Tensor,
+                 contiguous: bool = False) -> _Write | None:
+        """The batch's writes with every allocation made, nothing written (``None``: no
+        rows)."""
         if faults.active():
             faults.hit("accumulator")
         entries = batch.entries  # (state index, src row, dst row, count) per state with rows
         if not entries:
-            return
+            return None
         accs: list[Tensor] = [states[e[0]].acc for e in entries]  # type: ignore[misc]
         new_rows = _detached(hidden_rows, accs[0])
+        if contiguous:
+            new_rows = new_rows.contiguous()
         slides = batch.slides
         moves = _prepare_slides(slides, accs) if slides else []
         # One kernel launch takes many sequences' rows as they are when no state's rows were
@@ -98,18 +125,77 @@ class ContextWriter:
             addrs = [states[e[0]].acc_address for e in entries]
             # Allocated before the first write: a failure here leaves every state as it was.
             table = ops.append_table(addrs, batch.row_map(), new_rows.device)
-        for acc, keep, kept in moves:
+        return _Write(ops, [states[e[0]] for e in entries], entries, accs, new_rows, moves, table)
+
+
+class _Write:
+    """One ``AppendBatch``'s writes, every allocation made: the slides' kept rows, then the
+    new rows (one kernel launch with ``table``, else a copy per state)."""
+
+    def __init__(self, ops: KernelOps, states: list[DFlashState], entries: list[tuple[int, int, int, int]],
+                 accs: list[Tensor], new_rows: Tensor, moves: list[tuple[Tensor, int, Tensor]],
+                 table: Tensor | None) -> None:
+        self.ops = ops
+        self.states = states  # per entry
+        self.entries = entries
+        self.accs = accs  # held until written: the kernel writes them by address
+        self.new_rows = new_rows
+        self.moves = moves
+        self.table = table
+        self.done = False
+        self.deferred = False
+        self._sources: list[Tensor] | None = None
+
+    def run(self) -> None:
+        """Write (once)."""
+        if self.done:
+            return
+        self.done = True
+        for acc, keep, kept in self.moves:
             acc[:keep] = kept
-        if table is not None:
-            assert ops.acc_append is not None
-            ops.acc_append(new_rows, table)
-        else:
+        if self.table is not None:
+            assert self.ops.acc_append is not None
+            self.ops.acc_append(self.new_rows, self.table)
+            if self.deferred:
+                for st in self.states:
+                    st.written()
+            return
+        for st, src, (_, _, dst, count), acc in zip(self.states, self.sources(), self.entries, self.accs):
+            view = acc[dst : dst + count]
+            view.copy_(src)
+            st.keep_rows(dst, dst + count, view)
+
+    def sources(self) -> list[Tensor]:
+        """Per entry its rows of ``new_rows`` (views, made once)."""
+        if self._sources is None:
+            new_rows = self.new_rows
             whole = new_rows.shape[0]
-            for (i, src, dst, count), acc in zip(entries, accs):
-                view = acc[dst : dst + count]
-                view.copy_(new_rows if count == whole else new_rows[src : src + count])
-                states[i].keep_rows(dst, dst + count, view)
-        batch.apply()
+            self._sources = [new_rows if count == whole else new_rows[src : src + count]
+                             for _, src, _, count in self.entries]
+        return self._sources
+
+    def defer(self) -> None:
+        """Each state reads its new rows from the rows themselves until :meth:`run`."""
+        self.deferred = True
+        new_rows = self.new_rows
+        row_bytes = new_rows.stride(0) * new_rows.element_size()
+        address = new_rows.data_ptr()
+        for st, view, (_, src, dst, count) in zip(self.states, self.sources(), self.entries):
+            st.defer(self.run, dst, dst + count, view, address + (src - dst) * row_bytes)
+
+
+class Deferred:
+    """The ``with`` block of :meth:`ContextWriter.deferred`: its end writes the rows."""
+
+    def __init__(self, write: _Write | None) -> None:
+        self._write = write
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        if self._write is not None:
+            self._write.run()
 
 
 def _detached(hidden_rows: Tensor, acc: Tensor) -> Tensor:
@@ -136,4 +222,4 @@ def _prepare_slides(
     return out
 
 
-__all__ = ["ContextWriter", "as_positions", "check_rows"]
+__all__ = ["ContextWriter", "Deferred", "as_positions", "check_rows"]

@@ -423,8 +423,7 @@ def _plan_rows(items: Sequence[tuple[DFlashState, PrecomputePlan]]) -> tuple[lis
     slots: list[int] = []
     for state, plan in items:
         if plan.row_end > plan.row_start:
-            assert state.acc is not None
-            rows.append(state.acc[plan.row_start : plan.row_end])
+            rows.append(state.rows(plan.row_start, plan.row_end))
             positions.extend(plan.positions)
             slots.extend(plan.slots)
     return rows, positions, slots

@@ -250,7 +250,8 @@ class GraphRunner:
         stored here instead (``DraftForward.store_long_plans``). This is the per-sequence host work of a graph-path
         call: one core call (and without the gather one list of row views)."""
         states = proposal.states
-        bases = [st.acc_address for st in states] if self.gather else None
+        bases = ([st.source_base(p.row_start, p.row_end) for st, p in zip(states, proposal.plans)]
+                 if self.gather else None)
         got = bucket.meta.fill(proposal.plans, proposal.tokens, proposal.positions, bases)
         if got is None:
             return None

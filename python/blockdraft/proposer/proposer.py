@@ -6,7 +6,8 @@ the paged cache, whether a batch is accepted, whose state it is and whether it i
 parts of this package own the tensors and move them according to the core's plans:
 
 * ``commit_ctx`` / ``commit_ctx_batch``: ``plan_appends`` -> :class:`ContextWriter` (slides,
-  accumulator copies) -> ``AppendBatch.apply``;
+  accumulator copies) -> ``AppendBatch.apply``; ``committing``: the same with the copies
+  after the ``with`` block it opens (a proposal inside it drafts from the new rows);
 * ``propose`` / ``propose_batch``: ``plan_proposals`` (every anchor checked, every sequence's
   K/V planned, all or nothing) -> :class:`DraftForward` (or its replay,
   :class:`GraphRunner`) -> ``confirm_proposals``. Any failure before the confirm aborts the
@@ -29,13 +30,13 @@ from torch import Tensor
 
 import blockdraft._core as _core
 from blockdraft import faults, kernels
-from blockdraft._core import BlockPool, ConfigError, ContextState, InvalidStateError
+from blockdraft._core import AppendBatch, BlockPool, ConfigError, ContextState, InvalidStateError
 from blockdraft.cuda_graphs import GraphMode, resolve_mode
 from blockdraft.kv_cache import PagedKVCache
 from blockdraft.levers import Levers, read_levers
 from blockdraft.parallel.group import TPGroup
 from blockdraft.proposer import run
-from blockdraft.proposer.commit import ContextWriter, as_positions, check_rows
+from blockdraft.proposer.commit import ContextWriter, Deferred, as_positions, check_rows
 from blockdraft.proposer.draft import Drafts, Mask, SampledDraft, draft_many
 from blockdraft.proposer.forward import DraftForward, Generators
 from blockdraft.proposer.graphs import GraphRunner
@@ -355,15 +356,50 @@ class DFlashProposer:
             TypeError / ValueError: bad rows or positions, a state given twice, or row counts
                 that do not add up to ``hidden_rows`` (nothing changed).
         """
-        ctxs = self._ctxs(states, "commit_ctx_batch")
+        self.writer.write(states, self._plan_appends("commit_ctx_batch", states, hidden_rows, positions),
+                          hidden_rows)
+
+    def committing(
+        self,
+        states: Sequence[DFlashState],
+        hidden_rows: Tensor,
+        positions: Sequence[Sequence[int] | Tensor | Iterable[int]],
+    ) -> Deferred:
+        """:meth:`commit_ctx_batch` whose writes into the accumulators are launched when the
+        ``with`` block it opens ends, for a caller that drafts from the new rows first::
+
+            with proposer.committing(states, rows, positions):
+                drafts = proposer.propose_on_device(states, anchors, anchor_positions, k)
+
+        Everything is checked and the core records the rows when it is called (the same
+        errors, all or nothing). Inside the block a proposal reads each state's new rows from
+        ``hidden_rows``; any other read of an accumulator writes them first, and a commit that
+        slides a window writes at once. ``hidden_rows`` must stay unchanged until the block
+        ends (on CUDA: until the work launched in it has read them).
+
+        Raises:
+            as :meth:`commit_ctx_batch`.
+        """
+        batch = self._plan_appends("committing", states, hidden_rows, positions)
+        return self.writer.deferred(states, batch, hidden_rows)
+
+    def _plan_appends(
+        self,
+        what: str,
+        states: Sequence[DFlashState],
+        hidden_rows: Tensor,
+        positions: Sequence[Sequence[int] | Tensor | Iterable[int]],
+    ) -> AppendBatch:
+        """The core's checked plan of a batch commit (nothing recorded yet)."""
+        ctxs = self._ctxs(states, what)
         if len(positions) != len(ctxs):
             raise ValueError(f"{len(ctxs)} states but {len(positions)} position lists")
         check_rows(hidden_rows, self.ctx_row_width, self.device)
         lists = [as_positions(p) for p in positions]
-        batch = _core.plan_appends("commit_ctx_batch", ctxs, lists, self._owner)
+        batch = _core.plan_appends(what, ctxs, lists, self._owner)
         if batch.n_rows != hidden_rows.shape[0]:
             raise ValueError(f"{hidden_rows.shape[0]} rows but {batch.n_rows} positions in all")
-        self.writer.write(states, batch, hidden_rows)
+        return batch
 
     def propose(
         self,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -26,26 +27,48 @@ class DFlashState:
     ``last_num_accepted``, ``freed``, ``owner``) are the same-named getters of ``ctx``.
     """
 
-    __slots__ = ("_fresh", "_table", "acc", "acc_address", "ctx")
+    __slots__ = ("_fresh", "_pending", "_table", "acc", "acc_address", "ctx")
 
     def __init__(self, ctx: ContextState, acc: Tensor) -> None:
         self.ctx = ctx
         self.acc: Tensor | None = acc
         self.acc_address = acc.data_ptr()
-        # (first row, end row, view of acc) of the last commit: the rows a proposal usually
-        # stages next (a different plan range means it does not apply).
-        self._fresh: tuple[int, int, Tensor] | None = None
+        # (first row, end row, view, source base) of the last commit: the rows a proposal
+        # usually stages next (a different plan range means it does not apply). The view is of
+        # `acc`, or of the committed rows themselves while their write is pending; the base
+        # is the address row r of that view's memory would have (`acc_address` for `acc`).
+        self._fresh: tuple[int, int, Tensor, int] | None = None
+        # Writes the accumulator rows of a commit still pending (see `defer`), or None.
+        self._pending: Callable[[], None] | None = None
         # (core version, device table): the last table made by `page_table_dev`.
         self._table: tuple[int, Tensor] | None = None
 
     def rows(self, start: int, end: int) -> Tensor:
         """Accumulator rows ``[start, end)``: the view the last commit kept when that is the
-        range (no new view on a step's hot path), else a new one."""
+        range (no new view on a step's hot path), else a new one (after the pending write,
+        if any)."""
         fresh = self._fresh
         if fresh is not None and fresh[0] == start and fresh[1] == end:
             return fresh[2]
+        self.flush()
         assert self.acc is not None
         return self.acc[start:end]
+
+    def source_base(self, start: int, end: int) -> int:
+        """The address from which the rows ``[start, end)`` are read by address (row ``r`` at
+        ``base + r * row bytes``): where :meth:`rows` would read them."""
+        fresh = self._fresh
+        if fresh is not None and fresh[0] == start and fresh[1] == end:
+            return fresh[3]
+        self.flush()
+        return self.acc_address
+
+    def defer(self, write: Callable[[], None], start: int, end: int, view: Tensor, base: int) -> None:
+        """The rows ``[start, end)`` are committed but not yet in ``acc``: until ``write()``
+        has run they are read from ``view`` (at source base ``base``), and a read of any other
+        range runs ``write()`` first (:meth:`flush`)."""
+        self._fresh = (start, end, view, base)
+        self._pending = write
 
     @property
     def kept_range(self) -> tuple[int, int] | None:
@@ -54,13 +77,31 @@ class DFlashState:
         return None if fresh is None else (fresh[0], fresh[1])
 
     def keep_rows(self, start: int, end: int, view: Tensor) -> None:
-        """Remember ``view`` as accumulator rows ``[start, end)`` (see :meth:`rows`)."""
-        self._fresh = (start, end, view)
+        """Remember ``view`` as accumulator rows ``[start, end)`` (see :meth:`rows`); no write
+        is pending any more."""
+        self._fresh = (start, end, view, self.acc_address)
+        self._pending = None
+
+    def written(self) -> None:
+        """The pending write ran without keeping views of ``acc``: forget the committed rows'
+        own view (their memory may be reused)."""
+        self._fresh = None
+        self._pending = None
+
+    def flush(self) -> None:
+        """Run the pending write of :meth:`defer`, if any (it writes every state of its
+        commit)."""
+        write = self._pending
+        if write is not None:
+            self._pending = None
+            write()
 
     def release(self) -> None:
-        """Drop the tensors (the core state is freed by the proposer)."""
+        """Drop the tensors (the core state is freed by the proposer); a pending write is
+        dropped with them."""
         self.acc = None
         self._fresh = None
+        self._pending = None
         self._table = None
 
     @property
