@@ -564,12 +564,18 @@ class SpeculativeEngine:
         going, positions = push_verified(live, news, [len(d) for d in drafts], lps, self._lengths)
         if going:
             nexts = [live[i] for i in going]
-            self.proposer.commit_ctx_batch([r.state for r in nexts],  # type: ignore[misc]
-                                           kept_rows(rows, lens, counts, going), positions)
-            if self.draft_ahead and plain_argmax(nexts):
-                # Everything the next drafts need is recorded: the device drafts while the
-                # host finishes this step and the caller handles its events.
-                self._ahead = Ahead(nexts, self._propose(nexts, on_device=True))
+            states = [r.state for r in nexts]
+            kept = kept_rows(rows, lens, counts, going)
+            # Drafts on the device mean every request was a plain argmax, so it still is (what
+            # can change, stop tokens held back by min_tokens, only ever stops being held).
+            if self.draft_ahead and (got.pending is not None or plain_argmax(nexts)):
+                # Everything the next drafts need is recorded: the device drafts (from the
+                # new context rows as they are) while the host writes them into the
+                # accumulators, finishes this step and the caller handles its events.
+                with self.proposer.committing(states, kept, positions):  # type: ignore[arg-type]
+                    self._ahead = Ahead(nexts, self._propose(nexts, on_device=True))
+            else:
+                self.proposer.commit_ctx_batch(states, kept, positions)  # type: ignore[arg-type]
         self.target.accept(seqs, counts)
         self._settle(live, events)
 
