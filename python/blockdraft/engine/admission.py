@@ -1,5 +1,9 @@
 """Which waiting requests start at a step: bookkeeping only (no tensors, no allocation).
 
+A request reserves, when it is submitted, the pages it may hold at its longest
+(:func:`reserve_pages`): its target pages for prompt + ``max_new_tokens`` + one block of
+look-ahead, and the drafter pages of its context window.
+
 Requests start in arrival order (none jumps the queue) while fewer than ``max_active`` run
 and the pages each reserves at admission fit what the running ones leave. A request marked
 ``prefill_alone`` (a batched prefill it was part of ran out of device memory) starts in a
@@ -8,9 +12,33 @@ step of its own, so that a prefill that runs out again is that request's alone.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
+import blockdraft._core as _core
 from blockdraft.engine.request import Request
+from blockdraft.proposer import DFlashProposer
+from blockdraft.target import TargetBackend
+
+
+def reserve_pages(req: Request, target: TargetBackend, proposer: DFlashProposer, *, max_seq_len: int,
+                  block_size: int, speculate: bool) -> None:
+    """Set ``req.target_pages`` and ``req.drafter_pages``, the pages it may hold at its longest
+    (no drafter pages without speculation).
+
+    Raises:
+        ValueError: the request can never fit the pools.
+    """
+    budget = len(req.prompt) + req.max_new_tokens
+    req.target_pages = target.pages_for(budget + block_size)
+    window = _core.ctx_window(max_seq_len, block_size, budget, proposer.levers.ctx_cap)
+    req.drafter_pages = math.ceil(window / proposer.page_size) if speculate else 0
+    total_t, total_d = target.total_pages, proposer.pool.num_pages
+    if (total_t is not None and req.target_pages > total_t) or req.drafter_pages > total_d:
+        raise ValueError(
+            f"the request needs {req.target_pages} target pages and {req.drafter_pages} "
+            f"drafter pages; the pools hold {total_t} and {total_d}: it can never run"
+        )
 
 
 def num_admissible(
@@ -47,4 +75,4 @@ def num_admissible(
     return n
 
 
-__all__ = ["num_admissible"]
+__all__ = ["num_admissible", "reserve_pages"]

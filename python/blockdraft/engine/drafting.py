@@ -1,6 +1,6 @@
 """A step's drafts for the engine's running requests: what each asks the proposer for, and
 the drafts launched a step ahead (:class:`Ahead`) joined with those of requests that came
-since."""
+since; :class:`StepDrafts` keeps both for the engine."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from itertools import accumulate
 import torch
 
 from blockdraft.engine.accept import argmax_only
+from blockdraft.engine.draft_length import DraftLengthPolicy
 from blockdraft.engine.request import Request
 from blockdraft.proposer import DFlashProposer, Drafts
 
@@ -93,4 +94,52 @@ def joined(rows: Sequence[tuple[Drafts, int]]) -> Drafts:
     return Drafts(tokens=[tokens[id(d)][j] for d, j in rows], q=[d.q[j] for d, j in rows], errors=errors)
 
 
-__all__ = ["Ahead", "draft_requests", "drafts_for", "joined", "plain_argmax"]
+class StepDrafts:
+    """Where each step's drafts come from: a proposal for the step's requests, or the drafts
+    launched a step ahead (:meth:`launch_ahead`) for those that still run, joined with fresh
+    ones for the others (:func:`drafts_for`).
+
+    Args:
+        proposer: the engine's proposer.
+        lengths: the draft-length policy (how many drafts each request asks for).
+        sampled: at ``temperature > 0``, draft by sampling (:func:`draft_requests`).
+        device_drafts: greedy drafts may stay on the device into the verify.
+
+    Attributes:
+        batched / single: proposals made so far of several requests / of one.
+    """
+
+    def __init__(self, proposer: DFlashProposer, lengths: DraftLengthPolicy, *, sampled: bool,
+                 device_drafts: bool) -> None:
+        self.proposer = proposer
+        self.lengths = lengths
+        self.sampled = sampled
+        self.device_drafts = device_drafts
+        self.batched = 0
+        self.single = 0
+        self._ahead: Ahead | None = None
+
+    def for_step(self, running: list[Request]) -> Drafts:
+        """Drafts for ``running`` (in order): those launched ahead where there are, else a
+        proposal; a failed proposal is in ``Drafts.errors``."""
+        ahead, self._ahead = self._ahead, None
+        return self.propose(running) if ahead is None else drafts_for(running, ahead, self.propose)
+
+    def launch_ahead(self, reqs: list[Request]) -> None:
+        """Launch the next step's drafts for ``reqs`` (their acceptance a :func:`plain_argmax`),
+        left on the device for :meth:`for_step`."""
+        self._ahead = Ahead(reqs, self.propose(reqs, on_device=True))
+
+    def propose(self, reqs: list[Request], on_device: bool | None = None) -> Drafts:
+        """Drafts for ``reqs`` as the policy chooses; ``on_device``: the caller has checked
+        the requests (:func:`plain_argmax`), else they are checked here."""
+        if on_device is None:
+            on_device = self.device_drafts and plain_argmax(reqs)
+        got = draft_requests(self.proposer, reqs, self.lengths.choose([r.id for r in reqs]),
+                             self.sampled, on_device=on_device)
+        self.batched += got.batched
+        self.single += got.single
+        return got
+
+
+__all__ = ["Ahead", "StepDrafts", "draft_requests", "drafts_for", "joined", "plain_argmax"]

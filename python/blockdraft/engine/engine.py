@@ -37,7 +37,6 @@ without a random source of their own draw from one seeded per request from a bas
 from __future__ import annotations
 
 import logging
-import math
 import secrets
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -46,16 +45,15 @@ from typing import Any
 import torch
 from torch import Tensor
 
-import blockdraft._core as _core
 from blockdraft import faults
 from blockdraft.cuda_graphs import GraphMode
 from blockdraft.engine import warmup as _warmup
 from blockdraft.engine.accept import first_tokens
-from blockdraft.engine.admission import num_admissible
+from blockdraft.engine.admission import num_admissible, reserve_pages
 from blockdraft.engine.collect import generate_all
 from blockdraft.engine.compiles import CompileWatch, graph_captures, triton_compiles
 from blockdraft.engine.draft_length import DraftLength, DraftLengthPolicy, row_classes
-from blockdraft.engine.drafting import Ahead, draft_requests, drafts_for, plain_argmax
+from blockdraft.engine.drafting import StepDrafts, plain_argmax
 from blockdraft.engine.logprobs import emitted_logprobs
 from blockdraft.engine.request import MaskFn, Request, Status, StepEvent, new_request
 from blockdraft.engine.target_only import decode_step
@@ -123,6 +121,8 @@ class SpeculativeEngine:
         draft_ahead: whether, with ``device_drafts``, the next step's drafts are launched
             before a step's bookkeeping (``BLOCKDRAFT_DRAFT_AHEAD``). Their draft counts are
             chosen for the requests that go on, before the next step admits any.
+        drafts: where each step's drafts come from, and how many proposals were batched
+            (:class:`~blockdraft.engine.drafting.StepDrafts`).
 
     Raises:
         ConfigError / TypeError / ValueError: bad settings.
@@ -191,8 +191,6 @@ class SpeculativeEngine:
         self._running: list[Request] = []
         self._requests: dict[int, Request] = {}
         self.sampled_drafts = bool(sampled_drafts)
-        self.batched_proposals = 0
-        self.single_proposals = 0
         self.steps = 0
         # Rank 0's choice: every rank seeds a sampled request's generator the same way.
         self._seed_base: int | None = None
@@ -205,7 +203,8 @@ class SpeculativeEngine:
                                   and read_device_drafts())
         # Where they do, the next step's are launched before a step's bookkeeping.
         self.draft_ahead = self.device_drafts and read_draft_ahead()
-        self._ahead: Ahead | None = None
+        self.drafts = StepDrafts(self.proposer, self._lengths, sampled=self.sampled_drafts,
+                                 device_drafts=self.device_drafts)
         self._watch = CompileWatch(self.graph_captures)
         self.warmup_report: _warmup.WarmupReport | None = None
 
@@ -229,14 +228,15 @@ class SpeculativeEngine:
         rt = self.runtime
         full = (self.proposer.device.type == "cuda" or self.proposer.backend == "triton"
                 or (rt is not None and rt.backend == "triton"))
-        saved = (self._ids, self.steps, self.batched_proposals, self.single_proposals)
+        drafts = self.drafts
+        saved = (self._ids, self.steps, drafts.batched, drafts.single)
         self._ids = iter(range(1 << 62, 1 << 63))  # apart from the ids requests get
         try:
             report = _warmup.timed(
                 lambda: _warmup.warm_up(self, max_prompt=max_prompt, full=full, progress=progress),
                 triton_compiles, self.graph_captures)
         finally:
-            self._ids, self.steps, self.batched_proposals, self.single_proposals = saved
+            self._ids, self.steps, drafts.batched, drafts.single = saved
         self._watch.arm()
         self.warmup_report = report
         return report
@@ -327,13 +327,8 @@ class SpeculativeEngine:
             mask_fn=grammar_bitmask_fn, min_tokens=min_tokens, logprobs=logprobs, vocab=self._vocab,
             max_seq_len=self.max_seq_len, target_positions=self._target_positions,
         )
-        req.target_pages, req.drafter_pages = self._needs(req)
-        total_t, total_d = self.target.total_pages, self.proposer.pool.num_pages
-        if (total_t is not None and req.target_pages > total_t) or req.drafter_pages > total_d:
-            raise ValueError(
-                f"the request needs {req.target_pages} target pages and {req.drafter_pages} "
-                f"drafter pages; the pools hold {total_t} and {total_d}: it can never run"
-            )
+        reserve_pages(req, self.target, self.proposer, max_seq_len=self.max_seq_len,
+                      block_size=self.block_size, speculate=self.speculate)
         self._requests[req.id] = req
         self._waiting.append(req)
         return req.id
@@ -365,6 +360,16 @@ class SpeculativeEngine:
         req = self._requests.get(request_id)
         if req is not None and req.status.ended:
             del self._requests[request_id]
+
+    @property
+    def batched_proposals(self) -> int:
+        """Proposals of several requests at once, so far."""
+        return self.drafts.batched
+
+    @property
+    def single_proposals(self) -> int:
+        """Proposals of one request, so far."""
+        return self.drafts.single
 
     @property
     def num_waiting(self) -> int:
@@ -460,14 +465,6 @@ class SpeculativeEngine:
             stop_token_ids=stop_token_ids, grammar_bitmask_fn=grammar_bitmask_fn,
             generator=generator, progress=progress, min_tokens=min_tokens, logprobs=logprobs,
         )
-
-    def _needs(self, req: Request) -> tuple[int, int]:
-        """(target pages, drafter pages) the request may hold at its longest."""
-        budget = len(req.prompt) + req.max_new_tokens
-        target = self.target.pages_for(budget + self.block_size)
-        window = _core.ctx_window(self.max_seq_len, self.block_size, budget,
-                                  self.proposer.levers.ctx_cap)
-        return target, math.ceil(window / self.proposer.page_size) if self.speculate else 0
 
     def _admit(self, events: list[StepEvent]) -> None:
         """Start the waiting requests :func:`~blockdraft.engine.admission.num_admissible`
@@ -573,7 +570,7 @@ class SpeculativeEngine:
                 # new context rows as they are) while the host writes them into the
                 # accumulators, finishes this step and the caller handles its events.
                 with self.proposer.committing(states, kept, positions):  # type: ignore[arg-type]
-                    self._ahead = Ahead(nexts, self._propose(nexts, on_device=True))
+                    self.drafts.launch_ahead(nexts)
             else:
                 self.proposer.commit_ctx_batch(states, kept, positions)  # type: ignore[arg-type]
         self.target.accept(seqs, counts)
@@ -584,21 +581,10 @@ class SpeculativeEngine:
         :func:`~blockdraft.engine.drafting.draft_requests`), left on the device where they
         may be (:attr:`device_drafts`), those launched ahead taken where there are; a request
         whose proposal fails is failed."""
-        ahead, self._ahead = self._ahead, None
-        got = self._propose(running) if ahead is None else drafts_for(running, ahead, self._propose)
+        got = self.drafts.for_step(running)
         for r, exc in zip(running, got.errors):
             if exc is not None:
                 self._fail(r, exc)
-        return got
-
-    def _propose(self, reqs: list[Request], on_device: bool | None = None) -> Drafts:
-        """``on_device``: the caller has checked the requests (:func:`plain_argmax`)."""
-        if on_device is None:
-            on_device = self.device_drafts and plain_argmax(reqs)
-        got = draft_requests(self.proposer, reqs, self._lengths.choose([r.id for r in reqs]),
-                             self.sampled_drafts, on_device=on_device)
-        self.batched_proposals += got.batched
-        self.single_proposals += got.single
         return got
 
     def _end(self, req: Request, status: Status, reason: str, *, error: str | None = None) -> None:
