@@ -61,47 +61,80 @@ def test_captured_graphs_give_the_plain_drafts() -> None:
     assert results[0] == results[1]
 
 
+SHAPE = bd_pair.Shape("gpu-test", 6, 256, 8, 2, 32, 512, 4096, 2, (1, 4), 8, 4095)
+FIRSTS = [40, 7, 130, 64]
+STEPS = [[3, 1, 8, 2], [1, 1, 1, 1], [2, 0, 5, 8], [8, 8, 8, 8]]
+
+
+def _single(prop: DFlashProposer, states: list[Any], rows: torch.Tensor, positions: list[list[int]],
+            pos: list[int]) -> Any:
+    offset = 0
+    for s, p in zip(states, positions):
+        if p:
+            prop.commit_ctx(s, rows[offset : offset + len(p)], p)
+        offset += len(p)
+    return _propose(prop, states, pos)
+
+
+def _propose(prop: DFlashProposer, states: list[Any], pos: list[int]) -> list[list[int]]:
+    got = prop.propose_on_device(states, [5, 6, 7, 8], pos, SHAPE.block_size - 1)
+    assert got is not None
+    out: list[list[int]] = got.tolist()
+    return out
+
+
+def _batch(prop: DFlashProposer, states: list[Any], rows: torch.Tensor, positions: list[list[int]],
+           pos: list[int]) -> Any:
+    prop.commit_ctx_batch(states, rows, positions)
+    return _propose(prop, states, pos)
+
+
+def _committing(prop: DFlashProposer, states: list[Any], rows: torch.Tensor, positions: list[list[int]],
+                pos: list[int]) -> Any:
+    with prop.committing(states, rows, positions):
+        got = prop.propose_on_device(states, [5, 6, 7, 8], pos, SHAPE.block_size - 1)
+    # read after the accumulator kernel was launched behind the replay, as the engine does
+    assert got is not None
+    return got.tolist()
+
+
+def _commit_rounds(dtype: torch.dtype, commit: Any) -> tuple[list[Any], list[torch.Tensor]]:
+    """A first commit of many rows per state, then steps of a few, each committed by
+    ``commit`` (which drafts after it) on the captured graphs; returns the drafts and the
+    accumulator rows."""
+    dev = torch.device("cuda")
+    target = bd_pair.random_target(SHAPE, dev, dtype)
+    drafter = bd_pair.random_drafter(SHAPE, dev, dtype)
+    gen = torch.Generator(device=dev).manual_seed(9)
+    prop = DFlashProposer(drafter, target, max_seq_len=1024, num_pages=400, page_size=16, max_batch=4,
+                          graphs="capture")
+    assert prop.backend == "triton"
+    states = [prop.alloc_state_for(300) for _ in FIRSTS]
+    pos = [0] * len(FIRSTS)
+    out = []
+    for counts in [FIRSTS] + STEPS:
+        rows = torch.randn(sum(counts), SHAPE.ctx_row_width, generator=gen, device=dev, dtype=dtype)
+        positions = [list(range(p, p + c)) for p, c in zip(pos, counts)]
+        pos = [p + c for p, c in zip(pos, counts)]
+        out.append(commit(prop, states, rows, positions, pos))
+        for s in states:
+            prop.after_verify(s, 0)
+    runner = prop.graph_runner
+    assert runner is not None and runner.disabled is None and runner.replays >= len(STEPS)
+    accs = [s.acc[: s.ctx_len].clone() for s in states]
+    for s in states:
+        prop.free_state(s)
+    assert prop.pool.num_free == prop.pool.num_pages
+    return out, accs
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_batch_commit_on_the_gpu_equals_single_commits(dtype: torch.dtype) -> None:
     """``commit_ctx_batch`` (one accumulator-kernel launch) leaves the accumulators and the
     drafts of one ``commit_ctx`` per sequence, with the graph path on."""
-    shape = bd_pair.Shape("gpu-test", 6, 256, 8, 2, 32, 512, 4096, 2, (1, 4), 8, 4095)
-    dev = torch.device("cuda")
-    target = bd_pair.random_target(shape, dev, dtype)
-    drafter = bd_pair.random_drafter(shape, dev, dtype)
-    gen = torch.Generator(device=dev).manual_seed(9)
-    firsts = [40, 7, 130, 64]
-    steps = [[3, 1, 8, 2], [1, 1, 1, 1], [2, 0, 5, 8]]
-    batches = [torch.randn(sum(c), shape.ctx_row_width, generator=gen, device=dev, dtype=dtype)
-               for c in [firsts] + steps]
-    runs = []
-    for batched in (False, True):
-        prop = DFlashProposer(drafter, target, max_seq_len=1024, num_pages=400,
-                              page_size=16, max_batch=4, graphs="capture")
-        assert prop.backend == "triton"
-        states = [prop.alloc_state_for(300) for _ in firsts]
-        pos = [0] * len(firsts)
-        out = []
-        for counts, rows in zip([firsts] + steps, batches):
-            positions = [list(range(p, p + c)) for p, c in zip(pos, counts)]
-            if batched:
-                prop.commit_ctx_batch(states, rows, positions)
-            else:
-                offset = 0
-                for s, p in zip(states, positions):
-                    if p:
-                        prop.commit_ctx(s, rows[offset : offset + len(p)], p)
-                    offset += len(p)
-            pos = [p + c for p, c in zip(pos, counts)]
-            out.append(prop.propose_batch(states, [5, 6, 7, 8], pos, shape.block_size - 1))
-            for s in states:
-                prop.after_verify(s, 0)
-        runs.append((out, [s.acc[: s.ctx_len].clone() for s in states]))
-        for s in states:
-            prop.free_state(s)
-        assert prop.pool.num_free == prop.pool.num_pages
-    assert runs[0][0] == runs[1][0]
-    assert all(torch.equal(a, b) for a, b in zip(runs[0][1], runs[1][1]))
+    single, batch = _commit_rounds(dtype, _single), _commit_rounds(dtype, _batch)
+    assert single[0] == batch[0]
+    assert all(torch.equal(a, b) for a, b in zip(single[1], batch[1]))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -109,41 +142,6 @@ def test_committing_on_the_gpu_equals_a_commit_then_a_proposal(dtype: torch.dtyp
     """``committing`` with the proposal inside its block (the captured graph gathers the new
     rows from the committed rows by address; the accumulator kernel runs after the replay)
     gives the drafts and the accumulators of ``commit_ctx_batch`` followed by the proposal."""
-    shape = bd_pair.Shape("gpu-test", 6, 256, 8, 2, 32, 512, 4096, 2, (1, 4), 8, 4095)
-    dev = torch.device("cuda")
-    target = bd_pair.random_target(shape, dev, dtype)
-    drafter = bd_pair.random_drafter(shape, dev, dtype)
-    gen = torch.Generator(device=dev).manual_seed(11)
-    firsts = [40, 7, 130, 64]
-    steps = [[3, 1, 8, 2], [1, 1, 1, 1], [2, 0, 5, 8], [8, 8, 8, 8]]
-    batches = [torch.randn(sum(c), shape.ctx_row_width, generator=gen, device=dev, dtype=dtype)
-               for c in [firsts] + steps]
-    runs = []
-    for deferred in (False, True):
-        prop = DFlashProposer(drafter, target, max_seq_len=1024, num_pages=400,
-                              page_size=16, max_batch=4, graphs="capture")
-        assert prop.backend == "triton"
-        states = [prop.alloc_state_for(300) for _ in firsts]
-        pos = [0] * len(firsts)
-        out = []
-        for counts, rows in zip([firsts] + steps, batches):
-            positions = [list(range(p, p + c)) for p, c in zip(pos, counts)]
-            pos = [p + c for p, c in zip(pos, counts)]
-            if deferred:
-                with prop.committing(states, rows, positions):
-                    got = prop.propose_on_device(states, [5, 6, 7, 8], pos, shape.block_size - 1)
-            else:
-                prop.commit_ctx_batch(states, rows, positions)
-                got = prop.propose_on_device(states, [5, 6, 7, 8], pos, shape.block_size - 1)
-            assert got is not None
-            out.append(got.tolist())
-            for s in states:
-                prop.after_verify(s, 0)
-        runner = prop.graph_runner
-        assert runner is not None and runner.disabled is None and runner.replays >= len(steps)
-        runs.append((out, [s.acc[: s.ctx_len].clone() for s in states]))
-        for s in states:
-            prop.free_state(s)
-        assert prop.pool.num_free == prop.pool.num_pages
-    assert runs[0][0] == runs[1][0]
-    assert all(torch.equal(a, b) for a, b in zip(runs[0][1], runs[1][1]))
+    batch, deferred = _commit_rounds(dtype, _batch), _commit_rounds(dtype, _committing)
+    assert batch[0] == deferred[0]
+    assert all(torch.equal(a, b) for a, b in zip(batch[1], deferred[1]))
