@@ -125,7 +125,8 @@ class ContextWriter:
             addrs = [states[e[0]].acc_address for e in entries]
             # Allocated before the first write: a failure here leaves every state as it was.
             table = ops.append_table(addrs, batch.row_map(), new_rows.device)
-        return _Write(ops, [states[e[0]] for e in entries], entries, accs, new_rows, moves, table)
+        return _Write(ops, [states[e[0]] for e in entries], entries, accs, new_rows, moves, table,
+                      uncut=batch.n_rows == batch.kept)
 
 
 class _Write:
@@ -134,7 +135,7 @@ class _Write:
 
     def __init__(self, ops: KernelOps, states: list[DFlashState], entries: list[tuple[int, int, int, int]],
                  accs: list[Tensor], new_rows: Tensor, moves: list[tuple[Tensor, int, Tensor]],
-                 table: Tensor | None) -> None:
+                 table: Tensor | None, uncut: bool) -> None:
         self.ops = ops
         self.states = states  # per entry
         self.entries = entries
@@ -142,6 +143,7 @@ class _Write:
         self.new_rows = new_rows
         self.moves = moves
         self.table = table
+        self.uncut = uncut  # every row is kept: the entries' rows lie back to back, in order
         self.done = False
         self.deferred = False
         self._sources: list[Tensor] | None = None
@@ -169,9 +171,13 @@ class _Write:
         """Per entry its rows of ``new_rows`` (views, made once)."""
         if self._sources is None:
             new_rows = self.new_rows
-            whole = new_rows.shape[0]
-            self._sources = [new_rows if count == whole else new_rows[src : src + count]
-                             for _, src, _, count in self.entries]
+            if self.uncut and len(self.entries) > 1:
+                # One call for all the views (a third of the time of a slice each).
+                self._sources = list(new_rows.split_with_sizes([e[3] for e in self.entries]))
+            else:
+                whole = new_rows.shape[0]
+                self._sources = [new_rows if count == whole else new_rows[src : src + count]
+                                 for _, src, _, count in self.entries]
         return self._sources
 
     def defer(self) -> None:
