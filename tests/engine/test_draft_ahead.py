@@ -21,6 +21,7 @@ from blockdraft.levers import ENV_BATCH_PROPOSE, ENV_DEVICE_DRAFTS, ENV_DRAFT_AH
 from blockdraft.proposer import DFlashProposer, Drafts
 
 from support.arrivals import LONG, arrivals, expected
+from support.tinypair import tiny_dflash2, tiny_target
 
 TARGET, DRAFTER, _TOKENIZER = blockdraft.pretrained.builtin_pair(device="cpu", dtype=torch.float32)
 # Held-out prompts the trained pair drafts well for, cut to ragged lengths.
@@ -148,3 +149,31 @@ def test_drafts_ahead_of_requests_that_all_ended_are_not_used() -> None:
     assert drafts_for(admitted, ahead, propose) is fresh  # type: ignore[arg-type]
     assert asked == [admitted]
     assert ahead.drafts.pending is ahead_pending  # not copied: nothing of it is read
+
+
+def test_a_dflash2_drafter_drafts_ahead_as_it_drafts_at_each_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    """DFlash2 (its graph path's fused selector) with the drafts launched ahead: requests
+    admitted between steps and one cancelled, against drafting at each step's start and
+    against target-only decoding."""
+    target, drafter = tiny_target(), tiny_dflash2()
+    prompts = [[(7 * i + 3 * j) % 50 + 1 for j in range(5 + 3 * i)] for i in range(4)]
+
+    def run(ahead: str, speculate: bool = True) -> list[tuple[list[int], list[int]]]:
+        monkeypatch.setenv(ENV_DRAFT_AHEAD, ahead)
+        with SpeculativeEngine(target, drafter, runtime="blockdraft", max_seq_len=128, max_active=4,
+                               graphs="static", draft_length=3, speculate=speculate) as eng:
+            assert eng.draft_ahead == (speculate and ahead == "on")
+            ids = [eng.submit(p, max_new_tokens=20) for p in prompts[:2]]
+            eng.step()
+            eng.step()
+            ids += [eng.submit(p, max_new_tokens=12) for p in prompts[2:]]
+            eng.step()
+            eng.cancel(ids[1])
+            list(eng.stream())
+            assert eng.pages_used() == {"target": 0, "drafter": 0}
+            return [(list(eng.request(i).out), list(eng.request(i).steps)) for i in ids]
+
+    ahead, behind, alone = run("on"), run("off"), run("on", speculate=False)
+    assert ahead == behind
+    for i in (0, 2, 3):  # the requests that ran to their end
+        assert ahead[i][0] == alone[i][0]
