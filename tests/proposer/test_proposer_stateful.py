@@ -99,10 +99,11 @@ class ProposerMachine(RuleBasedStateMachine):
         score.operations += 1
         score.invariant_checks += 2
 
-    @rule(data=st.data(), k=st.integers(1, 3))
-    def commit_batch(self, data: st.DataObject, k: int) -> None:
-        """``commit_ctx_batch`` over distinct live states (0..6 rows each): each state ends as
-        one ``commit_ctx`` of its rows would leave it."""
+    @rule(data=st.data(), k=st.integers(1, 3), how=st.sampled_from(["now", "deferred", "deferred+propose"]))
+    def commit_batch(self, data: st.DataObject, k: int, how: str) -> None:
+        """``commit_ctx_batch`` over distinct live states (0..6 rows each), or ``committing``
+        with nothing or a proposal of those states inside its block: each state ends as one
+        ``commit_ctx`` of its rows would leave it."""
         pool = [s for s in self.states if not s.freed]
         picks = list({id(s): s for s in (data.draw(st.sampled_from(pool)) for _ in range(k))}
                      .values()) if pool else []
@@ -117,7 +118,16 @@ class ProposerMachine(RuleBasedStateMachine):
             appended = s.ctx_positions + positions[-1]
             expect.append((appended, rows[offset : offset + n][-min(n, s.window):] if n else None))
             offset += n
-        self.prop.commit_ctx_batch(picks, rows, positions)
+        if how == "now":
+            self.prop.commit_ctx_batch(picks, rows, positions)
+        else:
+            with self.prop.committing(picks, rows, positions):
+                ready = [s for s in picks if s.ctx_len > 0]
+                if how == "deferred+propose" and ready:
+                    # May decline (a full pool): the block still writes the rows.
+                    self.prop.propose_on_device(ready, [1] * len(ready),
+                                                [self.next_pos[id(s)] + len(p) for s, p in zip(picks, positions)
+                                                 if s.ctx_len > 0], 1)
         for s, n, (appended, data_rows) in zip(picks, counts, expect):
             self.next_pos[id(s)] += n
             assert s.ctx_positions == appended[len(appended) - s.ctx_len :]
