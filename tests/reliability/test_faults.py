@@ -261,6 +261,22 @@ def test_batch_commit_with_a_slide_every_site(drafter: Any, target: Any) -> None
     sweep(lambda: _slid_world(drafter, target, False), act)
 
 
+@pytest.mark.parametrize("slides", [False, True], ids=["deferred", "sliding"])
+def test_committing_every_site(drafter: Any, target: Any, slides: bool) -> None:
+    """``committing`` with its writes deferred to the end of the block, and with a state that
+    slides (written at once): a fault leaves every state as it was (the core records nothing
+    before every allocation is made), and the next call commits exactly."""
+
+    def act(w: World) -> Any:
+        last = [5, 6, 7] if slides else [5]
+        with w.prop.committing(w.states, rows(2 + len(last), 10), [[w.positions[0]], [w.positions[1]], last]):
+            pass
+        return [(tuple(s.ctx_positions), s.acc.tolist() if s.acc is not None else None)
+                for s in w.states]
+
+    sweep(lambda: _slid_world(drafter, target, False), act)
+
+
 def test_batch_commit_with_two_slides_every_site(drafter: Any, target: Any) -> None:
     """``commit_ctx_batch`` where two states slide: an allocation failing at the second
     slide's copy must not leave the first state's accumulator slid (the core would still
