@@ -58,10 +58,21 @@ def _propose(prop: DFlashProposer, states: list[DFlashState], pos: list[int]) ->
     return out
 
 
+def _laid_out(rows: torch.Tensor, layout: str) -> torch.Tensor:
+    """``rows`` as they are, or as a column band of a wider buffer (rows apart in memory: a
+    request's one row is still read by address, several are not)."""
+    if layout == "packed":
+        return rows
+    wide = torch.zeros(rows.shape[0], 3 * K_H)
+    wide[:, K_H : 2 * K_H] = rows
+    return wide[:, K_H : 2 * K_H]
+
+
+@pytest.mark.parametrize("layout", ["packed", "strided"])
 @pytest.mark.parametrize("graphs", ["static", "off"])
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_drafts_and_state_equal_a_commit_then_a_proposal(
-    drafter: Any, target: Any, backend: str, graphs: str
+    drafter: Any, target: Any, backend: str, graphs: str, layout: str
 ) -> None:
     now, later = _proposers(drafter, target, backend, graphs)
     gen = torch.Generator().manual_seed(5)
@@ -69,11 +80,12 @@ def test_drafts_and_state_equal_a_commit_then_a_proposal(
     # per round: rows per state, and what the round does besides committing
     # After the skipped proposal every plan stages two commits' rows, within a graph's B.
     rounds = [([7, 3, 4], "draft"), ([1, 2, 3], "draft"), ([1, 1, 1], "skip"), ([1, 2, 1], "draft"),
+              ([1, 1, 1], "draft"),
               ([1, 1, 4], "draft"), ([2, 3, 1], "raise"), ([4, 1, 2], "draft"), ([1, 2, 1], "draft")]
     slid = False
     for counts, what in rounds:
         positions = [list(range(p, p + c)) for p, c in zip(pos, counts)]
-        rows = torch.randn(sum(counts), K_H, generator=gen)
+        rows = _laid_out(torch.randn(sum(counts), K_H, generator=gen), layout)
         pos = [p + c for p, c in zip(pos, counts)]
         committed = later[1][2].ctx_committed
         now[0].commit_ctx_batch(now[1], rows, positions)

@@ -90,15 +90,13 @@ class ContextWriter:
         if batch.slides:
             self.write(states, batch, hidden_rows)
             return Deferred(None)
-        # Rows read by address (the graph path's gather) must lie as the accumulators' do.
-        write = self._prepare(states, batch, hidden_rows, contiguous=True)
+        write = self._prepare(states, batch, hidden_rows)
         batch.apply()
         if write is not None:
             write.defer()
         return Deferred(write)
 
-    def _prepare(self, states: Sequence[DFlashState], batch: AppendBatch, hidden_rows: Tensor,
-                 contiguous: bool = False) -> _Write | None:
+    def _prepare(self, states: Sequence[DFlashState], batch: AppendBatch, hidden_rows: Tensor) -> _Write | None:
         """The batch's writes with every allocation made, nothing written (``None``: no
         rows)."""
         if faults.active():
@@ -108,8 +106,6 @@ class ContextWriter:
             return None
         accs: list[Tensor] = [states[e[0]].acc for e in entries]  # type: ignore[misc]
         new_rows = _detached(hidden_rows, accs[0])
-        if contiguous:
-            new_rows = new_rows.contiguous()
         slides = batch.slides
         moves = _prepare_slides(slides, accs) if slides else []
         # One kernel launch takes many sequences' rows as they are when no state's rows were
@@ -119,30 +115,36 @@ class ContextWriter:
         n = len(entries)
         ops = self.ops
         table: Tensor | None = None
+        packed: Tensor | None = None
         if (ops.acc_append is not None and ops.append_table is not None and 1 < n
                 and batch.n_rows == batch.kept <= self.block_size * n):
-            new_rows = new_rows.contiguous()
+            # The kernel reads the rows back to back: packed when they are not (a step's first
+            # rows of each block are a strided view), by a copy the write makes.
+            packed = new_rows if new_rows.is_contiguous() else torch.empty_like(
+                new_rows, memory_format=torch.contiguous_format)
             addrs = [states[e[0]].acc_address for e in entries]
             # Allocated before the first write: a failure here leaves every state as it was.
             table = ops.append_table(addrs, batch.row_map(), new_rows.device)
-        return _Write(ops, [states[e[0]] for e in entries], entries, accs, new_rows, moves, table,
+        return _Write(ops, [states[e[0]] for e in entries], entries, accs, new_rows, moves,
+                      (table, packed) if table is not None and packed is not None else None,
                       uncut=batch.n_rows == batch.kept)
 
 
 class _Write:
     """One ``AppendBatch``'s writes, every allocation made: the slides' kept rows, then the
-    new rows (one kernel launch with ``table``, else a copy per state)."""
+    new rows (one kernel launch with ``kernel``, its table and the rows packed, else a copy
+    per state)."""
 
     def __init__(self, ops: KernelOps, states: list[DFlashState], entries: list[tuple[int, int, int, int]],
                  accs: list[Tensor], new_rows: Tensor, moves: list[tuple[Tensor, int, Tensor]],
-                 table: Tensor | None, uncut: bool) -> None:
+                 kernel: tuple[Tensor, Tensor] | None, uncut: bool) -> None:
         self.ops = ops
         self.states = states  # per entry
         self.entries = entries
         self.accs = accs  # held until written: the kernel writes them by address
         self.new_rows = new_rows
         self.moves = moves
-        self.table = table
+        self.kernel = kernel
         self.uncut = uncut  # every row is kept: the entries' rows lie back to back, in order
         self.done = False
         self.deferred = False
@@ -155,9 +157,12 @@ class _Write:
         self.done = True
         for acc, keep, kept in self.moves:
             acc[:keep] = kept
-        if self.table is not None:
+        if self.kernel is not None:
             assert self.ops.acc_append is not None
-            self.ops.acc_append(self.new_rows, self.table)
+            table, packed = self.kernel
+            if packed is not self.new_rows:
+                packed.copy_(self.new_rows)
+            self.ops.acc_append(packed, table)
             if self.deferred:
                 for st in self.states:
                     st.written()
@@ -183,11 +188,15 @@ class _Write:
     def defer(self) -> None:
         """Each state reads its new rows from the rows themselves until :meth:`run`."""
         self.deferred = True
-        new_rows = self.new_rows
-        row_bytes = new_rows.stride(0) * new_rows.element_size()
-        address = new_rows.data_ptr()
-        for st, view, (_, src, dst, count) in zip(self.states, self.sources(), self.entries):
-            st.defer(self.run, dst, dst + count, view, address + (src - dst) * row_bytes)
+        acc = self.accs[0]
+        stride = acc.stride(0)
+        row_bytes = stride * acc.element_size()
+        for st, view, (_, _, dst, count) in zip(self.states, self.sources(), self.entries):
+            # Read by address (the graph path's gather) where the rows lie as the
+            # accumulator's do: row r of the state at base + r * its row bytes.
+            by_address = view.stride(-1) == 1 and (count == 1 or view.stride(0) == stride)
+            st.defer(self.run, dst, dst + count, view,
+                     view.data_ptr() - dst * row_bytes if by_address else None)
 
 
 class Deferred:

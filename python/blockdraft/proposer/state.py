@@ -36,8 +36,9 @@ class DFlashState:
         # (first row, end row, view, source base) of the last commit: the rows a proposal
         # usually stages next (a different plan range means it does not apply). The view is of
         # `acc`, or of the committed rows themselves while their write is pending; the base
-        # is the address row r of that view's memory would have (`acc_address` for `acc`).
-        self._fresh: tuple[int, int, Tensor, int] | None = None
+        # is the address row r of that view's memory would have (`acc_address` for `acc`;
+        # None: the rows cannot be read by address).
+        self._fresh: tuple[int, int, Tensor, int | None] | None = None
         # Writes the accumulator rows of a commit still pending (see `defer`), or None.
         self._pending: Callable[[], None] | None = None
         # (core version, device table): the last table made by `page_table_dev`.
@@ -58,15 +59,16 @@ class DFlashState:
         """The address from which the rows ``[start, end)`` are read by address (row ``r`` at
         ``base + r * row bytes``): where :meth:`rows` would read them."""
         fresh = self._fresh
-        if fresh is not None and fresh[0] == start and fresh[1] == end:
+        if fresh is not None and fresh[0] == start and fresh[1] == end and fresh[3] is not None:
             return fresh[3]
         self.flush()
         return self.acc_address
 
-    def defer(self, write: Callable[[], None], start: int, end: int, view: Tensor, base: int) -> None:
+    def defer(self, write: Callable[[], None], start: int, end: int, view: Tensor, base: int | None) -> None:
         """The rows ``[start, end)`` are committed but not yet in ``acc``: until ``write()``
-        has run they are read from ``view`` (at source base ``base``), and a read of any other
-        range runs ``write()`` first (:meth:`flush`)."""
+        has run they are read from ``view`` (by address from source base ``base``; ``None``:
+        not by address), and a read of any other range runs ``write()`` first
+        (:meth:`flush`)."""
         self._fresh = (start, end, view, base)
         self._pending = write
 
