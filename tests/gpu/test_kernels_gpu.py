@@ -83,10 +83,11 @@ def test_attention_gpu_page_ids_and_offsets_beyond_2_pow_31() -> None:
     assert_close(got, want, "attention output")
 
 
+@pytest.mark.parametrize("strided", [False, True])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_acc_gpu(dtype: torch.dtype) -> None:
+def test_acc_gpu(dtype: torch.dtype, strided: bool) -> None:
     rows.case_acc(GPU, dtype, windows=[10, 5, 40, 2000], counts=[3, 0, 7, 999],
-                  starts=[2, 5, 30, 1], cols=5 * 512 + 3)
+                  starts=[2, 5, 30, 1], cols=5 * 512 + 3, strided=strided)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

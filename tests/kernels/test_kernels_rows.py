@@ -14,9 +14,11 @@ CPU = torch.device("cpu")
 
 
 def case_acc(device: torch.device, dtype: torch.dtype, windows: list[int], counts: list[int],
-             starts: list[int], cols: int, seed: int = 0) -> None:
+             starts: list[int], cols: int, seed: int = 0, strided: bool = False) -> None:
     """The batched append (accumulators by address) against the reference; accumulators must
-    be bit-identical (plain copies), rows outside the appended ones untouched."""
+    be bit-identical (plain copies), rows outside the appended ones untouched. ``strided``:
+    the rows given are every other row of a column band of a wider buffer whose other cells
+    are NaN (a read from the wrong place shows)."""
     need_triton(device)
     gen = torch.Generator().manual_seed(seed)
     init = [torch.randn(w, cols, generator=gen).to(dtype).to(device) for w in windows]
@@ -28,7 +30,12 @@ def case_acc(device: torch.device, dtype: torch.dtype, windows: list[int], count
     assert ops.acc_append is not None and ops.append_table is not None
     row_map = [i for i, c in enumerate(counts) for _ in range(c)]
     row_map += [s + j for s, c in zip(starts, counts) for j in range(c)]
-    ops.acc_append(rows, ops.append_table([a.data_ptr() for a in got], row_map, device))
+    given = rows
+    if strided:
+        wide = torch.full((2 * len(rows), cols + 3), float("nan"), dtype=dtype, device=device)
+        wide[::2, 1 : cols + 1] = rows
+        given = wide[::2, 1 : cols + 1]
+    ops.acc_append(given, ops.append_table([a.data_ptr() for a in got], row_map, device))
     for i in range(len(windows)):
         assert torch.equal(got[i], want[i]), f"append: accs[{i}]"
 
@@ -38,6 +45,12 @@ def test_acc_append(dtype: torch.dtype) -> None:
     # seq 1: nothing appended; seq 3: 63 rows crossing several column tiles
     case_acc(CPU, dtype, windows=[10, 5, 40, 64], counts=[3, 0, 7, 63], starts=[2, 5, 30, 1],
              cols=1037)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_acc_append_strided_rows(dtype: torch.dtype) -> None:
+    case_acc(CPU, dtype, windows=[10, 5, 40, 64], counts=[3, 0, 7, 63], starts=[2, 5, 30, 1],
+             cols=1037, strided=True)
 
 
 def test_acc_single_row_sequences() -> None:

@@ -122,7 +122,8 @@ class KernelOps:
     linear_silu_mul: Callable[..., torch.Tensor]
     linear_argmax: Callable[..., torch.Tensor]
     acc_append: Callable[[torch.Tensor, torch.Tensor], None] | None = None
-    """Triton: ``acc_append(rows [R, C], table)`` with ``table`` from :attr:`append_table`."""
+    """Triton: ``acc_append(rows [R, C], table)`` with ``table`` from :attr:`append_table`
+    (columns contiguous, rows any stride apart)."""
     append_table: Callable[..., torch.Tensor] | None = None
     stage_gather: Callable[..., None] | None = None
 

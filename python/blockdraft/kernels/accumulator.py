@@ -19,13 +19,14 @@ import triton.language as tl
 _APPEND_BLOCK_C = 1024
 
 
-@triton.jit(do_not_specialize=["num_rows"])
+@triton.jit(do_not_specialize=["num_rows", "row_stride"])
 def acc_append_kernel(
-    rows_ptr,  # [R, C] contiguous
+    rows_ptr,  # [R, C], rows row_stride elements apart, columns contiguous
     meta_ptr,  # [2, R] int64: accumulator index of each row, destination row in it
     table_ptr,  # [n] int64: base address of each accumulator [W_i, C] contiguous
     num_rows,
     num_cols,
+    row_stride,
     BLOCK_C: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
@@ -35,7 +36,7 @@ def acc_append_kernel(
     base = tl.load(table_ptr + acc_idx).to(tl.pointer_type(rows_ptr.dtype.element_ty))
     cols = cblk * BLOCK_C + tl.arange(0, BLOCK_C).to(tl.int64)
     mask = cols < num_cols
-    x = tl.load(rows_ptr + row * num_cols + cols, mask=mask)
+    x = tl.load(rows_ptr + row * row_stride + cols, mask=mask)
     tl.store(base + dst_row * num_cols + cols, x, mask=mask)
 
 
@@ -92,14 +93,16 @@ def append_table(addrs: Sequence[int], row_map: Sequence[int], device: torch.dev
 
 
 def acc_append(rows: torch.Tensor, table: torch.Tensor) -> None:
-    """Rows ``[R, C]`` (contiguous) into the accumulators given by their device addresses in
-    ``table`` (:func:`append_table`), one launch: the contract of ``reference.acc_append``
-    with the destinations as addresses. Nothing is checked (the checks would cost µs per
-    accumulator): the caller's accumulators meet the contract by construction (the
-    proposer's own, contiguous ``[W, C]`` in the rows' dtype on their device)."""
+    """Rows ``[R, C]`` (columns contiguous, rows any stride apart: a step's first row of each
+    block is a strided view of the verify's rows) into the accumulators given by their device
+    addresses in ``table`` (:func:`append_table`), one launch: the contract of
+    ``reference.acc_append`` with the destinations as addresses. Nothing is checked (the
+    checks would cost µs per accumulator): the caller's accumulators meet the contract by
+    construction (the proposer's own, contiguous ``[W, C]`` in the rows' dtype on their
+    device)."""
     num_rows, num_cols = rows.shape
     if num_rows == 0 or num_cols == 0:
         return
     grid = (num_rows, triton.cdiv(num_cols, _APPEND_BLOCK_C))
-    acc_append_kernel[grid](rows, table, table[2 * num_rows :], num_rows, num_cols,
+    acc_append_kernel[grid](rows, table, table[2 * num_rows :], num_rows, num_cols, rows.stride(0),
                             BLOCK_C=_APPEND_BLOCK_C, num_warps=4)

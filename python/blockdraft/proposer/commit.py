@@ -115,36 +115,33 @@ class ContextWriter:
         n = len(entries)
         ops = self.ops
         table: Tensor | None = None
-        packed: Tensor | None = None
         if (ops.acc_append is not None and ops.append_table is not None and 1 < n
                 and batch.n_rows == batch.kept <= self.block_size * n):
-            # The kernel reads the rows back to back: packed when they are not (a step's first
-            # rows of each block are a strided view), by a copy the write makes.
-            packed = new_rows if new_rows.is_contiguous() else torch.empty_like(
-                new_rows, memory_format=torch.contiguous_format)
+            # The kernel reads rows any stride apart (a step's first row of each block is a
+            # strided view of the verify's rows) but each row's columns contiguous.
+            if new_rows.stride(-1) != 1:
+                new_rows = new_rows.contiguous()
             addrs = [states[e[0]].acc_address for e in entries]
             # Allocated before the first write: a failure here leaves every state as it was.
             table = ops.append_table(addrs, batch.row_map(), new_rows.device)
-        return _Write(ops, [states[e[0]] for e in entries], entries, accs, new_rows, moves,
-                      (table, packed) if table is not None and packed is not None else None,
+        return _Write(ops, [states[e[0]] for e in entries], entries, accs, new_rows, moves, table,
                       uncut=batch.n_rows == batch.kept)
 
 
 class _Write:
     """One ``AppendBatch``'s writes, every allocation made: the slides' kept rows, then the
-    new rows (one kernel launch with ``kernel``, its table and the rows packed, else a copy
-    per state)."""
+    new rows (one kernel launch with ``table``, else a copy per state)."""
 
     def __init__(self, ops: KernelOps, states: list[DFlashState], entries: list[tuple[int, int, int, int]],
                  accs: list[Tensor], new_rows: Tensor, moves: list[tuple[Tensor, int, Tensor]],
-                 kernel: tuple[Tensor, Tensor] | None, uncut: bool) -> None:
+                 table: Tensor | None, uncut: bool) -> None:
         self.ops = ops
         self.states = states  # per entry
         self.entries = entries
         self.accs = accs  # held until written: the kernel writes them by address
         self.new_rows = new_rows
         self.moves = moves
-        self.kernel = kernel
+        self.table = table
         self.uncut = uncut  # every row is kept: the entries' rows lie back to back, in order
         self.done = False
         self.deferred = False
@@ -157,12 +154,9 @@ class _Write:
         self.done = True
         for acc, keep, kept in self.moves:
             acc[:keep] = kept
-        if self.kernel is not None:
+        if self.table is not None:
             assert self.ops.acc_append is not None
-            table, packed = self.kernel
-            if packed is not self.new_rows:
-                packed.copy_(self.new_rows)
-            self.ops.acc_append(packed, table)
+            self.ops.acc_append(self.new_rows, self.table)
             if self.deferred:
                 for st in self.states:
                     st.written()
