@@ -1,13 +1,16 @@
 """A request's new tokens: :meth:`Request.push` keeps them up to the first stop token or the
 length limit (against a plain token-by-token reference), as :meth:`Request.ends` says without
-pushing."""
+pushing; the event a step reports for it is a frozen value."""
 
 from __future__ import annotations
 
+import dataclasses
+
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from blockdraft.engine import Request
+from blockdraft.engine import Request, StepEvent
 from blockdraft.sampling import SamplingParams
 
 
@@ -41,3 +44,17 @@ def test_ends_is_what_push_does(max_new: int, done: int, tokens: list[int], stop
     assert r.out == want
     assert r.finish_reason == reason == want_reason
     assert r.out_logprobs == logprobs[:kept]
+
+
+def test_step_event_is_a_frozen_value() -> None:
+    """Events compare, hash, print and copy by their fields, and cannot be changed."""
+    ev = StepEvent(3, (1, 2), "stop")
+    assert ev == StepEvent(3, (1, 2), finish_reason="stop") and ev != StepEvent(3, (1, 2))
+    assert hash(ev) == hash(StepEvent(3, (1, 2), "stop")) and ev.finished
+    assert (ev.request_id, ev.tokens, ev.finish_reason, ev.error, ev.logprobs) == (3, (1, 2), "stop", None, ())
+    assert dataclasses.replace(ev, tokens=(4,)) == StepEvent(3, (4,), "stop")
+    assert dataclasses.asdict(ev)["tokens"] == (1, 2)
+    assert repr(ev) == "StepEvent(request_id=3, tokens=(1, 2), finish_reason='stop', error=None, logprobs=())"
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        ev.tokens = ()  # type: ignore[misc]
+    assert not StepEvent(1, ()).finished
