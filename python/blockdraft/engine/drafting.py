@@ -130,6 +130,11 @@ class StepDrafts:
         left on the device for :meth:`for_step`."""
         self._ahead = Ahead(reqs, self.propose(reqs, on_device=True))
 
+    def drop_ahead(self) -> None:
+        """Forget the drafts launched ahead, so the next step proposes afresh: for a caller
+        about to replay the proposer's graphs itself, whose outputs those drafts may view."""
+        self._ahead = None
+
     def propose(self, reqs: list[Request], on_device: bool | None = None) -> Drafts:
         """Drafts for ``reqs`` as the policy chooses; ``on_device``: the caller has checked
         the requests (:func:`plain_argmax`), else they are checked here."""

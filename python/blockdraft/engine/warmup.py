@@ -163,6 +163,9 @@ def _run_batch(engine: SpeculativeEngine, n: int, *, sampling: SamplingParams | 
             size = runner.bucket_for(n)
             bucket = runner.bucket(size) if size is not None else None
             if size is not None and bucket is not None:
+                # These launches write the graphs' outputs, which the drafts the step
+                # launched ahead may view: the next step drafts afresh.
+                engine.drafts.drop_ahead()
                 with torch.inference_mode():
                     for cap in runner.stage_caps(size):
                         # The bucket's metadata is the last call's, of live sequences: the
