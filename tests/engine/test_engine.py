@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import gc
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -433,3 +435,30 @@ def test_sample_rows_draws_one_index_per_row_from_the_generators_stream() -> Non
     one_hot = torch.zeros(3, 11)
     one_hot[torch.arange(3), torch.tensor([4, 0, 10])] = 1.0
     assert sample_rows(one_hot, None).tolist() == [4, 0, 10]
+
+
+@pytest.mark.parametrize("runtime", ["blockdraft", "hf"])
+@pytest.mark.parametrize("close", [True, False])
+def test_a_dropped_engine_is_freed_without_a_collection(target: Any, drafter: Any, runtime: str,
+                                                        close: bool) -> None:
+    """Engines built one after another (a benchmark's cells, a server's restarts) each hold
+    device memory (K/V pages, the drafter's pool, graphs): the last reference dropped frees it
+    at once, not at the next garbage collection, since nothing in an engine refers back to it."""
+    gc.collect()
+    gc.disable()
+    try:
+        eng = SpeculativeEngine(target, drafter, runtime=runtime, max_seq_len=128, max_active=2,
+                                graphs="static")
+        for prompt in ([1, 2, 3], [4, 5, 6, 7]):
+            eng.submit(prompt, max_new_tokens=12)
+        for _ in range(3):
+            eng.step()
+        refs = [weakref.ref(eng), weakref.ref(eng.proposer), weakref.ref(eng.drafts)]
+        if eng.runtime is not None:
+            refs.append(weakref.ref(eng.runtime))
+        if close:
+            eng.close()
+        del eng
+        assert [r() is None for r in refs] == [True] * len(refs)
+    finally:
+        gc.enable()

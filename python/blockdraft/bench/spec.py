@@ -90,6 +90,10 @@ def bench_spec(
             prompt = torch.randint(0, shape.vocab - 1, (ctx,), generator=gen).tolist()
             rids.append(engine.submit(prompt, max_new_tokens=new_tokens))
         engine.step()  # admission + prefill + the first step
+        waiting = [rid for rid in rids if engine.request(rid).target_seq is None]
+        if waiting:
+            raise RuntimeError(f"{len(waiting)} of the cell's {n} requests at {ctx} tokens were not "
+                               "admitted: the engine's page pools are too small for this cell")
         # Timed too: with a prompt as long as the cap, the window's one slide (and the
         # recompute of the rows it keeps) falls in these first steps, not in the timed ones.
         warm = []

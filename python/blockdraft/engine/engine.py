@@ -40,6 +40,7 @@ import logging
 import secrets
 import time
 from collections.abc import Callable, Iterator, Sequence
+from functools import partial
 from typing import Any
 
 import torch
@@ -205,7 +206,10 @@ class SpeculativeEngine:
         self.draft_ahead = self.device_drafts and read_draft_ahead()
         self.drafts = StepDrafts(self.proposer, self._lengths, sampled=self.sampled_drafts,
                                  device_drafts=self.device_drafts)
-        self._watch = CompileWatch(self.graph_captures)
+        # Counts from the proposer and the runtime, not through this engine: a bound method
+        # kept by its own attribute would make a reference cycle, and an engine dropped
+        # without a collection would hold its device memory (K/V pages, graphs) until one.
+        self._watch = CompileWatch(partial(graph_captures, self.proposer, self.runtime))
         self.warmup_report: _warmup.WarmupReport | None = None
 
     def warmup(self, *, max_prompt: int | None = None,
