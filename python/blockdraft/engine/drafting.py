@@ -132,7 +132,8 @@ class StepDrafts:
 
     def drop_ahead(self) -> None:
         """Forget the drafts launched ahead, so the next step proposes afresh: for a caller
-        about to replay the proposer's graphs itself, whose outputs those drafts may view."""
+        about to replay the proposer's graphs itself, whose outputs those drafts may view, or
+        closing the engine."""
         self._ahead = None
 
     def propose(self, reqs: list[Request], on_device: bool | None = None) -> Drafts:

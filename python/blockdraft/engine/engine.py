@@ -206,9 +206,8 @@ class SpeculativeEngine:
         self.draft_ahead = self.device_drafts and read_draft_ahead()
         self.drafts = StepDrafts(self.proposer, self._lengths, sampled=self.sampled_drafts,
                                  device_drafts=self.device_drafts)
-        # Counts from the proposer and the runtime, not through this engine: a bound method
-        # kept by its own attribute would make a reference cycle, and an engine dropped
-        # without a collection would hold its device memory (K/V pages, graphs) until one.
+        # Not a bound method of this engine: that reference cycle would keep a dropped engine's
+        # device memory (K/V pages, graphs) until a garbage collection.
         self._watch = CompileWatch(partial(graph_captures, self.proposer, self.runtime))
         self.warmup_report: _warmup.WarmupReport | None = None
 
@@ -280,6 +279,7 @@ class SpeculativeEngine:
         for r in list(self._requests.values()):
             if not r.status.ended:
                 self.cancel(r.id)
+        self.drafts.drop_ahead()  # views of the drafter's graph outputs, and ended requests
         self.target.close()
 
     def __enter__(self) -> SpeculativeEngine:
